@@ -1,0 +1,22 @@
+"""radixlm.sampling: the sampling-parameter and /generate request schema, validated."""
+
+from radixlm.sampling._version import __version__
+from radixlm.sampling.defaults import GENERATION_CONFIG_FIELDS, DefaultsMode, SamplingDefaults
+from radixlm.sampling.errors import FieldError, InvalidRequest
+from radixlm.sampling.logit_processor import CustomLogitProcessor
+from radixlm.sampling.params import CONSTRAINT_FIELDS, RepetitionDetection, SamplingParams
+from radixlm.sampling.request import GenerateRequest
+
+__all__ = [
+    "CONSTRAINT_FIELDS",
+    "GENERATION_CONFIG_FIELDS",
+    "CustomLogitProcessor",
+    "DefaultsMode",
+    "FieldError",
+    "GenerateRequest",
+    "InvalidRequest",
+    "RepetitionDetection",
+    "SamplingDefaults",
+    "SamplingParams",
+    "__version__",
+]
