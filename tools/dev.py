@@ -176,7 +176,7 @@ def cmd_build(names: list[str], out: Path) -> int:
 def cmd_isolate(names: list[str], keep: bool) -> int:
     """Install each package alone (from wheels built here) in a fresh venv; run its tests there."""
     sys.path.insert(0, str(ROOT / "tools"))
-    from isolation import isolate  # noqa: PLC0415 - a sibling script, imported on demand
+    from isolation import isolate
 
     wheels = ROOT / "dist" / "isolation-wheels"
     shutil.rmtree(wheels, ignore_errors=True)
@@ -187,7 +187,9 @@ def cmd_isolate(names: list[str], keep: bool) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     setup = sub.add_parser("setup")
     setup.add_argument("--force", action="store_true")

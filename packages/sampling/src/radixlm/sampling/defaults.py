@@ -52,7 +52,9 @@ class SamplingDefaults:
 
     def __post_init__(self) -> None:
         if self.mode not in ("model", "openai"):
-            raise ValueError(f"sampling defaults mode must be 'model' or 'openai'; got {self.mode!r}")
+            raise ValueError(
+                f"sampling defaults mode must be 'model' or 'openai'; got {self.mode!r}"
+            )
         unknown = set(self.values) - set(GENERATION_CONFIG_FIELDS.values())
         if unknown:
             raise ValueError(f"not sampling fields with model defaults: {sorted(unknown)}")

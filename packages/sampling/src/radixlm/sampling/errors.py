@@ -7,6 +7,13 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "bytes", "none", "dict", "list", "is-instance"}
+
+
+def _is_type_tag(part: object) -> bool:
+    """pydantic names union members in error locations (`list[int]`, `function-after[...]`)."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)
+
 
 @dataclass(frozen=True)
 class FieldError:
@@ -37,21 +44,21 @@ class InvalidRequest(ValueError):
         """Turn pydantic's error list into an InvalidRequest naming each field."""
         found: list[FieldError] = []
         for item in error.errors(include_url=False):
+            where = [prefix] if prefix else []
+            where += [str(p) for p in item["loc"] if not _is_type_tag(p)]
             original = item.get("ctx", {}).get("error")
             if isinstance(original, InvalidRequest):
-                # Our own cross-field checks know which field to blame.
-                found += [
-                    FieldError(".".join(p for p in (prefix, e.field) if p), e.message)
-                    for e in original.errors
+                # Our own checks know which field inside this location to blame.
+                problems = [(".".join([*where, e.field]), e.message) for e in original.errors]
+            elif item["type"] == "extra_forbidden":
+                problems = [
+                    (".".join(where), "unknown field; remove it (see the documented fields)")
                 ]
-                continue
-            parts = [prefix] if prefix else []
-            parts += [str(p) for p in item["loc"]]
-            message = str(item["msg"])
-            # Messages raised by our own validators arrive as "Value error, <text>".
-            message = message.removeprefix("Value error, ")
-            if item["type"] == "extra_forbidden":
-                message = "unknown field; remove it (check the spelling against the documented fields)"
-            found.append(FieldError(".".join(parts), message))
+            else:
+                # Messages raised by our own validators arrive as "Value error, <text>".
+                problems = [(".".join(where), str(item["msg"]).removeprefix("Value error, "))]
+            for field, message in problems:
+                if all(f.field != field for f in found):
+                    found.append(FieldError(field, message))
         first = found[0] if found else FieldError(prefix, "invalid value")
         return cls(first.field, first.message, found)

@@ -61,7 +61,9 @@ class CustomLogitProcessor(ABC):
             for part in qualname.split("."):
                 target = getattr(target, part)
         except (ImportError, AttributeError) as error:
-            raise ValueError(f"cannot load custom logit processor {module_name}:{qualname}: {error}") from None
+            raise ValueError(
+                f"cannot load custom logit processor {module_name}:{qualname}: {error}"
+            ) from None
         if not (isinstance(target, type) and issubclass(target, CustomLogitProcessor)):
             raise ValueError(f"{module_name}:{qualname} is not a CustomLogitProcessor subclass")
         return target

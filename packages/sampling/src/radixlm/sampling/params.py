@@ -154,7 +154,8 @@ class SamplingParams(BaseModel):
             if alias in data:
                 if name in data and data[name] != data[alias]:
                     raise InvalidRequest(
-                        alias, f"is an alias of {name}; give one of them, not both with different values"
+                        alias,
+                        f"is an alias of {name}; give one of them, not both with different values",
                     )
                 data[name] = data.pop(alias)
         return data
@@ -217,7 +218,9 @@ class SamplingParams(BaseModel):
             try:
                 re.compile(pattern)
             except re.error as error:
-                raise ValueError(f"{pattern!r} is not a valid regular expression: {error}") from None
+                raise ValueError(
+                    f"{pattern!r} is not a valid regular expression: {error}"
+                ) from None
         return value
 
     @field_validator("json_schema", "structural_tag", mode="after")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from radixlm.sampling.errors import InvalidRequest
 from radixlm.sampling.params import SamplingParams
@@ -66,11 +66,26 @@ class GenerateRequest(BaseModel):
         except ValidationError as error:
             raise InvalidRequest.from_validation_error(error) from None
 
+    @field_validator("sampling_params", mode="before")
+    @classmethod
+    def _parse_sampling_params(cls, value: Any) -> Any:
+        # Parse here so errors name `sampling_params.<field>` (or `sampling_params.<i>.<field>`).
+        if isinstance(value, Mapping):
+            return SamplingParams.parse(value)
+        if isinstance(value, list):
+            return [
+                SamplingParams.parse(v, field_prefix=str(i)) if isinstance(v, Mapping) else v
+                for i, v in enumerate(value)
+            ]
+        return value
+
     @model_validator(mode="after")
     def _shape(self) -> GenerateRequest:
         given = [n for n in ("text", "input_ids", "input_embeds") if getattr(self, n) is not None]
         if not given:
-            raise InvalidRequest("text", "give the prompt as one of text, input_ids or input_embeds")
+            raise InvalidRequest(
+                "text", "give the prompt as one of text, input_ids or input_embeds"
+            )
         if len(given) > 1:
             raise InvalidRequest(given[1], f"give only one of {', '.join(given)}")
         size = self.batch_size
