@@ -182,7 +182,7 @@ def cmd_isolate(names: list[str], keep: bool) -> int:
     shutil.rmtree(wheels, ignore_errors=True)
     if cmd_build([], wheels) != 0:
         return 1
-    failed = [n for n in names or list(PACKAGES) if not isolate(n, PACKAGES[n], wheels, keep)]
+    failed = [n for n in names or list(PACKAGES) if not isolate(n, PACKAGES, wheels, keep)]
     return 1 if failed else 0
 
 
