@@ -2,7 +2,7 @@
 
 from radixlm.sampling._version import __version__
 from radixlm.sampling.defaults import GENERATION_CONFIG_FIELDS, DefaultsMode, SamplingDefaults
-from radixlm.sampling.errors import FieldError, InvalidRequest
+from radixlm.sampling.errors import EngineOverloaded, FieldError, InvalidRequest
 from radixlm.sampling.logit_processor import CustomLogitProcessor
 from radixlm.sampling.params import CONSTRAINT_FIELDS, RepetitionDetection, SamplingParams
 from radixlm.sampling.request import GenerateRequest
@@ -12,6 +12,7 @@ __all__ = [
     "GENERATION_CONFIG_FIELDS",
     "CustomLogitProcessor",
     "DefaultsMode",
+    "EngineOverloaded",
     "FieldError",
     "GenerateRequest",
     "InvalidRequest",

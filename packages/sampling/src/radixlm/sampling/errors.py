@@ -62,3 +62,11 @@ class InvalidRequest(ValueError):
                     found.append(FieldError(field, message))
         first = found[0] if found else FieldError(prefix, "invalid value")
         return cls(first.field, first.message, found)
+
+
+class EngineOverloaded(RuntimeError):
+    """An engine refuses new work because its queue is full; servers answer 503.
+
+    Defined here, beside InvalidRequest, so that engines and servers share it without
+    depending on each other.
+    """

@@ -1,0 +1,84 @@
+"""EngineClient: what the server needs from an engine, as a structural Protocol.
+
+The server never imports an engine. Anything with these members can be served by
+`create_app(engine, config)`: radixlm's own `radixlm.runtime.Engine`, a remote-engine proxy, or a
+test double. The runtime satisfies it structurally (it does not import this module).
+
+Output chunks are plain dicts in SGLang's `/generate` response shape:
+
+    {
+      "index": 0,                        # which of the request's n sequences (0 when n == 1)
+      "text": "...",                     # cumulative decoded text of that sequence
+      "output_ids": [...],               # cumulative output token ids of that sequence
+      "meta_info": {
+        "id": "<rid>",
+        "prompt_tokens": int,
+        "completion_tokens": int,
+        "cached_tokens": int,            # prompt tokens served from the radix cache
+        "finish_reason": None | {"type": "stop" | "length" | "abort", "matched": int | str | None,
+                                  "message": str (abort only, optional)},
+        "e2e_latency": float,            # seconds since the request arrived
+        # present when the request asked for logprobs (SGLang's layout):
+        "input_token_logprobs": [[logprob | None, token_id, text | None], ...],
+        "output_token_logprobs": [[logprob, token_id, text | None], ...],
+        "input_top_logprobs": [[[logprob, token_id, text | None], ...] | None, ...],
+        "output_top_logprobs": [[[logprob, token_id, text | None], ...], ...],
+        "input_token_ids_logprobs" / "output_token_ids_logprobs": same layout as top logprobs,
+      },
+    }
+
+A sequence's last chunk has a non-null `finish_reason`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
+
+from radixlm.sampling import GenerateRequest
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The engine interface the HTTP server consumes.
+
+    All coroutine methods are called from the server's event loop and must not block it.
+    """
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        """Run one single (already split) request; yield its output chunks.
+
+        With `request.stream` true, yield a chunk whenever a sequence has new output (text and
+        output_ids cumulative); otherwise yield only each sequence's final chunk. For
+        `sampling_params.n > 1`, chunks of the n sequences interleave, told apart by `index`.
+        The iterator ends once every sequence has finished. Bad input raises
+        `radixlm.sampling.InvalidRequest` before the first chunk (grammar errors, a prompt longer
+        than the context, token ids outside the vocabulary); an overloaded engine raises
+        `radixlm.sampling.EngineOverloaded`. Closing the iterator early (`aclose()`, a cancelled task) aborts the
+        request in the engine and releases everything it held.
+        """
+        ...
+
+    async def abort(self, rid: str) -> bool:
+        """Abort a request by id; its stream ends with finish_reason `abort`. False if unknown."""
+        ...
+
+    async def flush_cache(self) -> bool:
+        """Drop every unlocked entry of the prefix cache. False if requests are running."""
+        ...
+
+    def model_info(self) -> dict[str, Any]:
+        """SGLang's `/get_model_info`: `model_path`, `tokenizer_path`, `is_generation`,
+        `max_context_length`, `vocab_size`, `chat_template` (None if the model has none),
+        `eos_token_ids`, and anything else the engine wants to report."""
+        ...
+
+    def server_info(self) -> dict[str, Any]:
+        """Config and live stats: cache hit rate, running / queued requests, token usage."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """A Hugging Face tokenizer (chat templates, token counting, token-id texts)."""
+        ...
+
