@@ -1,0 +1,53 @@
+"""radixlm.runtime: the model runner — HF checkpoints, models, KV pool, attention, sampler."""
+
+from radixlm.runtime._version import __version__
+from radixlm.runtime.config import (
+    AttentionConfig,
+    MemoryConfig,
+    ModelConfig,
+    RunnerConfig,
+    SamplerConfig,
+)
+from radixlm.runtime.forward_batch import BatchEntry, ForwardBatch, InputLogprobRequest
+from radixlm.runtime.loader import (
+    ModelInfo,
+    ModelLoadError,
+    ModelNotFoundError,
+    load_model,
+    read_model_info,
+)
+from radixlm.runtime.logprobs import TokenLogprob
+from radixlm.runtime.memory import KVPool, ReqToTokenPool
+from radixlm.runtime.model_runner import LogitsOutput, ModelRunner, RunnerStats
+from radixlm.runtime.models import supported_architectures
+from radixlm.runtime.sampler import CustomProcessorsDisabled, SampleOutput, Sampler
+from radixlm.runtime.sampling_batch import SamplingBatch, SamplingRequest
+
+__all__ = [
+    "AttentionConfig",
+    "BatchEntry",
+    "CustomProcessorsDisabled",
+    "ForwardBatch",
+    "InputLogprobRequest",
+    "KVPool",
+    "LogitsOutput",
+    "MemoryConfig",
+    "ModelConfig",
+    "ModelInfo",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "ModelRunner",
+    "ReqToTokenPool",
+    "RunnerConfig",
+    "RunnerStats",
+    "SampleOutput",
+    "Sampler",
+    "SamplerConfig",
+    "SamplingBatch",
+    "SamplingRequest",
+    "TokenLogprob",
+    "__version__",
+    "load_model",
+    "read_model_info",
+    "supported_architectures",
+]

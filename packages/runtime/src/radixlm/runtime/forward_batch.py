@@ -1,0 +1,176 @@
+"""ForwardBatch: one model step over a mixed batch of extend and decode requests, as plain data.
+
+Every request in a batch *extends* its sequence by some new tokens: a prefill (or a chunk of
+one) after a cached prefix of `prefix_len` tokens, or a decode step (one new token). The new
+tokens of all requests are concatenated request after request; per-request arrays have one
+entry per request in the same order. The scheduler builds it (`ForwardBatch.build`), the runner
+consumes it; nothing in it is mutated by the runner except the request-to-token table, whose
+row for each request receives the new tokens' slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One request's part of a step, as the scheduler knows it.
+
+    `input_ids` are the new tokens (their K/V are computed now), `prefix_len` tokens of the
+    request are already in the KV pool (their slots are in `req_to_token[req_pool_index]`),
+    and `out_slots` are the pool slots the new tokens' K/V go to.
+    `input_logprob_targets`, when given, asks for prompt log-probabilities: position
+    `input_logprob_start + i` of this chunk is scored against token `input_logprob_targets[i]`
+    (the token that follows it in the prompt).
+    """
+
+    req_pool_index: int
+    input_ids: Sequence[int]
+    prefix_len: int
+    out_slots: Sequence[int]
+    input_logprob_start: int = 0
+    input_logprob_targets: Sequence[int] | None = None
+    top_logprobs_num: int = 0
+    token_ids_logprob: Sequence[int] | None = None
+
+
+@dataclass(frozen=True)
+class InputLogprobRequest:
+    """Which positions of which requests get prompt log-probabilities, and against what."""
+
+    batch_index: int
+    start: int
+    targets: tuple[int, ...]
+    top_logprobs_num: int = 0
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Device tensors for the model plus host copies of the lengths (no device sync needed).
+
+    Shapes: T = total new tokens, B = requests.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 — position of each new token in its sequence
+    out_cache_loc: torch.Tensor  # [T] int64 — KV pool slot of each new token
+    req_pool_indices: torch.Tensor  # [B] int64 — row of each request in req_to_token
+    prefix_lens: torch.Tensor  # [B] int64 — tokens already cached
+    extend_lens: torch.Tensor  # [B] int64 — new tokens (1 for a decode)
+    seq_lens: torch.Tensor  # [B] int64 — prefix_lens + extend_lens
+    req_to_token: torch.Tensor  # [rows, max_context] int32 — the shared slot table
+    prefix_lens_cpu: tuple[int, ...]
+    extend_lens_cpu: tuple[int, ...]
+    req_pool_indices_cpu: tuple[int, ...]
+    input_logprobs: tuple[InputLogprobRequest, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens_cpu(self) -> tuple[int, ...]:
+        return tuple(p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu, strict=True))
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request adds exactly one token (a pure decode step)."""
+        return all(e == 1 for e in self.extend_lens_cpu)
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @classmethod
+    def build(
+        cls,
+        entries: Sequence[BatchEntry],
+        req_to_token: torch.Tensor,
+        device: torch.device | str | None = None,
+    ) -> ForwardBatch:
+        """Assemble a batch from per-request entries (host lists -> one transfer per array)."""
+        if not entries:
+            raise ValueError("a forward batch needs at least one request")
+        device = torch.device(device) if device is not None else req_to_token.device
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logprob_requests: list[InputLogprobRequest] = []
+        for index, entry in enumerate(entries):
+            count = len(entry.input_ids)
+            if count == 0:
+                raise ValueError(f"request {index} has no new tokens")
+            if len(entry.out_slots) != count:
+                raise ValueError(
+                    f"request {index}: {len(entry.out_slots)} output slots for {count} new tokens"
+                )
+            input_ids.extend(entry.input_ids)
+            positions.extend(range(entry.prefix_len, entry.prefix_len + count))
+            slots.extend(entry.out_slots)
+            if entry.input_logprob_targets is not None:
+                targets = tuple(entry.input_logprob_targets)
+                if (
+                    entry.input_logprob_start < 0
+                    or entry.input_logprob_start + len(targets) > count
+                ):
+                    raise ValueError(
+                        f"request {index}: input logprob positions "
+                        f"[{entry.input_logprob_start}, {entry.input_logprob_start + len(targets)})"
+                        f" fall outside its {count} new tokens"
+                    )
+                if targets:
+                    logprob_requests.append(
+                        InputLogprobRequest(
+                            batch_index=index,
+                            start=entry.input_logprob_start,
+                            targets=targets,
+                            top_logprobs_num=entry.top_logprobs_num,
+                            token_ids=None
+                            if entry.token_ids_logprob is None
+                            else tuple(entry.token_ids_logprob),
+                        )
+                    )
+        prefix = [e.prefix_len for e in entries]
+        extend = [len(e.input_ids) for e in entries]
+
+        def tensor(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+        return cls(
+            input_ids=tensor(input_ids),
+            positions=tensor(positions),
+            out_cache_loc=tensor(slots),
+            req_pool_indices=tensor([e.req_pool_index for e in entries]),
+            prefix_lens=tensor(prefix),
+            extend_lens=tensor(extend),
+            seq_lens=tensor([p + e for p, e in zip(prefix, extend, strict=True)]),
+            req_to_token=req_to_token,
+            prefix_lens_cpu=tuple(prefix),
+            extend_lens_cpu=tuple(extend),
+            req_pool_indices_cpu=tuple(e.req_pool_index for e in entries),
+            input_logprobs=tuple(logprob_requests),
+        )
+
+    def write_req_to_token(self) -> None:
+        """Record the new tokens' slots in the request-to-token table (mutates that table)."""
+        rows = torch.repeat_interleave(
+            self.req_pool_indices, self.extend_lens, output_size=self.num_tokens
+        )
+        starts = torch.repeat_interleave(
+            self.prefix_lens, self.extend_lens, output_size=self.num_tokens
+        )
+        offsets = torch.arange(self.num_tokens, device=self.device) - torch.repeat_interleave(
+            torch.cumsum(self.extend_lens, 0) - self.extend_lens,
+            self.extend_lens,
+            output_size=self.num_tokens,
+        )
+        self.req_to_token[rows, starts + offsets] = self.out_cache_loc.to(self.req_to_token.dtype)

@@ -1,0 +1,250 @@
+"""Load a Hugging Face model directory: config, safetensors (single or sharded) or dummy weights.
+
+Nothing is ever downloaded: a hub id resolves only to a copy already in the local Hugging Face
+cache, and the error says how to get one otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixlm.runtime.config import ModelConfig
+from radixlm.runtime.models import ArchConfig, DecoderForCausalLM, resolve
+from radixlm.runtime.models.registry import ModelFamily, UnsupportedArchitecture
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be loaded; the message says what to change."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """The model directory or one of its files is missing."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the runner and the engine need to know about a checkpoint."""
+
+    path: Path
+    arch: ArchConfig
+    family: ModelFamily
+    dtype: torch.dtype
+    device: torch.device
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    generation_config: Mapping[str, Any] = field(default_factory=dict)
+    hf_config: Any = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+
+def resolve_device(name: str) -> torch.device:
+    """ "auto" -> CUDA when available, else CPU; anything else as torch understands it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r} asked for, but CUDA is not available here")
+    return device
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
+    """ "auto" keeps the checkpoint's dtype (float32 when the config names none)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if checkpoint_dtype in _DTYPES:
+        return _DTYPES[checkpoint_dtype]
+    return torch.float32
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
+
+
+def resolve_model_path(model_path: str | os.PathLike[str]) -> Path:
+    """The local directory of a model; a hub id only if it is already in the local HF cache."""
+    path = Path(model_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is a file; model_path must be a model directory")
+    text = str(model_path)
+    if _looks_like_hub_id(text):
+        try:
+            from huggingface_hub import snapshot_download
+
+            # local_files_only: look in the cache, never download.
+            return Path(snapshot_download(text, local_files_only=True))
+        except Exception:
+            pass
+        raise ModelNotFoundError(
+            f"{text!r} looks like a Hugging Face hub id, but there is no local copy of it and "
+            "radixlm never downloads. Get one first, e.g. `hf download "
+            f"{text} --local-dir ./{text.split('/')[-1]}` (or `huggingface-cli download`), "
+            "then pass that directory as model_path"
+        )
+    raise ModelNotFoundError(f"model directory {text!r} does not exist")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with path.open(encoding="utf-8") as handle:
+            data = json.load(handle)
+    except json.JSONDecodeError as error:
+        raise ModelLoadError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return data
+
+
+def _eos_ids(*values: Any) -> tuple[int, ...]:
+    for value in values:
+        if isinstance(value, int):
+            return (value,)
+        if isinstance(value, list) and value:
+            return tuple(int(v) for v in value)
+    return ()
+
+
+def read_model_info(config: ModelConfig) -> ModelInfo:
+    """Read config.json and generation_config.json of a model (no weights)."""
+    path = resolve_model_path(config.model_path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelNotFoundError(
+            f"{path} has no config.json; is it a Hugging Face model directory?"
+        )
+    raw = _read_json(config_file)
+    try:
+        family = resolve(raw.get("architectures"))
+    except UnsupportedArchitecture as error:
+        raise ModelLoadError(str(error)) from None
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if not getattr(hf_config, "architectures", None):
+        hf_config.architectures = [family.architecture]
+    try:
+        arch = family.arch_config(hf_config)
+    except ValueError as error:
+        raise ModelLoadError(f"{path}: {error}") from None
+    generation: dict[str, Any] = {}
+    generation_file = path / "generation_config.json"
+    if generation_file.is_file():
+        generation = _read_json(generation_file)
+    context = config.context_length or arch.max_position_embeddings
+    return ModelInfo(
+        path=path,
+        arch=arch,
+        family=family,
+        dtype=resolve_dtype(config.dtype, arch.torch_dtype),
+        device=resolve_device(config.device),
+        context_length=context,
+        eos_token_ids=_eos_ids(generation.get("eos_token_id"), raw.get("eos_token_id")),
+        generation_config=generation,
+        hf_config=hf_config,
+    )
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those the index names, or every *.safetensors."""
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index} has no weight_map")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelNotFoundError(
+                f"{path}: shards named in {SAFETENSORS_INDEX} are missing: {', '.join(missing)}"
+            )
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in path.glob("*.bin")) + sorted(
+            p.name for p in path.glob("*.pt")
+        )
+        hint = (
+            f" (found {', '.join(others[:3])}: only safetensors are read; convert them, e.g. "
+            "load with transformers and save_pretrained(..., safe_serialization=True))"
+            if others
+            else ""
+        )
+        raise ModelNotFoundError(
+            f"{path} has no *.safetensors weights{hint}; use load_format='dummy' for random weights"
+        )
+    return files
+
+
+def iter_safetensors(
+    files: list[Path], device: torch.device, dtype: torch.dtype, show_progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the files, cast to `dtype`, with a progress bar."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    target = "cpu" if device.type == "cpu" else str(device)
+    for file in tqdm(
+        files, desc="Loading safetensors shards", unit="shard", disable=not show_progress
+    ):
+        with safe_open(str(file), framework="pt", device=target) as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                tensor = handle.get_tensor(name)
+                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Random weights with the real shapes: normal(0, std) matrices, unit norms, small biases."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.copy_(values.mul_(std if param.dim() > 1 else std / 2))
+
+
+def build_model(info: ModelInfo) -> DecoderForCausalLM:
+    """An uninitialised model for the checkpoint, on its device, in its dtype."""
+    with info.device:
+        return info.family.model_class(info.arch, info.dtype)
+
+
+def load_model(config: ModelConfig) -> tuple[DecoderForCausalLM, ModelInfo]:
+    """Read the config, build the model and fill its weights (from files, or dummy)."""
+    info = read_model_info(config)
+    model = build_model(info)
+    use_dummy = config.load_format == "dummy"
+    if use_dummy:
+        init_dummy_weights(model, config.seed)
+    else:
+        files = safetensors_files(info.path)
+        weights = iter_safetensors(files, info.device, info.dtype, config.show_progress)
+        try:
+            loaded = model.load_weights(weights)
+        except ValueError as error:
+            raise ModelLoadError(f"{info.path}: {error}") from None
+        missing = sorted(model.checkpoint_names() - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ModelLoadError(
+                f"{info.path}: the checkpoint lacks {len(missing)} tensor(s) the model needs: "
+                f"{shown}"
+            )
+    model.eval()
+    return model, info

@@ -1,0 +1,184 @@
+"""ModelRunner: a loaded model, its KV pool and request table, an attention backend, a sampler.
+
+The scheduler drives it one step at a time:
+
+    batch = ForwardBatch.build(entries, runner.req_to_token_pool.req_to_token)
+    out = runner.forward(batch)                       # logits of each request's last token
+    sampled = runner.sample(out.next_token_logits, SamplingBatch.build(...))
+
+The runner owns no request state: slot allocation (`runner.kv_pool`), request rows
+(`runner.req_to_token_pool`) and prefix reuse belong to the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.runtime.attention import AttentionBackend, create_backend
+from radixlm.runtime.config import RunnerConfig
+from radixlm.runtime.cuda_graph import CudaGraphRunner, cuda_graphs_usable
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.loader import ModelInfo, load_model
+from radixlm.runtime.logprobs import TokenLogprob, collect_logprobs
+from radixlm.runtime.memory import KVPool, ReqToTokenPool, kv_pool_capacity
+from radixlm.runtime.models import DecoderForCausalLM
+from radixlm.runtime.sampler import SampleOutput, Sampler
+from radixlm.runtime.sampling_batch import SamplingBatch
+
+# Rows of prompt logits turned into logprobs at once (bounds the [rows, vocab] temporaries).
+_LOGPROB_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class LogitsOutput:
+    """`next_token_logits` [B, vocab] float32: the logits after each request's last new token.
+    `input_logprobs[b]` holds request b's prompt logprobs when it asked for them (else None).
+
+    With CUDA graphs the logits tensor is the graph's static output: consume (sample) it
+    before the next forward."""
+
+    next_token_logits: torch.Tensor
+    input_logprobs: list[list[TokenLogprob] | None] | None = None
+
+
+@dataclass
+class RunnerStats:
+    """Counters for tests and metrics (mutated by every forward)."""
+
+    forward_calls: int = 0
+    tokens_forwarded: int = 0
+    graph_replays: int = 0
+
+
+class ModelRunner:
+    """Loads a model and runs forward passes and sampling steps on it."""
+
+    def __init__(
+        self,
+        config: RunnerConfig,
+        model: DecoderForCausalLM | None = None,
+        info: ModelInfo | None = None,
+    ) -> None:
+        """Load the model (or use a given one with its info), size the pools, pick the backend,
+        and capture CUDA graphs on CUDA."""
+        self.config = config
+        if model is None or info is None:
+            model, info = load_model(config.model)
+        self.model = model
+        self.info = info
+        self.device = info.device
+        self.dtype = info.dtype
+        arch = info.arch
+        memory = config.memory
+        kv_dtype = self.dtype if memory.kv_cache_dtype == "auto" else _dtype(memory.kv_cache_dtype)
+        bytes_per_token = arch.kv_bytes_per_token_per_element * kv_dtype.itemsize
+        num_slots, _budget = kv_pool_capacity(bytes_per_token, self.device, memory)
+        self.kv_pool = KVPool(
+            arch.num_layers,
+            num_slots,
+            arch.num_kv_heads,
+            arch.head_dim,
+            kv_dtype,
+            self.device,
+            memory.page_size,
+        )
+        self.context_length = min(info.context_length, self.kv_pool.num_slots)
+        self.req_to_token_pool = ReqToTokenPool(
+            memory.max_running_requests, self.context_length, self.device
+        )
+        self.attention: AttentionBackend = create_backend(config.attention.backend, self.kv_pool)
+        self.sampler = Sampler(config.sampler)
+        self.stats = RunnerStats()
+        self.graph_runner: CudaGraphRunner | None = None
+        if cuda_graphs_usable(self.device, config.attention.cuda_graph, self.attention):
+            sizes = [
+                s for s in config.attention.graph_batch_sizes() if s <= memory.max_running_requests
+            ]
+            if sizes:
+                self.graph_runner = CudaGraphRunner(
+                    self.model,
+                    self.attention,  # type: ignore[arg-type]
+                    self.kv_pool,
+                    self.req_to_token_pool,
+                    sizes,
+                )
+                self.graph_runner.capture()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.arch.vocab_size
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> LogitsOutput:
+        """Run the model over the batch's new tokens (their K/V go to the pool).
+
+        Mutates the KV pool and the request table (the new tokens' slots).
+        """
+        self.stats.forward_calls += 1
+        self.stats.tokens_forwarded += batch.num_tokens
+        batch.write_req_to_token()
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            self.stats.graph_replays += 1
+            return LogitsOutput(self.graph_runner.replay(batch))
+        self.attention.prepare(batch)
+        hidden = self.model(batch.input_ids, batch.positions, self.attention)
+        last = torch.cumsum(batch.extend_lens, 0) - 1
+        logits = self.model.compute_logits(hidden.index_select(0, last))
+        input_logprobs = self._input_logprobs(hidden, batch) if batch.input_logprobs else None
+        return LogitsOutput(logits, input_logprobs)
+
+    def _input_logprobs(
+        self, hidden: torch.Tensor, batch: ForwardBatch
+    ) -> list[list[TokenLogprob] | None]:
+        result: list[list[TokenLogprob] | None] = [None] * batch.batch_size
+        starts = [0]
+        for length in batch.extend_lens_cpu[:-1]:
+            starts.append(starts[-1] + length)
+        for request in batch.input_logprobs:
+            first = starts[request.batch_index] + request.start
+            scored: list[TokenLogprob] = []
+            for offset in range(0, len(request.targets), _LOGPROB_CHUNK):
+                targets = request.targets[offset : offset + _LOGPROB_CHUNK]
+                rows = hidden[first + offset : first + offset + len(targets)]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+                scored.extend(
+                    collect_logprobs(
+                        logprobs,
+                        torch.tensor(targets, device=logprobs.device),
+                        [request.top_logprobs_num] * len(targets),
+                        [request.token_ids] * len(targets),
+                    )
+                )
+            result[request.batch_index] = scored
+        return result
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> SampleOutput:
+        """Next tokens (and logprobs) of each row of `logits` under `sampling`."""
+        return self.sampler(logits, sampling)
+
+    def step(
+        self, batch: ForwardBatch, sampling: SamplingBatch
+    ) -> tuple[SampleOutput, LogitsOutput]:
+        """forward + sample in one call."""
+        out = self.forward(batch)
+        return self.sample(out.next_token_logits, sampling), out
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace weights in place from (HF name, tensor) pairs (e.g. another model's)."""
+        with torch.no_grad():
+            self.model.load_weights(
+                (name, tensor.to(device=self.device, dtype=self.dtype)) for name, tensor in weights
+            )
+
+    def reset(self) -> None:
+        """Free every KV slot and request row (the engine's flush_cache)."""
+        self.kv_pool.reset()
+        self.req_to_token_pool.reset()
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]

@@ -1,0 +1,243 @@
+"""The decoder shared by the Llama-like families; they differ only by their ArchConfig."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.runtime.attention.base import AttentionBackend, AttentionLayer
+from radixlm.runtime.models.arch import ArchConfig
+from radixlm.runtime.models.linear import LinearFactory, ReplicatedLinears
+from radixlm.runtime.models.rope import RotaryEmbedding, apply_rotary
+
+# Checkpoint projection name -> (merged module name, shard).
+STACKED_PROJECTIONS: dict[str, tuple[str, str]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+# Checkpoint tensors that carry nothing the model needs.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back (as transformers does)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_id: int, linears: LinearFactory, dtype: torch.dtype):
+        super().__init__()
+        head_dim = arch.head_dim
+        self.q_size = arch.num_heads * head_dim
+        self.kv_size = arch.num_kv_heads * head_dim
+        self.qkv_proj = linears.merged_column(
+            arch.hidden_size,
+            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            bias=arch.qkv_bias,
+        )
+        self.o_proj = linears.row(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.q_norm = RMSNorm(head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.spec = AttentionLayer(
+            layer_id=layer_id,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=head_dim,
+            scaling=head_dim**-0.5,
+            sliding_window=arch.sliding_windows[layer_id],
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        spec = self.spec
+        qkv = self.qkv_proj(hidden)
+        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(tokens, spec.num_heads, spec.head_dim)
+        k = k.reshape(tokens, spec.num_kv_heads, spec.head_dim)
+        v = v.reshape(tokens, spec.num_kv_heads, spec.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = backend.forward(q, k, v, spec)
+        return self.o_proj(out)
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, arch: ArchConfig, linears: LinearFactory):
+        super().__init__()
+        if arch.hidden_act != "silu":
+            raise ValueError(f"hidden_act {arch.hidden_act!r} is not supported (only silu)")
+        size = arch.intermediate_size
+        self.intermediate_size = size
+        self.gate_up_proj = linears.merged_column(
+            arch.hidden_size, {"gate": size, "up": size}, bias=arch.mlp_bias
+        )
+        self.down_proj = linears.row(size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.split(self.gate_up_proj(x), self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_id: int, linears: LinearFactory, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = DecoderAttention(arch, layer_id, linears, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = DecoderMLP(arch, linears)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        attended: torch.Tensor = self.self_attn(self.input_layernorm(hidden), cos, sin, backend)
+        hidden = hidden + attended
+        mixed: torch.Tensor = self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + mixed
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, arch: ArchConfig, linears: LinearFactory, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, i, linears, dtype) for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope, arch.max_position_embeddings)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, backend)
+        normed: torch.Tensor = self.norm(hidden)
+        return normed
+
+
+class DecoderForCausalLM(nn.Module):
+    """A Llama-like causal LM whose parameter names follow the Hugging Face checkpoints,
+    except that q/k/v and gate/up are merged (the loader splits the names accordingly)."""
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        dtype: torch.dtype = torch.float32,
+        linears: LinearFactory | None = None,
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.model = DecoderModel(arch, linears or ReplicatedLinears(dtype), dtype)
+        self.lm_head: nn.Embedding | None = None
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
+            self.lm_head.weight.requires_grad_(False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        return head.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the new tokens (K/V go to the pool)."""
+        hidden: torch.Tensor = self.model(input_ids, positions, backend)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] of the given hidden rows."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    # Weights -------------------------------------------------------------------------------
+
+    def checkpoint_names(self) -> set[str]:
+        """The tensor names a checkpoint must provide (Hugging Face naming)."""
+        names: set[str] = set()
+        reverse = {(module, shard): name for name, (module, shard) in STACKED_PROJECTIONS.items()}
+        for name, param in self.named_parameters():
+            prefix, _, leaf = name.rpartition(".")
+            module_path, _, module_name = prefix.rpartition(".")
+            linear: Any = self.get_submodule(prefix)
+            if module_name in ("qkv_proj", "gate_up_proj"):
+                for shard in linear.shard_ranges:
+                    names.add(f"{module_path}.{reverse[(module_name, shard)]}.{leaf}")
+            elif param is not None:
+                names.add(name)
+        if self.lm_head is None:
+            names.discard("lm_head.weight")
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into the model; returns the names used.
+
+        Unknown names raise ValueError; `lm_head.weight` of a tied model is skipped.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            prefix, _, leaf = name.rpartition(".")
+            module_path, _, module_name = prefix.rpartition(".")
+            if module_name in STACKED_PROJECTIONS:
+                merged, shard = STACKED_PROJECTIONS[module_name]
+                self._linear(name, f"{module_path}.{merged}").load_weight(shard, leaf, tensor)
+            elif module_name in ("o_proj", "down_proj"):
+                self._linear(name, prefix).load_weight(None, leaf, tensor)
+            elif name in params:
+                param = params[name]
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                        f"model shape {tuple(param.shape)}"
+                    )
+                with torch.no_grad():
+                    param.copy_(tensor)
+            else:
+                raise ValueError(f"the checkpoint has a tensor the model does not know: {name}")
+            loaded.add(name)
+        return loaded
+
+    def _linear(self, name: str, path: str) -> Any:
+        try:
+            return self.get_submodule(path)
+        except AttributeError:
+            raise ValueError(
+                f"the checkpoint has a tensor the model does not know: {name}"
+            ) from None

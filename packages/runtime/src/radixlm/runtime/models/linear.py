@@ -1,0 +1,146 @@
+"""Linear layers behind a small interface, so a tensor-parallel version can replace them.
+
+A model never builds `nn.Linear` itself: it asks a `LinearFactory` for a *merged column* layer
+(several projections that read the same input, stored as one matrix: q/k/v, gate/up) or a *row*
+layer (a projection whose input is the output of a column layer: o_proj, down_proj). The
+replicated factory here keeps every weight whole on one device. A sharded factory would split
+column layers by output rows and row layers by input columns (then all-reduce), and load each
+checkpoint tensor's slice in `load_weight` — the models would not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(Protocol):
+    """A linear layer a model calls and the loader fills."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T + b for x of shape [..., in_features]."""
+        ...
+
+    def load_weight(self, shard: str | None, name: str, tensor: torch.Tensor) -> None:
+        """Copy a checkpoint tensor (`name` is "weight" or "bias") into the given shard.
+
+        `shard` names one projection of a merged layer ("q", "gate", ...) or is None for a
+        layer with a single projection. Raises ValueError on a shape mismatch.
+        """
+        ...
+
+
+class LinearFactory(Protocol):
+    """Builds the linear layers of a model (replicated here; sharded in a TP build)."""
+
+    def merged_column(self, in_features: int, shards: Mapping[str, int], bias: bool) -> Linear: ...
+
+    def row(self, in_features: int, out_features: int, bias: bool) -> Linear: ...
+
+
+def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    if target.shape != tensor.shape:
+        raise ValueError(
+            f"{what}: checkpoint tensor has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(target.shape)}"
+        )
+    with torch.no_grad():
+        target.copy_(tensor)
+
+
+class MergedColumnLinear(nn.Module):
+    """Several projections of the same input stored as one weight [sum(shards), in_features]."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shards: Mapping[str, int],
+        bias: bool,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.shard_ranges: dict[str, tuple[int, int]] = {}
+        start = 0
+        for shard_name, size in shards.items():
+            self.shard_ranges[shard_name] = (start, start + size)
+            start += size
+        self.out_features = start
+        self.weight = nn.Parameter(
+            torch.empty(start, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(start, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_weight(self, shard: str | None, name: str, tensor: torch.Tensor) -> None:
+        if shard is None:
+            if len(self.shard_ranges) != 1:
+                raise ValueError(
+                    f"a merged layer needs a shard name, one of {list(self.shard_ranges)}"
+                )
+            shard = next(iter(self.shard_ranges))
+        begin, end = self.shard_ranges[shard]
+        target = self.weight if name == "weight" else self.bias
+        if target is None:
+            raise ValueError(
+                f"{shard}: the checkpoint has a {name} the model config does not expect"
+            )
+        _copy_checked(target[begin:end], tensor, f"{shard}.{name}")
+
+
+class RowLinear(nn.Module):
+    """A plain projection; in a sharded build its input is split and its output all-reduced."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_weight(self, shard: str | None, name: str, tensor: torch.Tensor) -> None:
+        target = self.weight if name == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"the checkpoint has a {name} the model config does not expect")
+        _copy_checked(target, tensor, name)
+
+
+class ReplicatedLinears:
+    """The single-device factory: every weight whole."""
+
+    def __init__(self, dtype: torch.dtype | None = None, device: torch.device | None = None):
+        self.dtype = dtype
+        self.device = device
+
+    def merged_column(self, in_features: int, shards: Mapping[str, int], bias: bool) -> Linear:
+        return MergedColumnLinear(in_features, shards, bias, self.dtype, self.device)
+
+    def row(self, in_features: int, out_features: int, bias: bool) -> Linear:
+        return RowLinear(in_features, out_features, bias, self.dtype, self.device)
