@@ -1,0 +1,42 @@
+"""Triton kernels for LLM serving, each beside a plain-torch reference of the same signature.
+
+Every public function validates its arguments, then runs the Triton kernel on CUDA tensors
+(when Triton is installed) and the torch reference otherwise; :func:`use_backend` forces
+either, and :func:`available` tells whether Triton can run here at all. The references alone
+live in :mod:`radixlm.kernels.reference`.
+"""
+
+from radixlm.kernels._backend import (
+    BackendName,
+    available,
+    get_backend,
+    interpreter_enabled,
+    use_backend,
+)
+from radixlm.kernels._version import __version__
+from radixlm.kernels.attention import decode_attention, extend_attention, store_kv
+from radixlm.kernels.elementwise import (
+    fused_add_rms_norm,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+)
+from radixlm.kernels.logits import apply_token_bitmask_inplace, sample_from_probs
+
+__all__ = [
+    "BackendName",
+    "__version__",
+    "apply_token_bitmask_inplace",
+    "available",
+    "decode_attention",
+    "extend_attention",
+    "fused_add_rms_norm",
+    "get_backend",
+    "interpreter_enabled",
+    "rms_norm",
+    "rotary_embedding",
+    "sample_from_probs",
+    "silu_and_mul",
+    "store_kv",
+    "use_backend",
+]

@@ -1,0 +1,33 @@
+"""The Triton kernels, with the same signatures as the public functions.
+
+Importing this module defines the kernels, so Triton's mode is fixed here: compiled for the
+GPU, or interpreted on the CPU when ``TRITON_INTERPRET=1`` was set before the import
+(``INTERPRETED`` records which). Call the public functions in :mod:`radixlm.kernels` rather
+than these; they validate arguments and pick the backend.
+"""
+
+from radixlm.kernels.triton_ops._common import INTERPRETED
+from radixlm.kernels.triton_ops.decode import decode_attention, default_num_kv_splits
+from radixlm.kernels.triton_ops.elementwise import (
+    fused_add_rms_norm,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+    store_kv,
+)
+from radixlm.kernels.triton_ops.extend import extend_attention
+from radixlm.kernels.triton_ops.logits import apply_token_bitmask_inplace, sample_from_probs
+
+__all__ = [
+    "INTERPRETED",
+    "apply_token_bitmask_inplace",
+    "decode_attention",
+    "default_num_kv_splits",
+    "extend_attention",
+    "fused_add_rms_norm",
+    "rms_norm",
+    "rotary_embedding",
+    "sample_from_probs",
+    "silu_and_mul",
+    "store_kv",
+]

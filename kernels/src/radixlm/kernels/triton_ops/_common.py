@@ -1,0 +1,41 @@
+"""What the Triton kernels share: interpreter mode, block sizes, the soft-cap helper."""
+
+# Triton reads kernel parameter annotations itself, so @triton.jit functions stay unannotated.
+# mypy: disable-error-code="untyped-decorator, no-untyped-def"
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+# Fixed when this module is imported, like Triton's own choice of interpreter or compiler.
+INTERPRETED: bool = bool(knobs.runtime.interpret)
+
+
+def next_pow2(n: int) -> int:
+    return int(triton.next_power_of_2(max(1, n)))
+
+
+def dot_block(n: int) -> int:
+    """Block size for a ``tl.dot`` dimension: a power of two, at least 16 when compiled."""
+    return max(next_pow2(n), 1 if INTERPRETED else 16)
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Run ``tl.dot`` in fp32: always in the interpreter (its bf16 dot is wrong), and for
+    fp32 inputs so that the compiled kernel does not silently drop to tf32."""
+    return INTERPRETED or dtype == torch.float32
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 1
+
+
+@triton.jit
+def soft_cap(x, cap):
+    """``cap * tanh(x / cap)`` written with exp (tanh is not in every Triton build)."""
+    return cap - 2.0 * cap / (tl.exp(2.0 * x / cap) + 1.0)
