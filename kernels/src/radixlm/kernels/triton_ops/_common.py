@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -30,9 +32,16 @@ def upcast_dots(dtype: torch.dtype) -> bool:
 
 
 def num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 1
+    """Streaming multiprocessors of a CUDA device (1 elsewhere); cached per device."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _num_sms_cuda(index)
+
+
+@functools.cache
+def _num_sms_cuda(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 @triton.jit
