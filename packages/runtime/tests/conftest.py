@@ -7,16 +7,16 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from collections.abc import Callable, Sequence  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import pytest
+import torch
+import transformers
 
-from radixlm.runtime import (  # noqa: E402
+from radixlm.runtime import (
     BatchEntry,
     ForwardBatch,
     MemoryConfig,
@@ -24,7 +24,7 @@ from radixlm.runtime import (  # noqa: E402
     ModelRunner,
     RunnerConfig,
 )
-from radixlm.runtime.config import AttentionConfig  # noqa: E402
+from radixlm.runtime.config import AttentionConfig
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -169,3 +169,12 @@ class Driver:
 @pytest.fixture
 def driver_for() -> Callable[[ModelRunner], Driver]:
     return Driver
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
