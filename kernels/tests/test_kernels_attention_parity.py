@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kernels_test_helpers import TOLERANCES, paged_kv
 
 from radixlm.kernels import decode_attention, extend_attention, store_kv, use_backend
@@ -245,3 +247,77 @@ def test_store_kv_triton_accepts_a_strided_view_of_fused_qkv(device: torch.devic
         store_kv(k, v, k_pool, v_pool, torch.tensor([5, 1, 2], device=device))
     assert torch.equal(k_pool[[5, 1, 2]], k)
     assert torch.equal(v_pool[[5, 1, 2]], v)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    data=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 20)), min_size=1, max_size=4),
+    ratio=st.sampled_from([1, 2, 7]),
+    window=st.sampled_from([None, 1, 9]),
+    page_size=st.sampled_from([1, 16]),
+)
+def test_extend_triton_matches_reference_on_random_ragged_batches(
+    data: list[tuple[int, int]], ratio: int, window: int | None, page_size: int
+) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    prefixes = [p for p, _ in data]
+    extends = [e for _, e in data]
+    lengths = [p + e for p, e in data]
+    kv = paged_kv(lengths, 1, 64, page_size, torch.float32, device)
+    q = torch.randn(sum(extends), ratio, 64, device=device)
+    got, want = both_backends(
+        extend_attention,
+        q,
+        kv.k_pool,
+        kv.v_pool,
+        kv.req_to_token,
+        torch.tensor(prefixes, device=device),
+        torch.tensor(extends, device=device),
+        kv.req_pool_indices,
+        sliding_window=window,
+    )
+    assert_close(got, want)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    lengths=st.lists(st.integers(0, 90), min_size=1, max_size=4),
+    ratio=st.sampled_from([1, 2, 7]),
+    splits=st.integers(1, 6),
+    window=st.sampled_from([None, 1, 20]),
+)
+def test_decode_triton_matches_reference_on_random_lengths(
+    lengths: list[int], ratio: int, splits: int, window: int | None
+) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kv = paged_kv(lengths, 1, 64, 16, torch.float32, device)
+    q = torch.randn(len(lengths), ratio, 64, device=device)
+    got, want = both_backends(
+        decode_attention,
+        q,
+        kv.k_pool,
+        kv.v_pool,
+        kv.req_to_token.long(),
+        torch.tensor(lengths, device=device),
+        kv.req_pool_indices.long(),
+        num_kv_splits=splits,
+        sliding_window=window,
+    )
+    assert_close(got, want)
+
+
+def test_decode_triton_reads_q_as_a_strided_view(device: torch.device) -> None:
+    lengths = [7, 30]
+    kv = paged_kv(lengths, 2, 64, 1, torch.float16, device)
+    qkv = torch.randn(2, 4 + 2 + 2, 64).to(device=device, dtype=torch.float16)
+    q = qkv[:, :4]
+    got, want = both_backends(
+        decode_attention,
+        q,
+        kv.k_pool,
+        kv.v_pool,
+        kv.req_to_token,
+        torch.tensor(lengths, device=device),
+        kv.req_pool_indices,
+    )
+    assert_close(got, want)
