@@ -1,0 +1,566 @@
+"""JSON Schema normalization: hand a backend only what it enforces exactly, or refuse by name.
+
+Backends silently drop keywords they do not implement and loosen some shapes (a root `type`
+beside `oneOf`, `allOf` branches, siblings of `$ref`). This module rewrites a schema into a
+form both backends enforce faithfully, or raises `GrammarError` naming the keyword:
+
+- `allOf` branches and the siblings of a `$ref` are merged into one schema;
+- keywords beside `anyOf` / `oneOf` are pushed into every branch; branches that contradict
+  them are dropped; `oneOf` becomes `anyOf` only when its branches are provably disjoint;
+- `enum` / `const` beside other keywords keep only the values that meet them;
+- integer bounds are rounded inward; a `required` property missing from `properties` is added;
+- every validation keyword the backend does not enforce is rejected by name (annotations such
+  as `title` and keywords JSON Schema does not define are dropped: validators ignore them too).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from typing import Any
+
+from radixlm.constrained._schema_merge import (
+    ALL_TYPES,
+    CannotMerge,
+    Schema,
+    Unsatisfiable,
+    merge,
+    provably_disjoint,
+    type_set,
+    value_satisfies,
+)
+from radixlm.constrained._schema_support import (
+    DEF_CONTAINERS,
+    FORMAT_PATTERNS,
+    VALIDATION_KEYWORDS,
+    SchemaSupport,
+)
+from radixlm.constrained.errors import GrammarError
+
+_MAX_NODES = 20_000
+_NUMBERS = ("multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum")
+_COUNTS = (
+    "maxLength", "minLength", "maxItems", "minItems", "maxProperties", "minProperties",
+    "maxContains", "minContains",
+)  # fmt: skip
+
+
+def prepare_json_schema(
+    source: str, support: SchemaSupport, *, max_depth: int = 64, max_bytes: int = 1 << 20
+) -> str:
+    """The normalized schema as JSON text, or `GrammarError` saying what to change."""
+    if len(source.encode("utf-8")) > max_bytes:
+        raise GrammarError(
+            f"the JSON schema is {len(source.encode('utf-8'))} bytes, above the limit of "
+            f"{max_bytes} bytes; simplify it or raise GrammarOptions.max_source_bytes",
+            kind="json_schema",
+        )
+    try:
+        schema = json.loads(source)
+    except json.JSONDecodeError as error:
+        raise GrammarError(
+            f"the JSON schema is not valid JSON: {error.msg} at line {error.lineno} "
+            f"column {error.colno}",
+            kind="json_schema",
+        ) from None
+    except RecursionError:
+        raise GrammarError(
+            "the JSON schema is nested too deeply to parse", kind="json_schema"
+        ) from None
+    try:
+        normalized = _Normalizer(schema, support, max_depth).run()
+    except RecursionError:
+        raise GrammarError(
+            f"the JSON schema is nested deeper than this server accepts ({max_depth} levels)",
+            kind="json_schema",
+        ) from None
+    return json.dumps(normalized, separators=(",", ":"))
+
+
+def _pointer_part(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+class _Normalizer:
+    def __init__(self, root: Any, support: SchemaSupport, max_depth: int) -> None:
+        self.root = root
+        self.support = support
+        self.max_depth = max_depth
+        self.nodes = 0
+        self.pending: list[str] = []
+        self.defs: dict[str, dict[str, Any]] = {}
+
+    # -- errors -----------------------------------------------------------------------------
+
+    def reject(self, path: str, keyword: str | None, message: str) -> GrammarError:
+        where = f" at {path or '/'}" if path or keyword else ""
+        return GrammarError(
+            f"JSON schema{where}: {message}",
+            kind="json_schema",
+            backend=self.support.backend,
+            keyword=keyword,
+            path=path or "/",
+        )
+
+    def unsupported(self, path: str, keyword: str, detail: str = "") -> GrammarError:
+        other = "outlines" if self.support.backend == "xgrammar" else "xgrammar"
+        hint = (
+            f"remove it, express it with keywords the backend supports, or try the {other} backend"
+        )
+        return self.reject(
+            path,
+            keyword,
+            f"keyword {keyword!r}{detail} is not enforced by the {self.support.backend} "
+            f"backend, so it would be silently ignored; {hint}",
+        )
+
+    # -- entry ------------------------------------------------------------------------------
+
+    def run(self) -> Schema:
+        if self.root is False:
+            raise self.reject("", None, "the schema `false` allows no value")
+        try:
+            out = self.node(self.root, "", 0)
+        except Unsatisfiable as error:
+            raise self.reject(
+                "", error.keyword, f"no value satisfies the schema: {error.reason}"
+            ) from None
+        while self.pending:
+            ref = self.pending.pop()
+            container, escaped = ref[2:].split("/", 1)
+            name = escaped.replace("~1", "/").replace("~0", "~")
+            if name in self.defs.get(container, {}):
+                continue
+            self.defs.setdefault(container, {})[name] = {}  # placeholder breaks cycles
+            try:
+                self.defs[container][name] = self.node(self.resolve(ref, ""), ref[1:], 1)
+            except Unsatisfiable as error:
+                raise self.reject(
+                    ref[1:], error.keyword, f"no value satisfies: {error.reason}"
+                ) from None
+        if not self.support.recursion:
+            self.check_acyclic(out)
+        if self.defs:
+            out = dict(out)
+            out.update({container: dict(defs) for container, defs in self.defs.items()})
+        return out
+
+    def check_acyclic(self, root: Schema) -> None:
+        graph = {"#": _refs_in(root)}
+        for container, defs in self.defs.items():
+            for name, schema in defs.items():
+                graph[f"#/{container}/{_pointer_part(name)}"] = _refs_in(schema)
+        state: dict[str, int] = {}  # 1: on the path, 2: done
+
+        def visit(ref: str) -> None:
+            state[ref] = 1
+            for target in graph.get(ref, ()):
+                if state.get(target) == 1:
+                    raise self.reject(
+                        target[1:],
+                        "$ref",
+                        f"recursive $ref {target!r} is not supported by the "
+                        f"{self.support.backend} backend (it cuts recursion off into invalid "
+                        "JSON); use the xgrammar backend",
+                    )
+                if target not in state:
+                    visit(target)
+            state[ref] = 2
+
+        visit("#")
+
+    # -- references -------------------------------------------------------------------------
+
+    def resolve(self, ref: Any, path: str) -> Any:
+        if not isinstance(ref, str) or not (
+            ref == "#" or any(ref.startswith(f"#/{c}/") for c in DEF_CONTAINERS)
+        ):
+            raise self.reject(
+                path,
+                "$ref",
+                f"$ref {ref!r} is not supported: only local references to the root (#) or "
+                "to #/$defs/... and #/definitions/... are",
+            )
+        if ref == "#":
+            return self.root
+        container, name = ref[2:].split("/", 1)
+        name = name.replace("~1", "/").replace("~0", "~")
+        defs = self.root.get(container) if isinstance(self.root, dict) else None
+        if not isinstance(defs, dict) or name not in defs:
+            raise self.reject(path, "$ref", f"$ref {ref!r} points to nothing")
+        return defs[name]
+
+    def note_ref(self, ref: str, path: str) -> None:
+        self.resolve(ref, path)
+        if ref != "#":
+            self.pending.append(ref)
+
+    # -- one schema -------------------------------------------------------------------------
+
+    def clean(self, schema: Any, path: str, depth: int) -> Schema:
+        """Validation keywords only, older drafts' spellings translated; allOf/$ref kept."""
+        if depth > self.max_depth:
+            raise self.reject(
+                path, None, f"nested deeper than this server accepts ({self.max_depth} levels)"
+            )
+        self.nodes += 1
+        if self.nodes > _MAX_NODES:
+            raise self.reject(path, None, f"more than {_MAX_NODES} subschemas; simplify it")
+        if schema is True:
+            return {}
+        if schema is False:
+            raise Unsatisfiable("false", "the schema `false` allows no value")
+        if not isinstance(schema, dict):
+            raise self.reject(
+                path, None, f"a schema must be an object or a boolean, got {schema!r}"
+            )
+        out = {k: v for k, v in schema.items() if k in VALIDATION_KEYWORDS}
+        self.check_values(out, path)
+        for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            # draft 4: a flag on minimum / maximum
+            if isinstance(out.get(key), bool) and out.pop(key) and bound in out:
+                out[key] = out.pop(bound)
+        if isinstance(out.get("items"), list):  # draft 7 tuples
+            out["prefixItems"] = out.pop("items")
+            if "additionalItems" in out:
+                out["items"] = out.pop("additionalItems")
+        out.pop("additionalItems", None)
+        if out.get("format") in FORMAT_PATTERNS:
+            if "pattern" in out:
+                raise self.reject(
+                    path, "format", "format beside pattern is not supported; keep one of them"
+                )
+            out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
+        if "pattern" in out and self.support.ascii_shorthands:
+            out["pattern"] = self.ascii_pattern(out["pattern"], path)
+        if out.get("uniqueItems") is False:
+            out.pop("uniqueItems")
+        for key in ("unevaluatedProperties", "unevaluatedItems"):
+            # The backends never emit members a schema does not list, so `false` holds already.
+            if out.get(key) is False:
+                out.pop(key)
+        return out
+
+    def check_values(self, schema: Schema, path: str) -> None:
+        """The value of each keyword has the type JSON Schema gives it."""
+        for key, value in schema.items():
+            problem = None
+            if key in _NUMBERS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                if not (key.startswith("exclusive") and isinstance(value, bool)):
+                    problem = "a number"
+            elif key in _COUNTS and not (
+                isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            ):
+                problem = "a non-negative integer"
+            elif key == "multipleOf" and value <= 0:
+                problem = "a number above 0"
+            elif key == "type":
+                names = value if isinstance(value, list) else [value]
+                if not names or not all(isinstance(n, str) and n in ALL_TYPES for n in names):
+                    problem = f"one of {', '.join(sorted(ALL_TYPES))} (or a list of them)"
+            elif key in ("pattern", "format", "$ref") and not isinstance(value, str):
+                problem = "a string"
+            elif key in ("properties", "patternProperties", "dependentRequired") and not isinstance(
+                value, dict
+            ):
+                problem = "an object"
+            elif key in ("enum", "allOf", "anyOf", "oneOf", "prefixItems") and not isinstance(
+                value, list
+            ):
+                problem = "a list"
+            elif key == "required" and not (
+                isinstance(value, list) and all(isinstance(v, str) for v in value)
+            ):
+                problem = "a list of property names"
+            if problem:
+                raise self.reject(path, key, f"{key} must be {problem}, got {value!r}")
+
+    def expand(self, schema: Schema, path: str, depth: int) -> Schema:
+        """Merge allOf branches and a $ref with siblings into the schema itself."""
+        parts: list[Any] = []
+        if "$ref" in schema and len(schema) > 1:
+            parts.append(self.resolve(schema["$ref"], path))
+            schema = {k: v for k, v in schema.items() if k != "$ref"}
+        if "allOf" in schema:
+            branches = schema["allOf"]
+            if not isinstance(branches, list) or not branches:
+                raise self.reject(path, "allOf", "allOf must be a non-empty list of schemas")
+            parts.extend(branches)
+            schema = {k: v for k, v in schema.items() if k != "allOf"}
+        for i, part in enumerate(parts):
+            inlined = self.inline(part, f"{path}/allOf/{i}", depth + 1)
+            try:
+                schema = merge(schema, inlined)
+            except CannotMerge as error:
+                raise self.reject(
+                    path, error.keyword, f"allOf (or $ref with siblings): {error.reason}"
+                ) from None
+        return schema
+
+    def inline(self, schema: Any, path: str, depth: int) -> Schema:
+        """A subschema with its own $ref / allOf resolved at the top (not deeper)."""
+        cleaned = self.expand(self.clean(schema, path, depth), path, depth)
+        if set(cleaned) == {"$ref"}:
+            return self.inline(self.resolve(cleaned["$ref"], path), path, depth + 1)
+        return cleaned
+
+    def node(self, schema: Any, path: str, depth: int) -> Schema:
+        cleaned = self.expand(self.clean(schema, path, depth), path, depth)
+        if "$ref" in cleaned:
+            self.note_ref(cleaned["$ref"], path)
+            return {"$ref": cleaned["$ref"]}
+        self.check_keywords(cleaned, path)
+        if "anyOf" in cleaned or "oneOf" in cleaned:
+            return self.combinator(cleaned, path, depth)
+        out = self.simplify(cleaned, path, depth)
+        if not out and self.support.any_value is not None:
+            return copy.deepcopy(self.support.any_value)
+        return out
+
+    def ascii_pattern(self, pattern: Any, path: str) -> str:
+        """JSON Schema's \\d, \\w (ASCII) spelled out for a regex engine that reads them as
+        Unicode classes."""
+        if not isinstance(pattern, str):
+            raise self.reject(path, "pattern", "pattern must be a string")
+        inside = {"d": "0-9", "w": "A-Za-z0-9_"}
+        outside = {"d": "[0-9]", "w": "[A-Za-z0-9_]", "D": "[^0-9]", "W": "[^A-Za-z0-9_]"}
+        out: list[str] = []
+        in_class = False
+        i = 0
+        while i < len(pattern):
+            char = pattern[i]
+            if char == "\\" and i + 1 < len(pattern):
+                escaped = pattern[i + 1]
+                if in_class and escaped in inside:
+                    out.append(inside[escaped])
+                elif in_class and escaped in ("D", "W"):
+                    raise self.reject(
+                        path, "pattern", f"\\{escaped} inside a character class is not supported"
+                    )
+                elif not in_class and escaped in outside:
+                    out.append(outside[escaped])
+                else:
+                    out.append(pattern[i : i + 2])
+                i += 2
+                continue
+            if char == "[" and not in_class:
+                in_class = True
+            elif char == "]" and in_class:
+                in_class = False
+            out.append(char)
+            i += 1
+        return "".join(out)
+
+    def check_keywords(self, schema: Schema, path: str) -> None:
+        support = self.support
+        for key in schema:
+            if key not in support.keywords:
+                raise self.unsupported(path, key)
+        if "format" in schema and schema["format"] not in support.formats:
+            known = ", ".join(sorted(support.formats))
+            raise self.reject(
+                path,
+                "format",
+                f"format {schema['format']!r} is not enforced by the {support.backend} "
+                f"backend (it enforces: {known}); remove it or use a pattern",
+            )
+        if "multipleOf" in schema:
+            step = schema["multipleOf"]
+            kinds = type_set({"type": schema.get("type", "number")})
+            if not (isinstance(step, int) and kinds == frozenset({"integer"})):
+                raise self.unsupported(path, "multipleOf", " on non-integer numbers")
+        if "pattern" in schema or "format" in schema:
+            for key in ("minLength", "maxLength"):
+                if key in schema and "enum" not in schema and "const" not in schema:
+                    raise self.unsupported(
+                        path,
+                        key,
+                        " beside 'pattern' or 'format' (fold the length into the pattern)",
+                    )
+
+    # -- anyOf / oneOf ----------------------------------------------------------------------
+
+    def combinator(self, schema: Schema, path: str, depth: int) -> Schema:
+        if "anyOf" in schema and "oneOf" in schema:
+            raise self.reject(
+                path, "oneOf", "anyOf beside oneOf is not supported; nest one in the other"
+            )
+        key = "anyOf" if "anyOf" in schema else "oneOf"
+        branches = schema[key]
+        if not isinstance(branches, list) or not branches:
+            raise self.reject(path, key, f"{key} must be a non-empty list of schemas")
+        siblings = {k: v for k, v in schema.items() if k != key}
+        kept: list[Schema] = []
+        resolved: list[Schema] = []
+        for i, branch in enumerate(branches):
+            where = f"{path}/{key}/{i}"
+            try:
+                if siblings:
+                    merged = merge(siblings, self.inline(branch, where, depth + 1))
+                    out = self.node(merged, where, depth + 1)
+                else:
+                    out = self.node(branch, where, depth + 1)
+            except Unsatisfiable:
+                continue  # the branch contradicts its siblings: no value can take it
+            except CannotMerge as error:
+                raise self.reject(where, error.keyword, error.reason) from None
+            kept.append(out)
+            resolved.append(self.inline(out, where, depth + 1) if "$ref" in out else out)
+        if not kept:
+            raise Unsatisfiable(key, f"no branch of {key} at {path or '/'} can hold")
+        if key == "oneOf":
+            for i in range(len(resolved)):
+                for j in range(i + 1, len(resolved)):
+                    if not provably_disjoint(resolved[i], resolved[j], self.resolve_loose):
+                        raise self.reject(
+                            path,
+                            "oneOf",
+                            f"oneOf branches {i} and {j} may both match a value, which oneOf "
+                            "forbids and the backend cannot enforce; use anyOf, or make the "
+                            "branches disjoint (different types, or a required property with "
+                            "different const values)",
+                        )
+        return kept[0] if len(kept) == 1 else {"anyOf": kept}
+
+    def resolve_loose(self, schema: Any) -> Schema:
+        if isinstance(schema, dict) and set(schema) == {"$ref"}:
+            try:
+                target = self.resolve(schema["$ref"], "")
+            except GrammarError:
+                return {}
+            return target if isinstance(target, dict) else {}
+        return schema if isinstance(schema, dict) else {}
+
+    # -- plain schemas ----------------------------------------------------------------------
+
+    def simplify(self, schema: Schema, path: str, depth: int) -> Schema:
+        out = dict(schema)
+        kinds = type_set({"type": out["type"]}) if "type" in out else None
+        if kinds == frozenset({"integer"}):
+            self.round_integer_bounds(out)
+        for low, high in (
+            ("minimum", "maximum"),
+            ("minLength", "maxLength"),
+            ("minItems", "maxItems"),
+            ("minProperties", "maxProperties"),
+        ):
+            if low in out and high in out and out[low] > out[high]:
+                raise Unsatisfiable(low, f"{low} {out[low]} is above {high} {out[high]}")
+        if "const" in out or "enum" in out:
+            return self.filter_values(out, path)
+        if kinds is None or "object" in kinds:
+            self.object_members(out, path, depth)
+        else:
+            for key in ("properties", "required", "additionalProperties"):
+                out.pop(key, None)
+        if kinds is None or "array" in kinds:
+            self.array_members(out, path, depth)
+        lengths = "minLength" in out or "maxLength" in out
+        if self.support.length_as_pattern and lengths and not {"pattern", "format"} & set(out):
+            low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+            out["pattern"] = f"^.{{{low},{high}}}$"
+        return out
+
+    @staticmethod
+    def round_integer_bounds(out: Schema) -> None:
+        if "exclusiveMinimum" in out:
+            low = math.floor(out.pop("exclusiveMinimum")) + 1
+            out["minimum"] = max(low, out.get("minimum", low))
+        if "exclusiveMaximum" in out:
+            high = math.ceil(out.pop("exclusiveMaximum")) - 1
+            out["maximum"] = min(high, out.get("maximum", high))
+        if "minimum" in out:
+            out["minimum"] = math.ceil(out["minimum"])
+        if "maximum" in out:
+            out["maximum"] = math.floor(out["maximum"])
+
+    def filter_values(self, schema: Schema, path: str) -> Schema:
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        if not isinstance(values, list) or not values:
+            raise self.reject(path, "enum", "enum must be a non-empty list")
+        rest = {k: v for k, v in schema.items() if k not in ("const", "enum")}
+        kept = []
+        for value in values:
+            verdict = value_satisfies(value, rest)
+            if verdict is None:
+                names = ", ".join(sorted(rest))
+                raise self.reject(
+                    path,
+                    "enum",
+                    f"enum/const beside {names} cannot be checked for value {value!r}; "
+                    "list only values that meet those keywords and drop the keywords",
+                )
+            if verdict:
+                kept.append(value)
+        if not kept:
+            raise Unsatisfiable("enum", "no enum/const value meets the keywords beside it")
+        return {"const": kept[0]} if len(kept) == 1 else {"enum": kept}
+
+    def object_members(self, out: Schema, path: str, depth: int) -> None:
+        required = out.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise self.reject(path, "required", "required must be a list of property names")
+        props = dict(out.get("properties", {}))
+        extra = out.get("additionalProperties", True)
+        for name in required:
+            if name not in props:
+                if extra is False:
+                    raise Unsatisfiable(
+                        "required",
+                        f"required property {name!r} is not allowed by additionalProperties: false",
+                    )
+                props[name] = {} if extra is True else extra
+        for name in list(props):
+            where = f"{path}/properties/{_pointer_part(name)}"
+            try:
+                props[name] = self.node(props[name], where, depth + 1)
+            except Unsatisfiable as error:
+                if name in required:
+                    raise Unsatisfiable(
+                        error.keyword, f"required property {name!r}: {error.reason}"
+                    ) from None
+                del props[name]  # the property can never appear
+        if props or "properties" in out:
+            out["properties"] = props
+        if isinstance(extra, dict):
+            out["additionalProperties"] = self.node(
+                extra, f"{path}/additionalProperties", depth + 1
+            )
+        if isinstance(out.get("unevaluatedProperties"), dict):
+            out["unevaluatedProperties"] = self.node(
+                out["unevaluatedProperties"], f"{path}/unevaluatedProperties", depth + 1
+            )
+
+    def array_members(self, out: Schema, path: str, depth: int) -> None:
+        if "prefixItems" in out:
+            prefix = out["prefixItems"]
+            if not isinstance(prefix, list):
+                raise self.reject(path, "prefixItems", "prefixItems must be a list of schemas")
+            out["prefixItems"] = [
+                self.node(item, f"{path}/prefixItems/{i}", depth + 1)
+                for i, item in enumerate(prefix)
+            ]
+        items = out.get("items")
+        if items is False or items is None:
+            return
+        try:
+            out["items"] = self.node(items, f"{path}/items", depth + 1)
+        except Unsatisfiable:
+            if out.get("minItems", 0) > len(out.get("prefixItems", [])):
+                raise
+            out["items"] = False
+
+
+def _refs_in(node: Any) -> set[str]:
+    found: set[str] = set()
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("$ref"), str):
+                found.add(item["$ref"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found

@@ -1,0 +1,175 @@
+"""The xgrammar backend: every grammar kind, masks from xgrammar's pushdown automaton."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from radixlm.constrained._common import (
+    backend_message,
+    check_size,
+    ebnf_literal,
+    prepare_schema,
+    structural_tag_json,
+    unsupported_kind,
+)
+from radixlm.constrained._jump_forward import plan_jump_forward
+from radixlm.constrained._schema_support import XGRAMMAR_SUPPORT
+from radixlm.constrained.bitmask import bitmask_width
+from radixlm.constrained.errors import GrammarError
+from radixlm.constrained.interfaces import CompiledGrammar, JumpForward
+from radixlm.constrained.options import GrammarOptions
+from radixlm.constrained.spec import GrammarSpec
+from radixlm.constrained.tokenizer import TokenizerInfo
+
+NAME = "xgrammar"
+KINDS = frozenset({"json_schema", "regex", "ebnf", "structural_tag", "choice", "json_object"})
+
+
+class XGrammarBackend:
+    """Compiles every kind with xgrammar. Thread-safe; one per tokenizer and option set."""
+
+    name = NAME
+    supported_kinds = KINDS
+
+    def __init__(
+        self, tokenizer_info: TokenizerInfo, options: GrammarOptions | None = None
+    ) -> None:
+        self.tokenizer_info = tokenizer_info
+        self.options = options or GrammarOptions()
+        vocab = [b if b is not None else b"" for b in tokenizer_info.token_bytes]
+        self._xgr_info = xgr.TokenizerInfo(
+            vocab,
+            xgr.VocabType.RAW,
+            vocab_size=tokenizer_info.vocab_size,
+            stop_token_ids=list(tokenizer_info.stop_token_ids),
+            add_prefix_space=False,
+        )
+        # Caching is GrammarCompiler's job; this compiler only compiles.
+        self._compiler = xgr.GrammarCompiler(
+            self._xgr_info, max_threads=self.options.compile_threads, cache_enabled=False
+        )
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        check_size(spec, self.options, NAME)
+        if spec.kind in ("json_schema", "json_object"):
+            schema = prepare_schema(spec, XGRAMMAR_SUPPORT, self.options)
+            handle = self._call(spec, lambda: self._compile_schema(schema))
+        elif spec.kind == "regex":
+            handle = self._call(spec, lambda: self._compiler.compile_regex(str(spec.source)))
+        elif spec.kind == "ebnf":
+            handle = self._call(spec, lambda: self._compiler.compile_grammar(str(spec.source)))
+        elif spec.kind == "choice":
+            rule = " | ".join(ebnf_literal(choice) for choice in spec.source)
+            handle = self._call(spec, lambda: self._compiler.compile_grammar(f"root ::= {rule}"))
+        elif spec.kind == "structural_tag":
+            try:
+                tag = structural_tag_json(spec, XGRAMMAR_SUPPORT, self.options)
+            except GrammarError as error:
+                raise error.with_context(kind=spec.kind, backend=NAME) from None
+            text = json.dumps(tag)
+            handle = self._call(spec, lambda: self._compiler.compile_structural_tag(text))
+        else:
+            raise unsupported_kind(NAME, spec.kind, KINDS)
+        return CompiledGrammar(spec=spec, backend=NAME, handle=handle)
+
+    def _compile_schema(self, schema: str) -> Any:
+        if self.options.json_whitespace == "compact":
+            return self._compiler.compile_json_schema(
+                schema, any_whitespace=False, separators=(",", ":"), strict_mode=True
+            )
+        return self._compiler.compile_json_schema(
+            schema,
+            any_whitespace=True,
+            strict_mode=True,
+            max_whitespace_cnt=self.options.max_whitespace,
+        )
+
+    @staticmethod
+    def _call(spec: GrammarSpec, build: Any) -> Any:
+        try:
+            return build()
+        except GrammarError:
+            raise
+        except Exception as error:  # xgrammar raises RuntimeError / ValueError subclasses
+            raise GrammarError(
+                f"the {spec.kind} constraint does not compile: {backend_message(error)}",
+                kind=spec.kind,
+                backend=NAME,
+            ) from None
+
+    def matcher(self, compiled: CompiledGrammar) -> XGrammarMatcher:
+        if compiled.backend != NAME:
+            raise ValueError(f"a grammar compiled by {compiled.backend} cannot run on {NAME}")
+        return XGrammarMatcher(
+            xgr.GrammarMatcher(compiled.handle), self.tokenizer_info, self.options, []
+        )
+
+
+class XGrammarMatcher:
+    """One sequence's state over an xgrammar compiled grammar (see `Grammar`)."""
+
+    def __init__(
+        self,
+        matcher: Any,
+        info: TokenizerInfo,
+        options: GrammarOptions,
+        history: list[int],
+    ) -> None:
+        self._matcher = matcher
+        self._info = info
+        self._options = options
+        self._history = history
+        self._scratch: Any = None
+
+    @property
+    def history(self) -> list[int]:
+        """The accepted tokens, oldest first (read-only view for the jump-forward planner)."""
+        return self._history
+
+    def accept_token(self, token_id: int) -> bool:
+        if not 0 <= token_id < self._info.vocab_size:
+            return False
+        if self._matcher.accept_token(token_id):
+            self._history.append(token_id)
+            return True
+        return False
+
+    def fill_bitmask(self, bitmask: Any, row: int = 0) -> None:
+        if self._matcher.is_terminated():
+            bitmask[row] = 0
+            return
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens < 0 or num_tokens > len(self._history):
+            raise ValueError(f"cannot roll back {num_tokens} of {len(self._history)} tokens")
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+            del self._history[-num_tokens:]
+
+    def jump_forward(self) -> JumpForward | None:
+        if self._matcher.is_terminated():
+            return None
+        forced = self._matcher.find_jump_forward_string().encode("utf-8")
+        forced = forced[: self._options.max_jump_forward_bytes]
+        return plan_jump_forward(self, self._info, forced, self._options.jump_forward_window)
+
+    def fork(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self._matcher.fork(), self._info, self._options, list(self._history))
+
+    def allows_any(self, token_ids: list[int]) -> bool:
+        if self._scratch is None:
+            self._scratch = torch.zeros(
+                (1, bitmask_width(self._info.vocab_size)), dtype=torch.int32
+            )
+        self._matcher.fill_next_token_bitmask(self._scratch, 0)
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        words = self._scratch[0, ids // 32]
+        return bool(((words >> (ids % 32).to(torch.int32)) & 1).any())
