@@ -81,4 +81,3 @@ class EngineClient(Protocol):
     def tokenizer(self) -> Any:
         """A Hugging Face tokenizer (chat templates, token counting, token-id texts)."""
         ...
-

@@ -1,0 +1,133 @@
+"""create_app: every route of radixlm's server mounted on any engine that satisfies EngineClient."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from radixlm.server._version import __version__
+from radixlm.server.config import ServerConfig
+from radixlm.server.errors import APIError, install_error_handlers
+from radixlm.server.native import native_router
+from radixlm.server.openai_chat import create_chat_completion
+from radixlm.server.openai_completions import create_completion
+from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
+from radixlm.server.protocol import EngineClient
+from radixlm.server.state import ServerState
+from radixlm.server.streams import ClientDisconnected
+
+# Reachable without the API key (load balancers and orchestrators probe them).
+OPEN_PATHS = frozenset({"/health", "/health_generate"})
+
+
+class ApiKeyMiddleware:
+    """401 for any HTTP request without `Authorization: Bearer <key>` (or `x-api-key: <key>`),
+    except the health probes."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"x-api-key", b"")
+        auth = headers.get(b"authorization", b"")
+        if auth[:7].lower() == b"bearer ":
+            given = auth[7:].strip()
+        if hmac.compare_digest(given, self._key):
+            await self.app(scope, receive, send)
+            return
+        message = "missing API key" if not given else "invalid API key"
+        response = APIError(
+            401, f"{message}; send it as 'Authorization: Bearer <key>'", code="invalid_api_key"
+        ).response()
+        await response(scope, receive, send)
+
+
+def _openai_router(state: ServerState) -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["openai"])
+
+    def model_card() -> dict[str, Any]:
+        info = state.model_info
+        return {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "radixlm",
+            "root": info.get("model_path"),
+            "max_model_len": info.get("max_context_length"),
+        }
+
+    @router.get("/models")
+    async def list_models() -> dict[str, Any]:
+        """The served model (OpenAI's model list)."""
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/models/{model:path}")
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        """One model by name; 404 for any other."""
+        if model != state.served_model_name:
+            raise APIError(404, f"the model {model!r} is not served here", param="model",
+                           code="model_not_found")  # fmt: skip
+        return model_card()
+
+    def body_schema(model: Any) -> dict[str, Any]:
+        content = {"application/json": {"schema": model.model_json_schema()}}
+        return {"requestBody": {"required": True, "content": content}}
+
+    @router.post("/completions", openapi_extra=body_schema(CompletionRequest))
+    async def completions(http: Request) -> Response:
+        """OpenAI's text completions (SGLang / vLLM sampling extras accepted in the body)."""
+        return await create_completion(state, http)
+
+    @router.post("/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
+    async def chat_completions(http: Request) -> Response:
+        """OpenAI's chat completions: chat template, response_format, tools, streaming."""
+        return await create_chat_completion(state, http)
+
+    return router
+
+
+def create_app(engine: EngineClient, config: ServerConfig | None = None) -> FastAPI:
+    """A FastAPI app serving `engine` with radixlm's native and OpenAI-compatible routes.
+
+    The app holds its own state (no module globals), so several apps may run in one process.
+    Add routes or middleware to the returned app as to any FastAPI app; `app.state.radixlm` is
+    the ServerState (engine, config, in-flight requests, metrics).
+    """
+    config = config or ServerConfig()
+    if not isinstance(engine, EngineClient):
+        missing = [
+            name
+            for name in ("generate", "abort", "flush_cache", "model_info", "server_info")
+            if not callable(getattr(engine, name, None))
+        ]
+        raise TypeError(
+            f"{type(engine).__name__} is not an EngineClient (missing: {', '.join(missing) or 'tokenizer'})"
+        )
+    state = ServerState(engine, config)
+    app = FastAPI(
+        title="radixlm",
+        version=__version__,
+        description="OpenAI-compatible and SGLang-native LLM serving.",
+    )
+    app.state.radixlm = state
+    install_error_handlers(app)
+
+    async def on_disconnect(request: Request, error: Exception) -> Response:
+        return Response(status_code=499)
+
+    app.add_exception_handler(ClientDisconnected, on_disconnect)
+    app.include_router(native_router(state))
+    app.include_router(_openai_router(state))
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    return app

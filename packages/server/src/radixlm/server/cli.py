@@ -1,0 +1,175 @@
+"""The command line: `radixlm serve ...` and `python -m radixlm.server ...` (the same flags,
+named as SGLang names them)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from radixlm.server._version import __version__
+from radixlm.server.config import LOG_LEVELS, TOOL_CALL_PARSERS, ServerConfig
+
+# Flags that configure the engine: (flag dest, argparse keywords). Their values go to
+# `radixlm.runtime.Engine(model_path, **kwargs)` under the dest name, only when given, so the
+# engine's own defaults apply otherwise.
+ENGINE_FLAGS: dict[str, dict[str, Any]] = {
+    "tokenizer_path": {"help": "tokenizer directory (default: the model's)"},
+    "dtype": {"choices": ["auto", "float32", "float16", "bfloat16"], "help": "weight dtype"},
+    "device": {"help": "cpu, cuda, cuda:N or auto"},
+    "load_format": {
+        "choices": ["auto", "safetensors", "pt", "dummy"],
+        "help": "how weights are read; dummy: random weights of the model's shape",
+    },
+    "context_length": {"type": int, "help": "override the model's maximum context length"},
+    "mem_fraction_static": {
+        "type": float,
+        "help": "fraction of device memory for weights and the KV cache",
+    },
+    "max_total_tokens": {"type": int, "help": "KV cache budget in tokens (overrides the fraction)"},
+    "max_running_requests": {"type": int, "help": "most requests decoded at once"},
+    "max_queued_requests": {
+        "type": int,
+        "help": "most requests waiting; beyond it requests get HTTP 503",
+    },
+    "chunked_prefill_size": {"type": int, "help": "most prompt tokens prefilled per step"},
+    "page_size": {"type": int, "help": "tokens per KV cache page"},
+    "schedule_policy": {
+        "choices": ["lpm", "dfs-weight", "fcfs", "random"],
+        "help": "order of waiting requests (lpm: longest cached prefix first)",
+    },
+    "disable_radix_cache": {"action": "store_true", "help": "no prefix reuse across requests"},
+    "grammar_backend": {
+        "choices": ["xgrammar", "outlines", "none"],
+        "help": "structured-output backend",
+    },
+    "disable_jump_forward": {
+        "action": "store_true",
+        "help": "decode forced grammar tokens one by one (for comparison)",
+    },
+    "sampling_defaults": {
+        "choices": ["model", "openai"],
+        "help": "model: generation_config.json under the request; openai: constants only",
+    },
+    "attention_backend": {"help": "attention implementation (e.g. torch_native, triton)"},
+    "json_whitespace": {
+        "choices": ["compact", "any"],
+        "help": "whitespace allowed in constrained JSON (default compact)",
+    },
+    "random_seed": {"type": int, "help": "seed of the engine's random state"},
+}
+
+NO_MODEL_MESSAGE = """\
+radixlm serve: no --model-path given.
+The built-in default model is not part of this release yet (it arrives with a later one).
+Pass a Hugging Face model directory, for example:
+
+    radixlm serve --model-path /path/to/Qwen2.5-0.5B-Instruct
+    radixlm serve --model-path /path/to/model --load-format dummy   # random weights, for testing
+"""
+
+
+def _add_flag(parser: argparse._ActionsContainer, dest: str, spec: dict[str, Any]) -> None:
+    parser.add_argument("--" + dest.replace("_", "-"), dest=dest, **spec)
+
+
+def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
+    """The parser of the serve flags."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve a model over HTTP: OpenAI-compatible (/v1/...) and SGLang-native "
+        "(/generate) routes.",
+    )
+    parser.add_argument("--model-path", help="Hugging Face model directory")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=30000, help="port to listen on")
+    server.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (not on /health)")
+    server.add_argument("--served-model-name", help="model name clients send (default: the path)")
+    server.add_argument("--chat-template", help="a Jinja chat template: a file path or the text")
+    server.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default="hermes",
+        help="tool-call format of the model's output (hermes/qwen: <tool_call>{json}</tool_call>)",
+    )
+    server.add_argument("--enable-metrics", action="store_true", help="serve /metrics")
+    server.add_argument(
+        "--enable-custom-logit-processor",
+        action="store_true",
+        help="accept custom_logit_processor in requests",
+    )
+    server.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    engine = parser.add_argument_group("engine")
+    for dest, spec in ENGINE_FLAGS.items():
+        _add_flag(engine, dest, spec)
+    return parser
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's text if it names a file, else the template itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    if "{" not in value and path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in value:
+        raise SystemExit(f"--chat-template: no such file {value!r} (nor is it a Jinja template)")
+    return value
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        chat_template=read_chat_template(args.chat_template),
+        tool_call_parser=args.tool_call_parser,
+        enable_metrics=args.enable_metrics,
+        enable_custom_logit_processor=args.enable_custom_logit_processor,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine settings the user gave (flags left out keep the engine's defaults)."""
+    kwargs: dict[str, Any] = {}
+    for dest in ENGINE_FLAGS:
+        value = getattr(args, dest)
+        if value is not None and value is not False:
+            kwargs[dest] = value
+    if args.enable_custom_logit_processor:
+        kwargs["enable_custom_logit_processor"] = True
+    return kwargs
+
+
+def serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm serve") -> int:
+    """Parse the serve flags and run the server until interrupted; returns the exit status."""
+    args = build_parser(prog).parse_args(argv)
+    if args.model_path is None:
+        print(NO_MODEL_MESSAGE, file=sys.stderr, end="")
+        return 2
+    from radixlm.server.launcher import LaunchError, launch
+
+    try:
+        launch(args.model_path, server_config(args), engine_kwargs(args))
+    except LaunchError as error:
+        print(f"radixlm serve: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`radixlm <command>`; today the one command is `serve`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="radixlm", description="radixlm command line")
+    parser.add_argument("--version", action="version", version=f"radixlm-server {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.add_parser("serve", help="serve a model over HTTP", add_help=False)
+    if not argv or argv[0] not in ("serve",):
+        parser.parse_args(argv or ["--help"])
+        return 2
+    return serve_main(argv[1:])

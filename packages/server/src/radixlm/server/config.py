@@ -1,0 +1,69 @@
+"""ServerConfig: what the HTTP layer needs to know, as one frozen dataclass (engine knobs live in
+the engine's own config; the launcher maps command-line flags onto both)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+TOOL_CALL_PARSERS = ("hermes", "qwen", "qwen25", "llama3")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of the HTTP server; pass it to `create_app(engine, config)`.
+
+    - `served_model_name`: the model name clients send (`model`) and `/v1/models` lists; None
+      means the engine's `model_info()["model_path"]`.
+    - `api_key`: when set, every route except `/health` and `/health_generate` requires
+      `Authorization: Bearer <key>` (401 otherwise).
+    - `chat_template`: a Jinja chat template (the text, not a path) used instead of the
+      tokenizer's own.
+    - `tool_call_parser`: how tool calls are recognised in the output of `tool_choice: "auto"`:
+      `hermes` / `qwen` / `qwen25` (`<tool_call>{json}</tool_call>`) or `llama3` (a bare JSON
+      object `{"name": ..., "parameters": ...}`, optionally after `<|python_tag|>`).
+    - `enable_metrics`: serve Prometheus metrics on `/metrics`.
+    - `enable_custom_logit_processor`: accept `custom_logit_processor` in requests (refused with
+      a 400 otherwise).
+    - `health_generate_timeout`: seconds `/health_generate` waits for its one-token generation.
+    - `host`, `port`, `log_level`: used by the launcher (`radixlm serve`) only.
+    - `log_requests`: log one info line per finished request (tokens, cache hits, latency).
+    """
+
+    served_model_name: str | None = None
+    api_key: str | None = None
+    chat_template: str | None = None
+    tool_call_parser: str = "hermes"
+    enable_metrics: bool = False
+    enable_custom_logit_processor: bool = False
+    health_generate_timeout: float = 20.0
+    host: str = "127.0.0.1"
+    port: int = 30000
+    log_level: str = "info"
+    log_requests: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}; got {self.log_level!r}"
+            )
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535; got {self.port}")
+        if self.health_generate_timeout <= 0:
+            raise ValueError("health_generate_timeout must be positive")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty; omit it to disable authentication")
+
+    def public_dict(self) -> dict[str, object]:
+        """The settings as a dict for `/get_server_info`, with the API key masked."""
+        values = asdict(self)
+        if values["api_key"] is not None:
+            values["api_key"] = "***"
+        if values["chat_template"] is not None:
+            values["chat_template"] = f"<{len(values['chat_template'])} characters>"
+        return values

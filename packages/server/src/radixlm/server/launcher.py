@@ -1,0 +1,79 @@
+"""The reference server: radixlm's own engine behind create_app, run by uvicorn.
+
+This is the one module of radixlm.server that may import radixlm.runtime, and it does so
+lazily, inside `build_engine`, so the rest of the package (and a custom server built on
+`create_app`) never needs the runtime installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+from radixlm.server.app import create_app
+from radixlm.server.config import ServerConfig
+from radixlm.server.protocol import EngineClient
+
+logger = logging.getLogger("radixlm.server")
+
+
+class LaunchError(RuntimeError):
+    """The reference server cannot start; the message says what to do."""
+
+
+def build_engine(model_path: str, engine_kwargs: dict[str, Any]) -> EngineClient:
+    """`radixlm.runtime.Engine(model_path, **engine_kwargs)`, imported only now."""
+    try:
+        # By name: the import contract allows this module to import radixlm.runtime's
+        # submodules (`radixlm.runtime.**`), and the Engine is exported by the package itself.
+        runtime = importlib.import_module("radixlm.runtime")
+        Engine = runtime.Engine
+    except (ImportError, AttributeError) as error:
+        raise LaunchError(
+            "the engine (radixlm-runtime) is not available: "
+            f"{error}. Install it with `pip install radixlm-runtime` (or `pip install radixlm` "
+            "for the full reference server)."
+        ) from None
+    try:
+        engine: EngineClient = Engine(model_path, **engine_kwargs)
+    except (TypeError, ValueError, OSError) as error:
+        raise LaunchError(f"cannot start the engine on {model_path!r}: {error}") from None
+    return engine
+
+
+def usage_banner(config: ServerConfig, model: str) -> str:
+    """How to call the server, printed once it starts."""
+    base = f"http://{config.host}:{config.port}"
+    auth = f' -H "Authorization: Bearer {config.api_key}"' if config.api_key else ""
+    key = config.api_key or "none"
+    return (
+        f"radixlm serving {model!r} at {base}\n"
+        f"  curl {base}/generate{auth} -H 'Content-Type: application/json' \\\n"
+        '       -d \'{"text": "The capital of France is", '
+        '"sampling_params": {"max_new_tokens": 16, "temperature": 0}}\'\n'
+        f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', "
+        f"api_key='{key}'); print(c.chat.completions.create(model='{model}', "
+        "messages=[{'role': 'user', 'content': 'Hello'}]).choices[0].message.content)\""
+    )
+
+
+def launch(model_path: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> None:
+    """Start the engine and serve it until interrupted (blocks)."""
+    import uvicorn
+
+    level = "DEBUG" if config.log_level == "trace" else config.log_level.upper()
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    engine = build_engine(model_path, engine_kwargs)
+    try:
+        app = create_app(engine, config)
+        served = app.state.radixlm.served_model_name
+        print(usage_banner(config, served), flush=True)
+        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    finally:
+        shutdown = getattr(engine, "shutdown", None)
+        if callable(shutdown):
+            shutdown()

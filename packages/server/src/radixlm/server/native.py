@@ -1,0 +1,172 @@
+"""SGLang's native routes: /generate (single, batch, streaming), health, model and server info,
+cache flush, abort, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from radixlm.sampling import GenerateRequest, SamplingParams
+from radixlm.server._version import __version__
+from radixlm.server.errors import APIError, as_api_error
+from radixlm.server.metrics import CONTENT_TYPE
+from radixlm.server.state import ServerState, finish_type, read_json, read_object
+from radixlm.server.streams import (
+    DONE_EVENT,
+    EngineStreams,
+    EventStreamResponse,
+    cancel_on_disconnect,
+    sse,
+)
+
+
+def _schema_of(model: Any) -> dict[str, Any]:
+    """An OpenAPI request body documenting `model` (the route parses the body itself)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }
+
+
+class _Generate:
+    """One /generate call: maps (stream, sequence) to SGLang's flat output index."""
+
+    def __init__(self, state: ServerState, request: GenerateRequest) -> None:
+        self.items = [state.prepare(item) for item in request.split()]
+        self.n = [item.params.n for item in self.items]
+        self.offsets = [sum(self.n[:i]) for i in range(len(self.items))]
+        self.single = request.is_single and self.n[0] == 1
+
+    def shape(self, stream: int, chunk: dict[str, Any]) -> dict[str, Any]:
+        out = dict(chunk)
+        if self.single:
+            out.pop("index", None)
+        else:
+            out["index"] = self.offsets[stream] + int(chunk.get("index", 0))
+        return out
+
+    async def collect(self, streams: EngineStreams) -> Any:
+        finals: dict[int, dict[str, Any]] = {}
+        try:
+            await streams.start()
+            async for stream, chunk in streams:
+                if finish_type(chunk) is not None:
+                    shaped = self.shape(stream, chunk)
+                    finals[int(shaped.get("index", 0))] = shaped
+        finally:
+            await streams.aclose()
+        if self.single:
+            return finals[0]
+        return [finals[i] for i in sorted(finals)]
+
+    async def events(self, streams: EngineStreams) -> AsyncIterator[str]:
+        try:
+            async for stream, chunk in streams:
+                yield sse(self.shape(stream, chunk))
+        except Exception as error:
+            yield sse((as_api_error(error) or APIError(500, f"engine error: {error}")).body())
+        finally:
+            await streams.aclose()
+        yield DONE_EVENT
+
+
+def native_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+    engine = state.engine
+
+    @router.post("/generate", openapi_extra=_schema_of(GenerateRequest), tags=["native"])
+    async def generate(http: Request) -> Response:
+        """SGLang's `/generate`: text or token ids, single or batch, streamed as SSE on request."""
+        request = GenerateRequest.parse(read_object(await read_json(http)))
+        call = _Generate(state, request)
+        streams = state.streams("/generate", call.items)
+        if request.stream:
+            await cancel_on_disconnect(http, streams.start())
+            return EventStreamResponse(call.events(streams))
+        return JSONResponse(await cancel_on_disconnect(http, call.collect(streams)))
+
+    @router.get("/health", tags=["native"])
+    async def health() -> Response:
+        """Liveness: 200 while the process serves HTTP."""
+        return Response(status_code=200)
+
+    @router.get("/health_generate", tags=["native"])
+    async def health_generate() -> Response:
+        """Readiness: 200 once a real one-token generation succeeds, 503 otherwise."""
+        probe = GenerateRequest(
+            input_ids=[0],
+            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
+            rid=state.new_id("health-"),
+        )
+        streams = state.streams("/health_generate", [probe])
+
+        async def run() -> None:
+            try:
+                await streams.start()
+                async for _ in streams:
+                    pass
+            finally:
+                await streams.aclose()
+
+        try:
+            await asyncio.wait_for(run(), timeout=state.config.health_generate_timeout)
+        except Exception as error:
+            reason = "timed out" if isinstance(error, asyncio.TimeoutError) else repr(error)
+            raise APIError(503, f"the engine cannot generate: {reason}", code="unhealthy") from None
+        return Response(status_code=200)
+
+    @router.get("/get_model_info", tags=["native"])
+    async def get_model_info() -> dict[str, Any]:
+        """The model: path, tokenizer, context length, vocabulary, chat template, EOS ids."""
+        return {**state.model_info, "served_model_name": state.served_model_name}
+
+    @router.get("/get_server_info", tags=["native"])
+    async def get_server_info() -> dict[str, Any]:
+        """Engine config and live stats (cache hit rate, running / queued), server settings."""
+        return {
+            **engine.server_info(),
+            "server_config": state.config.public_dict(),
+            "http_requests_in_flight": len(state.inflight),
+            "version": __version__,
+        }
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"], tags=["native"])
+    async def flush_cache() -> Response:
+        """Drop the unlocked prefix-cache entries; 400 while requests are running."""
+        if await engine.flush_cache():
+            return JSONResponse({"success": True, "message": "Cache flushed."})
+        raise APIError(
+            400, "the cache was not flushed: requests are running; retry when idle", code="busy"
+        )
+
+    @router.post("/abort_request", tags=["native"])
+    async def abort_request(http: Request) -> dict[str, Any]:
+        """Abort `{"rid": ...}` (its stream ends with finish_reason abort) or `{"abort_all": true}`."""
+        body = read_object(await read_json(http))
+        unknown = set(body) - {"rid", "abort_all"}
+        if unknown:
+            raise APIError(400, f"unknown fields {sorted(unknown)}; send rid or abort_all")
+        if body.get("abort_all"):
+            return {"success": True, "aborted": await state.abort_all()}
+        rid = body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise APIError(400, "give the request id to abort as rid", param="rid")
+        aborted = bool(await engine.abort(rid))
+        return {"success": aborted, "aborted": int(aborted)}
+
+    if state.metrics is not None:
+        metrics = state.metrics
+
+        @router.get("/metrics", tags=["native"])
+        async def get_metrics() -> Response:
+            """Prometheus metrics."""
+            return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return router

@@ -1,0 +1,305 @@
+"""`POST /v1/chat/completions`: messages through the chat template, constraints from
+response_format and tool_choice, tool calls parsed out of the output (streamed as deltas)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from radixlm.sampling import GenerateRequest, InvalidRequest
+from radixlm.server.errors import APIError, as_api_error
+from radixlm.server.openai_common import (
+    StreamUsage,
+    chat_logprobs,
+    finish_reason,
+    new_entries,
+    now,
+    parse_body,
+    sampling_params,
+    usage,
+)
+from radixlm.server.openai_models import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from radixlm.server.state import ServerState, read_json, read_object, renamed_prompt_errors
+from radixlm.server.streams import (
+    DONE_EVENT,
+    EngineStreams,
+    EventStreamResponse,
+    cancel_on_disconnect,
+    sse,
+)
+from radixlm.server.tool_calls import ToolCallReader, tool_call_constraint
+
+_about_messages = renamed_prompt_errors("messages")
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates expect it (tool-call arguments as objects)."""
+    out: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": message.text(),
+    }
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            arguments: Any = call.function.arguments
+            if isinstance(arguments, str):
+                with contextlib.suppress(json.JSONDecodeError):
+                    arguments = json.loads(arguments)
+            calls.append(
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": arguments},
+                }
+            )
+        out["tool_calls"] = calls
+    return out
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template: str | None,
+    template_kwargs: dict[str, Any] | None,
+) -> str:
+    """The prompt text of a conversation; InvalidRequest when the template cannot render it."""
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest(
+            "messages",
+            "this model has no chat template; use /v1/completions, or start the server with "
+            "--chat-template",
+        )
+    kwargs = dict(template_kwargs or {})
+    if template is not None:
+        kwargs["chat_template"] = template
+    try:
+        prompt = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+    except Exception as error:  # jinja2 errors, raise_exception() in templates, bad kwargs
+        raise InvalidRequest(
+            "messages", f"the chat template cannot render these messages: {error}"
+        ) from None
+    return str(prompt)
+
+
+class _Chat:
+    """One `/v1/chat/completions` call."""
+
+    def __init__(self, state: ServerState, request: ChatCompletionRequest) -> None:
+        self.state = state
+        self.request = request
+        self.id = state.new_id("chatcmpl-")
+        self.created = now()
+        choice = request.effective_tool_choice
+        tools = request.tools if choice != "none" else None
+        self.reader_mode: str | None = None
+        self.function_name: str | None = None
+        if tools:
+            if isinstance(choice, NamedToolChoice):
+                self.reader_mode, self.function_name = "named", choice.function.name
+            elif choice == "required":
+                self.reader_mode = "required"
+            else:
+                self.reader_mode = state.config.tool_call_parser
+        tokenizer = state.engine.tokenizer
+        prompt = render_chat(
+            tokenizer,
+            [_template_message(m) for m in request.messages],
+            [t.model_dump(exclude_none=True) for t in tools] if tools else None,
+            state.config.chat_template,
+            request.chat_template_kwargs,
+        )
+        input_ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        params = sampling_params(
+            request,
+            "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
+            max_new_tokens=request.max_completion_tokens,
+            json_schema=self._constraint(tools, choice),
+        )
+        item = GenerateRequest.parse(
+            {
+                "input_ids": input_ids,
+                "sampling_params": params,
+                "rid": request.rid,
+                "return_logprob": request.logprobs,
+                "top_logprobs_num": request.top_logprobs or 0,
+                "return_text_in_logprobs": True,
+                "stream": request.stream,
+                "custom_logit_processor": request.custom_logit_processor,
+            }
+        )
+        self.item = state.prepare(item)
+        self.readers: dict[int, ToolCallReader] = {}
+
+    def _constraint(self, tools: Any, choice: Any) -> str | None:
+        request = self.request
+        found: list[tuple[str, str | None]] = []
+        if request.response_format is not None and request.response_format.type != "text":
+            schema: Any = {"type": "object"}
+            spec = request.response_format.json_schema
+            if request.response_format.type == "json_schema" and spec and spec.schema_:
+                schema = spec.schema_
+            found.append(("response_format", json.dumps(schema)))
+        tool_schema = (
+            tool_call_constraint(tools, choice, request.parallel_tool_calls) if tools else None
+        )
+        if tool_schema is not None:
+            found.append(("tool_choice", tool_schema))
+        found += [
+            (name, "") for name in ("regex", "json_schema", "ebnf", "structural_tag")
+            if getattr(request, name) is not None
+        ]  # fmt: skip
+        if len(found) > 1:
+            raise InvalidRequest(
+                found[1][0],
+                f"only one constraint may shape the output; got {', '.join(n for n, _ in found)}",
+            )
+        return found[0][1] or None if found else None
+
+    def reader(self, index: int) -> ToolCallReader | None:
+        if self.reader_mode is None:
+            return None
+        if index not in self.readers:
+            self.readers[index] = ToolCallReader(self.reader_mode, self.function_name)
+        return self.readers[index]
+
+    def logprobs(self, meta: dict[str, Any], start: int, end: int) -> Any:
+        if not self.request.logprobs:
+            return None
+        tokens = new_entries(meta, "output_token_logprobs", end, start)
+        tops = new_entries(meta, "output_top_logprobs", end, start)
+        return chat_logprobs(tokens, tops, self.state.engine.tokenizer)
+
+    def chunk(self, choices: list[dict[str, Any]], usage_value: Any = ...) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.state.served_model_name,
+            "choices": choices,
+        }
+        if usage_value is not ...:
+            body["usage"] = usage_value
+        return body
+
+    async def collect(self, streams: EngineStreams) -> dict[str, Any]:
+        finals: dict[int, dict[str, Any]] = {}
+        try:
+            await streams.start()
+            async for _, chunk in streams:
+                if finish_reason(chunk.get("meta_info", {})) is not None:
+                    finals[int(chunk.get("index", 0))] = chunk
+        finally:
+            await streams.aclose()
+        choices = []
+        completion = 0
+        meta: dict[str, Any] = {}
+        for index in sorted(finals):
+            chunk = finals[index]
+            meta = chunk.get("meta_info", {})
+            completion += int(meta.get("completion_tokens", 0))
+            text = str(chunk.get("text", ""))
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reason = finish_reason(meta)
+            reader = self.reader(index)
+            if reader is not None:
+                content, calls = reader.result(text)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = "tool_calls" if reason == "stop" else reason
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": self.logprobs(meta, 0, len(chunk.get("output_ids") or [])),
+                    "finish_reason": reason,
+                }
+            )
+        prompt = int(meta.get("prompt_tokens", 0))
+        body = self.chunk(choices, usage(prompt, completion, int(meta.get("cached_tokens", 0))))
+        body["object"] = "chat.completion"
+        return body
+
+    def _choice_deltas(
+        self, index: int, chunk: dict[str, Any], progress: Any
+    ) -> list[dict[str, Any]]:
+        """The chunks' choices for one engine chunk of one choice."""
+        meta = chunk.get("meta_info", {})
+        text = str(chunk.get("text", ""))
+        output_len = len(chunk.get("output_ids") or [])
+        reason = finish_reason(meta)
+        out: list[dict[str, Any]] = []
+        if not progress.started:
+            progress.started = True
+            out.append(
+                {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}
+            )  # fmt: skip
+        delta: dict[str, Any] = {}
+        reader = self.reader(index)
+        if reader is not None:
+            content, calls = reader.deltas(text, final=reason is not None)
+            if content:
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = calls
+        elif len(text) > progress.chars:
+            delta["content"] = text[progress.chars :]
+        logprobs = self.logprobs(meta, progress.tokens, output_len)
+        progress.chars = max(progress.chars, len(text))
+        progress.tokens = max(progress.tokens, output_len)
+        if delta or (logprobs and logprobs["content"]):
+            out.append(
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+            )
+        if reason is not None:
+            if reader is not None and reader.called and reason == "stop":
+                reason = "tool_calls"
+            out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return out
+
+    async def events(self, streams: EngineStreams) -> AsyncIterator[str]:
+        options = self.request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        tally = StreamUsage()
+        try:
+            async for stream, chunk in streams:
+                index = int(chunk.get("index", 0))
+                progress = tally.update(stream, index, chunk.get("meta_info", {}))
+                for choice in self._choice_deltas(index, chunk, progress):
+                    stats: Any = tally.summary() if continuous else None
+                    yield sse(
+                        self.chunk([choice], stats) if include_usage else self.chunk([choice])
+                    )
+            if include_usage:
+                yield sse(self.chunk([], tally.summary()))
+        except Exception as error:
+            yield sse((as_api_error(error) or APIError(500, f"engine error: {error}")).body())
+        finally:
+            await streams.aclose()
+        yield DONE_EVENT
+
+
+async def create_chat_completion(state: ServerState, http: Request) -> Response:
+    request = parse_body(ChatCompletionRequest, read_object(await read_json(http)))
+    state.check_model(request.model)
+    with _about_messages():
+        call = _Chat(state, request)
+        streams = state.streams("/v1/chat/completions", [call.item])
+        if request.stream:
+            await cancel_on_disconnect(http, streams.start())
+            return EventStreamResponse(call.events(streams))
+        return JSONResponse(await cancel_on_disconnect(http, call.collect(streams)))

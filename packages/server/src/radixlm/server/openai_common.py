@@ -1,0 +1,197 @@
+"""What the two OpenAI routes share: request fields to SamplingParams, engine chunks to OpenAI
+logprobs, usage and finish reasons, and the per-choice bookkeeping of a stream."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from radixlm.sampling import InvalidRequest, SamplingParams
+from radixlm.server.openai_models import SamplingFields
+
+M = TypeVar("M", bound=BaseModel)
+
+# Request fields copied as they are into SamplingParams (when the client sent them).
+_DIRECT = (
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "n",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "stop_token_ids",
+    "stop_regex",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "include_stop_str_in_output",
+    "allowed_token_ids",
+    "bad_words",
+    "regex",
+    "ebnf",
+    "custom_params",
+)
+# SamplingParams field -> the OpenAI request field it came from (for error messages).
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def parse_body(model: type[M], body: Mapping[str, Any]) -> M:
+    """Validate a JSON object into `model`; InvalidRequest naming the field otherwise."""
+    try:
+        return model.model_validate(dict(body))
+    except ValidationError as error:
+        raise InvalidRequest.from_validation_error(error) from None
+
+
+def _json_text(value: str | dict[str, Any]) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def sampling_params(
+    request: SamplingFields, max_tokens_name: str = "max_tokens", **overrides: Any
+) -> SamplingParams:
+    """SamplingParams from the fields the client sent (unsent ones keep the engine's defaults).
+
+    `overrides` are SamplingParams fields the route derived (a constraint, max_new_tokens).
+    """
+    values: dict[str, Any] = {}
+    sent = request.model_fields_set
+    for name in _DIRECT:
+        if name in sent and getattr(request, name) is not None:
+            values[name] = getattr(request, name)
+    if request.max_tokens is not None:
+        values["max_new_tokens"] = request.max_tokens
+    if request.min_tokens is not None:
+        values["min_new_tokens"] = request.min_tokens
+    if request.logit_bias is not None:
+        bias: dict[int, float] = {}
+        for key, value in request.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise InvalidRequest(
+                    "logit_bias", f"keys must be token ids (integers as strings); got {key!r}"
+                ) from None
+        values["logit_bias"] = bias
+    for name in ("json_schema", "structural_tag"):
+        value = getattr(request, name)
+        if value is not None:
+            values[name] = _json_text(value)
+    if request.repetition_detection is not None:
+        values["repetition_detection"] = request.repetition_detection.model_dump()
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return SamplingParams.parse(values)
+    except InvalidRequest as error:
+        names = {**_OPENAI_NAMES, "max_new_tokens": max_tokens_name}
+        field_name = names.get(error.field, error.field)
+        raise InvalidRequest(field_name, error.message) from None
+
+
+def finish_reason(meta: Mapping[str, Any]) -> str | None:
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None
+    return str(reason.get("type")) if isinstance(reason, Mapping) else str(reason)
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def token_text(entry: list[Any] | tuple[Any, ...], tokenizer: Any) -> str:
+    """The text of a `[logprob, token_id, text]` triple (decoded when the engine left it out)."""
+    if len(entry) > 2 and entry[2] is not None:
+        return str(entry[2])
+    return str(tokenizer.decode([int(entry[1])]))
+
+
+def new_entries(meta: Mapping[str, Any], key: str, output_len: int, sent: int) -> list[Any]:
+    """The entries of `meta[key]` for tokens not sent yet (cumulative or incremental lists)."""
+    entries = list(meta.get(key) or [])
+    return entries[sent:] if len(entries) >= output_len else entries
+
+
+def completion_logprobs(
+    tokens: list[Any], tops: list[Any], tokenizer: Any, offset: int
+) -> dict[str, Any]:
+    """OpenAI completions' `logprobs` object for some tokens; `offset` is the first's position."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    out["text_offset"] = []
+    for i, entry in enumerate(tokens):
+        text = token_text(entry, tokenizer)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(entry[0])
+        top = tops[i] if i < len(tops) else None
+        out["top_logprobs"].append(
+            None if top is None else {token_text(t, tokenizer): t[0] for t in top}
+        )
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _chat_entry(entry: list[Any], tokenizer: Any) -> dict[str, Any]:
+    text = token_text(entry, tokenizer)
+    return {"token": text, "logprob": entry[0], "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tokens: list[Any], tops: list[Any], tokenizer: Any) -> dict[str, Any]:
+    """OpenAI chat's `logprobs` object (`{"content": [...]}`) for some tokens."""
+    content = []
+    for i, entry in enumerate(tokens):
+        item = _chat_entry(entry, tokenizer)
+        top = tops[i] if i < len(tops) else None
+        item["top_logprobs"] = [_chat_entry(t, tokenizer) for t in top or []]
+        content.append(item)
+    return {"content": content}
+
+
+@dataclass
+class ChoiceProgress:
+    """What a stream already sent for one choice."""
+
+    chars: int = 0
+    tokens: int = 0
+    started: bool = False
+    finished: bool = False
+    completion_tokens: int = 0
+
+
+@dataclass
+class StreamUsage:
+    """Token counts of a streamed request: prompts once per prompt, completions per choice."""
+
+    prompt: dict[int, int] = field(default_factory=dict)
+    cached: dict[int, int] = field(default_factory=dict)
+    choices: dict[int, ChoiceProgress] = field(default_factory=dict)
+
+    def update(self, stream: int, choice: int, meta: Mapping[str, Any]) -> ChoiceProgress:
+        self.prompt[stream] = int(meta.get("prompt_tokens", self.prompt.get(stream, 0)))
+        self.cached[stream] = int(meta.get("cached_tokens", self.cached.get(stream, 0)))
+        progress = self.choices.setdefault(choice, ChoiceProgress())
+        progress.completion_tokens = int(meta.get("completion_tokens", 0))
+        return progress
+
+    def summary(self) -> dict[str, Any]:
+        completion = sum(p.completion_tokens for p in self.choices.values())
+        return usage(sum(self.prompt.values()), completion, sum(self.cached.values()))
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,194 @@
+"""`POST /v1/completions`: prompts (text, lists, token ids) to engine requests and back."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from radixlm.sampling import GenerateRequest
+from radixlm.server.errors import APIError, as_api_error
+from radixlm.server.openai_common import (
+    StreamUsage,
+    completion_logprobs,
+    finish_reason,
+    new_entries,
+    now,
+    parse_body,
+    sampling_params,
+    usage,
+)
+from radixlm.server.openai_models import CompletionRequest
+from radixlm.server.state import ServerState, read_json, read_object, renamed_prompt_errors
+from radixlm.server.streams import (
+    DONE_EVENT,
+    EngineStreams,
+    EventStreamResponse,
+    cancel_on_disconnect,
+    sse,
+)
+
+_about_prompt = renamed_prompt_errors("prompt")
+Prompt = tuple[str | None, list[int] | None]
+
+
+def _prompts(request: CompletionRequest) -> list[Prompt]:
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [(prompt, None)]
+    if all(isinstance(p, int) for p in prompt):
+        return [(None, list(prompt))]  # type: ignore[arg-type]
+    return [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompt]  # type: ignore[arg-type]
+
+
+class _Completion:
+    """One `/v1/completions` call: its engine requests and how their chunks become choices."""
+
+    def __init__(self, state: ServerState, request: CompletionRequest) -> None:
+        self.state = state
+        self.request = request
+        self.id = state.new_id("cmpl-")
+        self.created = now()
+        self.prompts = _prompts(request)
+        self.n = request.n
+        params = sampling_params(request)
+        logprobs = request.logprobs
+        self.items: list[GenerateRequest] = []
+        for i, (text, ids) in enumerate(self.prompts):
+            rid = request.rid if request.rid and len(self.prompts) == 1 else None
+            if request.rid and len(self.prompts) > 1:
+                rid = f"{request.rid}-{i}"
+            item = GenerateRequest.parse(
+                {
+                    "text": text,
+                    "input_ids": ids,
+                    "sampling_params": params,
+                    "rid": rid,
+                    "return_logprob": logprobs is not None,
+                    "top_logprobs_num": logprobs or 0,
+                    "logprob_start_len": 0 if request.echo and logprobs is not None else -1,
+                    "return_text_in_logprobs": True,
+                    "stream": request.stream,
+                    "custom_logit_processor": request.custom_logit_processor,
+                }
+            )
+            self.items.append(state.prepare(item))
+
+    def prompt_text(self, stream: int) -> str:
+        text, ids = self.prompts[stream]
+        return text if text is not None else str(self.state.engine.tokenizer.decode(ids))
+
+    def choice_index(self, stream: int, chunk: dict[str, Any]) -> int:
+        return stream * self.n + int(chunk.get("index", 0))
+
+    def logprobs(self, meta: dict[str, Any], start: int, count: int, offset: int) -> Any:
+        """Logprobs of output tokens [start, start+count), plus the prompt's when echoing."""
+        if self.request.logprobs is None:
+            return None
+        tokenizer = self.state.engine.tokenizer
+        tokens = new_entries(meta, "output_token_logprobs", start + count, start)
+        tops = new_entries(meta, "output_top_logprobs", start + count, start)
+        if self.request.echo and start == 0:
+            tokens = list(meta.get("input_token_logprobs") or []) + tokens
+            tops = list(meta.get("input_top_logprobs") or []) + tops
+        return completion_logprobs(tokens, tops, tokenizer, offset)
+
+    def chunk(self, choices: list[dict[str, Any]], usage_value: Any = ...) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.state.served_model_name,
+            "choices": choices,
+        }
+        if usage_value is not ...:
+            body["usage"] = usage_value
+        return body
+
+    async def collect(self, streams: EngineStreams) -> dict[str, Any]:
+        finals: dict[int, tuple[int, dict[str, Any]]] = {}
+        try:
+            await streams.start()
+            async for stream, chunk in streams:
+                if finish_reason(chunk.get("meta_info", {})) is not None:
+                    finals[self.choice_index(stream, chunk)] = (stream, chunk)
+        finally:
+            await streams.aclose()
+        choices = []
+        prompt_tokens: dict[int, int] = {}
+        cached: dict[int, int] = {}
+        completion = 0
+        for index in sorted(finals):
+            stream, chunk = finals[index]
+            meta = chunk.get("meta_info", {})
+            prompt_tokens[stream] = int(meta.get("prompt_tokens", 0))
+            cached[stream] = int(meta.get("cached_tokens", 0))
+            completion += int(meta.get("completion_tokens", 0))
+            prefix = self.prompt_text(stream) if self.request.echo else ""
+            output_len = len(chunk.get("output_ids") or [])
+            choices.append(
+                {
+                    "index": index,
+                    "text": prefix + str(chunk.get("text", "")),
+                    "logprobs": self.logprobs(meta, 0, output_len, 0),
+                    "finish_reason": finish_reason(meta),
+                }
+            )
+        total = usage(sum(prompt_tokens.values()), completion, sum(cached.values()))
+        return self.chunk(choices, total)
+
+    async def events(self, streams: EngineStreams) -> AsyncIterator[str]:
+        options = self.request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        tally = StreamUsage()
+        try:
+            async for stream, chunk in streams:
+                meta = chunk.get("meta_info", {})
+                index = self.choice_index(stream, chunk)
+                progress = tally.update(stream, index, meta)
+                text = str(chunk.get("text", ""))
+                output_len = len(chunk.get("output_ids") or [])
+                delta = text[progress.chars :]
+                offset = progress.chars
+                if not progress.started and self.request.echo:
+                    delta = self.prompt_text(stream) + delta
+                    offset = 0
+                count = output_len - progress.tokens
+                logprobs = self.logprobs(meta, progress.tokens, count, offset)
+                reason = finish_reason(meta)
+                if delta or count > 0 or reason is not None or not progress.started:
+                    choice = {
+                        "index": index,
+                        "text": delta,
+                        "logprobs": logprobs,
+                        "finish_reason": reason,
+                    }
+                    stats: Any = tally.summary() if continuous else None
+                    yield sse(
+                        self.chunk([choice], stats) if include_usage else self.chunk([choice])
+                    )
+                progress.started = True
+                progress.chars = max(progress.chars, len(text))
+                progress.tokens = max(progress.tokens, output_len)
+            if include_usage:
+                yield sse(self.chunk([], tally.summary()))
+        except Exception as error:
+            yield sse((as_api_error(error) or APIError(500, f"engine error: {error}")).body())
+        finally:
+            await streams.aclose()
+        yield DONE_EVENT
+
+
+async def create_completion(state: ServerState, http: Request) -> Response:
+    request = parse_body(CompletionRequest, read_object(await read_json(http)))
+    state.check_model(request.model)
+    with _about_prompt():
+        call = _Completion(state, request)
+        streams = state.streams("/v1/completions", call.items)
+        if request.stream:
+            await cancel_on_disconnect(http, streams.start())
+            return EventStreamResponse(call.events(streams))
+        return JSONResponse(await cancel_on_disconnect(http, call.collect(streams)))

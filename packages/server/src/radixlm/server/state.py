@@ -1,0 +1,228 @@
+"""ServerState: the engine, the config and what the routes share (in-flight requests, metrics),
+plus the one place that submits requests to the engine and accounts for them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+from starlette.requests import Request
+
+from radixlm.sampling import CustomLogitProcessor, GenerateRequest, InvalidRequest
+from radixlm.server.config import ServerConfig
+from radixlm.server.errors import APIError, invalid_json
+from radixlm.server.metrics import ServerMetrics
+from radixlm.server.protocol import EngineClient
+from radixlm.server.streams import EngineStreams, close_iterator
+
+logger = logging.getLogger("radixlm.server")
+
+
+async def read_json(request: Request) -> Any:
+    """The request body as JSON; 400 when it is not JSON."""
+    raw = await request.body()
+    try:
+        return json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise invalid_json(error) from None
+
+
+def read_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        kind = "nothing" if body is None else type(body).__name__
+        raise APIError(400, f"the request body must be a JSON object; got {kind}", code="invalid")
+    return body
+
+
+def renamed_prompt_errors(field: str) -> Callable[[], AbstractContextManager[None]]:
+    """A context that re-raises InvalidRequest about `text` / `input_ids` as about `field`
+    (the OpenAI routes build those from `prompt` / `messages`)."""
+
+    @contextmanager
+    def rename() -> Iterator[None]:
+        try:
+            yield
+        except InvalidRequest as error:
+            if error.field not in ("text", "input_ids"):
+                raise
+            raise InvalidRequest(field, error.message) from None
+
+    return rename
+
+
+def finish_type(chunk: dict[str, Any]) -> str | None:
+    reason = chunk.get("meta_info", {}).get("finish_reason")
+    if isinstance(reason, dict):
+        return str(reason.get("type"))
+    return None if reason is None else str(reason)
+
+
+class ServerState:
+    """Shared by every route of one app. Not thread-safe: used from the event loop only."""
+
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.inflight: dict[str, float] = {}
+        self.metrics: ServerMetrics | None = None
+        if config.enable_metrics:
+            self.metrics = ServerMetrics(engine.server_info, lambda: len(self.inflight))
+        self._model_info: dict[str, Any] | None = None
+
+    # Model facts.
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        if self._model_info is None:
+            self._model_info = dict(self.engine.model_info())
+        return self._model_info
+
+    @property
+    def served_model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        return str(self.model_info.get("model_path") or "default")
+
+    @property
+    def vocab_size(self) -> int | None:
+        value = self.model_info.get("vocab_size")
+        return int(value) if isinstance(value, int) else None
+
+    @property
+    def context_length(self) -> int | None:
+        value = self.model_info.get("max_context_length")
+        return int(value) if isinstance(value, int) else None
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise APIError(
+                400,
+                f"the model {name!r} is not served here; this server serves "
+                f"{self.served_model_name!r} (see /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}{uuid.uuid4().hex}"
+
+    # Submission.
+
+    def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        """Checks the engine would otherwise make later; a request id if none was given."""
+        if request.custom_logit_processor is not None:
+            if not self.config.enable_custom_logit_processor:
+                raise InvalidRequest(
+                    "custom_logit_processor",
+                    "custom logit processors are disabled on this server; start it with "
+                    "--enable-custom-logit-processor to allow them",
+                )
+            try:
+                CustomLogitProcessor.from_str(str(request.custom_logit_processor))
+            except ValueError as error:
+                raise InvalidRequest("custom_logit_processor", str(error)) from None
+        vocab = self.vocab_size
+        if vocab is not None:
+            request.params.check(vocab)
+        ids = request.input_ids
+        if isinstance(ids, list) and ids and isinstance(ids[0], int):
+            flat: list[int] = ids
+            if vocab is not None and max(flat) >= vocab:
+                raise InvalidRequest(
+                    "input_ids",
+                    f"token id {max(flat)} is outside the vocabulary of {vocab} tokens",
+                )
+            context = self.context_length
+            needed = len(flat) + (0 if request.params.max_new_tokens == 0 else 1)
+            if context is not None and needed > context:
+                raise InvalidRequest(
+                    "input_ids",
+                    f"the prompt has {len(flat)} tokens but the model's context holds {context}; "
+                    "shorten the prompt",
+                )
+        rid = request.rid
+        if rid is None:
+            return request.model_copy(update={"rid": self.new_id("")})
+        if rid in self.inflight:
+            raise InvalidRequest("rid", f"a request with id {rid!r} is already running")
+        return request
+
+    def streams(self, route: str, requests: list[GenerateRequest]) -> EngineStreams:
+        """The engine streams of prepared single requests (call `start()` next)."""
+        return EngineStreams(
+            [lambda r=r: self._tracked(route, r) for r in requests]  # type: ignore[misc]
+        )
+
+    async def _tracked(self, route: str, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        rid = str(request.rid)
+        arrival = time.monotonic()
+        self.inflight[rid] = arrival
+        finals: dict[int, dict[str, Any]] = {}
+        first_token_at: float | None = None
+        iterator = self.engine.generate(request)
+        try:
+            async for chunk in iterator:
+                if first_token_at is None and chunk.get("output_ids"):
+                    first_token_at = time.monotonic()
+                    if self.metrics is not None and request.stream:
+                        self.metrics.ttft.observe(first_token_at - arrival)
+                if finish_type(chunk) is not None:
+                    finals[int(chunk.get("index", 0))] = chunk
+                yield chunk
+        finally:
+            await close_iterator(iterator)
+            self.inflight.pop(rid, None)
+            self._account(route, request, finals, time.monotonic() - arrival)
+
+    def _account(
+        self,
+        route: str,
+        request: GenerateRequest,
+        finals: dict[int, dict[str, Any]],
+        latency: float,
+    ) -> None:
+        expected = request.params.n
+        meta = [finals[i].get("meta_info", {}) for i in sorted(finals)]
+        prompt = int(meta[0].get("prompt_tokens", 0)) if meta else 0
+        cached = int(meta[0].get("cached_tokens", 0)) if meta else 0
+        completion = sum(int(m.get("completion_tokens", 0)) for m in meta)
+        reasons = [finish_type(finals[i]) or "?" for i in sorted(finals)]
+        if len(finals) < expected:
+            reasons.append("disconnected")
+        if self.metrics is not None:
+            for i, m in enumerate(meta):
+                self.metrics.record_sequence(
+                    route,
+                    reasons[i],
+                    prompt if i == 0 else 0,
+                    cached if i == 0 else 0,
+                    int(m.get("completion_tokens", 0)),
+                    latency,
+                )
+            if len(finals) < expected:
+                self.metrics.requests.labels(route=route, finish_reason="disconnected").inc()
+        if self.config.log_requests:
+            logger.info(
+                "%s rid=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d n=%d "
+                "finish=%s latency=%.3fs",
+                route,
+                request.rid,
+                prompt,
+                cached,
+                completion,
+                expected,
+                ",".join(reasons),
+                latency,
+            )
+
+    async def abort_all(self) -> int:
+        count = 0
+        for rid in list(self.inflight):
+            count += bool(await self.engine.abort(rid))
+        return count
