@@ -1,0 +1,376 @@
+"""A deterministic toy engine satisfying EngineClient, and the tiny tokenizer it runs on.
+
+What it generates, in order of precedence:
+- a custom logit processor's argmax (over zero logits) when the request names one;
+- an example of the structured-output constraint (json_schema, regex, ebnf, choice);
+- the text between `<<say:` and `:say>>` when the prompt holds that marker (the last one);
+- otherwise a fixed sentence, rotated by the sequence index so n > 1 choices differ.
+The text is tokenized and emitted one token at a time (EOS after it unless ignore_eos), with
+stop strings, stop token ids and max_new_tokens applied, cumulative text, and fake but
+well-formed logprobs. It records what it received and which streams were closed early.
+
+Also used by tools/bench/serve_bench.py --fake (loaded by path), so it must not import pytest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from radixlm.sampling import (
+    CustomLogitProcessor,
+    EngineOverloaded,
+    GenerateRequest,
+    InvalidRequest,
+    SamplingParams,
+)
+
+DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
+CORPUS = (
+    DEFAULT_TEXT * 3
+    + ' {"name": "Paris", "population": 2148000, "city": "London"} [1, 2, 3] true false null '
+    + "<tool_call> </tool_call> get_weather get_time arguments parameters Hello Hi Hey "
+    + "France England capital country continent language greeting assistant user system "
+    + "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 .,:;!?'\"()[]{}<>-_/\\|=+*&^%$#@~`\n"
+)
+CHAT_TEMPLATE = """\
+{%- if messages[0].role == 'assistant' -%}
+{{ raise_exception('the conversation must not start with an assistant message') }}
+{%- endif -%}
+{%- if tools -%}
+<|im_start|>system
+# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call a tool as <tool_call>{"name": <name>, "arguments": <object>}</tool_call><|im_end|>
+{% endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'assistant' and m.tool_calls -%}
+<|im_start|>assistant
+{% if m.content %}{{ m.content }}{% endif %}{% for c in m.tool_calls %}<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' -%}
+<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}
+"""
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(directory: Path) -> Any:
+    """Train a byte-level BPE on CORPUS, save it as a Hugging Face tokenizer, load it back."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(str(directory))
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+def schema_example(schema: Any) -> Any:
+    """A value satisfying a (simple) JSON schema: the toy's stand-in for constrained decoding."""
+    if not isinstance(schema, dict):
+        return None
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in schema:
+            return schema_example(schema[key][0])
+    kind = schema.get("type", "object")
+    if isinstance(kind, list):
+        kind = kind[0]
+    if kind == "object":
+        properties = schema.get("properties", {})
+        return {name: schema_example(sub) for name, sub in properties.items()}
+    if kind == "array":
+        return [schema_example(schema.get("items", {})) for _ in range(schema.get("minItems", 1))]
+    return {"string": "Paris", "integer": 2148000, "number": 1.5, "boolean": True}.get(kind)
+
+
+def _regex_example(pattern: str) -> str:
+    try:
+        compiled = re.compile(pattern)
+    except re.error as error:
+        raise InvalidRequest(
+            "sampling_params.regex", f"the regex does not compile: {error}"
+        ) from None
+    for candidate in re.split(r"[|()]", pattern):
+        if candidate and compiled.fullmatch(candidate):
+            return candidate
+    return pattern
+
+
+@dataclass
+class _Sequence:
+    index: int
+    target: list[int]
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish: dict[str, Any] | None = None
+
+
+class FakeEngine:
+    """A toy EngineClient. `token_delay` seconds pass between tokens."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        token_delay: float = 0.0005,
+        max_context_length: int = 512,
+        max_queued: int | None = None,
+        model_path: str = "toy/fake-model",
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.token_delay = token_delay
+        self.max_context_length = max_context_length
+        self.max_queued = max_queued
+        self.model_path = model_path
+        self.vocab_size = len(tokenizer)
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.received: list[GenerateRequest] = []
+        self.active: dict[str, dict[str, bool]] = {}
+        self.closed_early: list[str] = []
+        self.aborted: list[str] = []
+        self.completed: list[str] = []
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "max_context_length": self.max_context_length,
+            "vocab_size": self.vocab_size,
+            "chat_template": self._tokenizer.chat_template,
+            "eos_token_ids": [self.eos_id],
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        return {
+            "num_running_reqs": len(self.active),
+            "num_queued_reqs": 0,
+            "cache_hit_rate": 0.25,
+            "token_usage": 0.0,
+            "engine": "fake",
+        }
+
+    async def abort(self, rid: str) -> bool:
+        if rid not in self.active:
+            return False
+        self.active[rid]["abort"] = True
+        return True
+
+    async def flush_cache(self) -> bool:
+        return not self.active
+
+    # Generation.
+
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if request.input_ids is not None:
+            return list(request.input_ids)  # type: ignore[arg-type]
+        if request.text is None:
+            raise InvalidRequest("input_embeds", "this engine takes text or input_ids only")
+        return list(self._tokenizer.encode(str(request.text), add_special_tokens=False))
+
+    def _target_text(self, prompt: str, params: SamplingParams, index: int) -> str:
+        constraint = params.constraint
+        if constraint is not None:
+            kind, value = constraint
+            if kind == "json_schema":
+                return json.dumps(schema_example(json.loads(str(value))), separators=(",", ":"))
+            if kind == "regex":
+                return _regex_example(str(value))
+            if kind == "ebnf":
+                literals = re.findall(r'"([^"]*)"', str(value))
+                if not literals:
+                    raise InvalidRequest("sampling_params.ebnf", "the grammar has no literal")
+                return literals[0]
+            if kind == "choice":
+                return str(value[0])
+            return "{}"
+        start = prompt.rfind("<<say:")
+        end = prompt.rfind(":say>>")
+        if 0 <= start < end:
+            return prompt[start + len("<<say:") : end]
+        words = DEFAULT_TEXT.split(" ")
+        shift = index % len(words)
+        return " ".join(words[shift:] + words[:shift])
+
+    def _targets(self, request: GenerateRequest, prompt: str) -> list[list[int]]:
+        params = request.params
+        limit = params.max_new_tokens if params.max_new_tokens is not None else 64
+        if request.custom_logit_processor is not None:
+            processor = CustomLogitProcessor.from_str(str(request.custom_logit_processor))()
+            tokens = []
+            for _ in range(limit):
+                logits = processor([[0.0] * self.vocab_size], [params.custom_params])
+                row = list(logits[0])
+                tokens.append(row.index(max(row)))
+            return [tokens for _ in range(params.n)]
+        targets = []
+        for index in range(params.n):
+            ids = list(self._tokenizer.encode(self._target_text(prompt, params, index)))
+            if params.ignore_eos:
+                ids = (ids * (limit // max(len(ids), 1) + 1))[:limit]
+            else:
+                ids.append(self.eos_id)
+            targets.append(ids)
+        return targets
+
+    def _triple(self, token: int, logprob: float | None, with_text: bool) -> list[Any]:
+        return [logprob, token, self._tokenizer.decode([token]) if with_text else None]
+
+    def _top(self, token: int, k: int, with_text: bool) -> list[list[Any]]:
+        chosen = self._triple(token, self.logprob(token), with_text)
+        others = [
+            self._triple((token + j) % self.vocab_size, self.logprob(token) - j, with_text)
+            for j in range(1, k)
+        ]
+        return [chosen, *others]
+
+    @staticmethod
+    def logprob(token: int) -> float:
+        return -0.25 * (1 + token % 4)
+
+    def _chunk(
+        self, request: GenerateRequest, seq: _Sequence, prompt: list[int], arrival: float
+    ) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": request.rid,
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(seq.ids),
+            "cached_tokens": len(prompt) // 2,
+            "finish_reason": seq.finish,
+            "e2e_latency": time.monotonic() - arrival,
+        }
+        if request.return_logprob:
+            text = bool(request.return_text_in_logprobs)
+            k = int(request.top_logprobs_num)  # type: ignore[arg-type]
+            meta["output_token_logprobs"] = [
+                self._triple(t, self.logprob(t), text) for t in seq.ids
+            ]
+            meta["output_top_logprobs"] = [self._top(t, k, text) if k else [] for t in seq.ids]
+            start = int(request.logprob_start_len)  # type: ignore[arg-type]
+            if start >= 0:
+                positions = range(start, len(prompt))
+                meta["input_token_logprobs"] = [
+                    self._triple(prompt[p], None if p == 0 else self.logprob(prompt[p]), text)
+                    for p in positions
+                ]
+                meta["input_top_logprobs"] = [
+                    None if p == 0 else (self._top(prompt[p], k, text) if k else [])
+                    for p in positions
+                ]
+        return {
+            "index": seq.index,
+            "text": seq.text,
+            "output_ids": list(seq.ids),
+            "meta_info": meta,
+        }
+
+    def _advance(self, seq: _Sequence, params: SamplingParams, limit: int | None) -> None:
+        token = seq.target[len(seq.ids)] if len(seq.ids) < len(seq.target) else self.eos_id
+        if token == self.eos_id and not params.ignore_eos:
+            seq.finish = {"type": "stop", "matched": token}
+            return
+        seq.ids.append(token)
+        seq.text = str(self._tokenizer.decode(seq.ids, skip_special_tokens=True))
+        if token in (params.stop_token_ids or []):
+            seq.finish = {"type": "stop", "matched": token}
+        for stop in params.stop_strings:
+            at = seq.text.find(stop)
+            if at >= 0:
+                seq.text = seq.text[: at + len(stop)] if params.keeps_stop_string else seq.text[:at]
+                seq.finish = {"type": "stop", "matched": stop}
+                return
+        if seq.finish is None and limit is not None and len(seq.ids) >= limit:
+            seq.finish = {"type": "length", "matched": None}
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        self.received.append(request)
+        if self.max_queued is not None and len(self.active) >= self.max_queued:
+            raise EngineOverloaded(f"the queue is full ({self.max_queued} requests); retry later")
+        params = request.params
+        prompt = self._prompt_ids(request)
+        room = 0 if params.max_new_tokens == 0 else 1
+        if len(prompt) + room > self.max_context_length:
+            raise InvalidRequest(
+                "text",
+                f"the prompt has {len(prompt)} tokens; the context holds {self.max_context_length}",
+            )
+        prompt_text = str(self._tokenizer.decode(prompt))
+        seqs = [_Sequence(i, t) for i, t in enumerate(self._targets(request, prompt_text))]
+        rid = str(request.rid)
+        arrival = time.monotonic()
+        state = {"abort": False}
+        self.active[rid] = state
+        done = False
+        try:
+            if params.max_new_tokens == 0:
+                for seq in seqs:
+                    seq.finish = {"type": "length", "matched": None}
+                    yield self._chunk(request, seq, prompt, arrival)
+                done = True
+                return
+            while any(seq.finish is None for seq in seqs):
+                await asyncio.sleep(self.token_delay)
+                for seq in seqs:
+                    if seq.finish is not None:
+                        continue
+                    if state["abort"]:
+                        seq.finish = {"type": "abort", "message": "aborted by request"}
+                    else:
+                        self._advance(seq, params, params.max_new_tokens)
+                    if request.stream or seq.finish is not None:
+                        yield self._chunk(request, seq, prompt, arrival)
+            done = True
+        finally:
+            del self.active[rid]
+            (
+                self.aborted if state["abort"] else self.completed if done else self.closed_early
+            ).append(rid)
+
+
+class ForceToken(CustomLogitProcessor):
+    """Test processor: every logit but `custom_params["token_id"]` to -inf."""
+
+    def __call__(self, logits: Any, custom_param_list: list[dict[str, Any] | None]) -> Any:
+        out = []
+        for row, params in zip(logits, custom_param_list, strict=True):
+            target = int((params or {}).get("token_id", 0))
+            out.append([0.0 if i == target else float("-inf") for i in range(len(row))])
+        return out
