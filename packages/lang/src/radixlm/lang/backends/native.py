@@ -1,0 +1,164 @@
+"""The part RuntimeEndpoint and the in-process engine backend share: SGLang's /generate body
+and output shape, streaming deltas, and `select` scored from prompt logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+from radixlm.lang.backends.base import Completion, GenerateCall, Prompt
+from radixlm.lang.chat_template import ChatTemplate
+from radixlm.lang.choices import ChoicesDecision, ChoicesMethod, normalized_logprob
+from radixlm.lang.ir import DTYPE_REGEX
+
+Body = dict[str, Any]
+
+
+class NativeTransport(Protocol):
+    """Moves SGLang-shaped /generate bodies to a model and brings its outputs back."""
+
+    def request(self, body: Body) -> Any:
+        """One non-streaming /generate call: an output dict, or a list for batches and n > 1."""
+        ...
+
+    def stream(self, body: Body) -> Iterator[dict[str, Any]]:
+        """One streaming /generate call: its output chunks (text cumulative)."""
+        ...
+
+    def model_info(self) -> dict[str, Any]: ...
+
+    def flush_cache(self) -> bool: ...
+
+    def server_info(self) -> dict[str, Any]: ...
+
+
+def _image_field(images: Sequence[str]) -> str | list[str] | None:
+    if not images:
+        return None
+    return images[0] if len(images) == 1 else list(images)
+
+
+def generate_body(call: GenerateCall, stream: bool = False) -> Body:
+    """The /generate body for one gen: the SamplingParams fields that were set, the logprob
+    options, the images; a `dtype` becomes its regex when no other constraint is given."""
+    sampling = call.params.model_dump(mode="json", exclude_unset=True)
+    if call.dtype is not None and call.params.constraint is None:
+        sampling["regex"] = DTYPE_REGEX[call.dtype]
+    body: Body = {"text": call.prompt.text, "sampling_params": sampling}
+    body.update(call.logprobs.request_fields())
+    images = _image_field(call.prompt.images)
+    if images is not None:
+        body["image_data"] = images
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def _as_list(output: Any) -> list[dict[str, Any]]:
+    return list(output) if isinstance(output, list) else [output]
+
+
+def _choice_entries(entries: list[list[Any]], choice: str, prefix_tokens: int) -> list[list[Any]]:
+    """The logprob entries that cover `choice`. Scoring starts one token before the choice;
+    that token is dropped unless tokenization merged it with the choice's first characters."""
+    if prefix_tokens == 0 or not entries:
+        return entries
+    rest = entries[1:]
+    texts = [e[2] if len(e) > 2 else None for e in rest]
+    if all(isinstance(t, str) for t in texts):
+        tail = "".join(texts)  # type: ignore[arg-type]
+        if tail != choice and choice.endswith(tail):
+            return entries
+    return rest
+
+
+class NativeBackend:
+    """A Backend over a NativeTransport (SGLang's /generate semantics)."""
+
+    is_chat_model = False
+
+    def __init__(self, transport: NativeTransport, chat_template: ChatTemplate) -> None:
+        self.transport = transport
+        self.chat_template = chat_template
+
+    def get_chat_template(self) -> ChatTemplate:
+        return self.chat_template
+
+    def generate(self, call: GenerateCall) -> Completion:
+        outputs = self.transport.request(generate_body(call))
+        if isinstance(outputs, list):
+            return Completion([o["text"] for o in outputs], [o.get("meta_info") for o in outputs])
+        return Completion(outputs["text"], outputs.get("meta_info") or {})
+
+    def generate_stream(self, call: GenerateCall) -> Iterator[tuple[str, Any]]:
+        seen = ""
+        for chunk in self.transport.stream(generate_body(call, stream=True)):
+            if chunk.get("index", 0) != 0:
+                continue  # with n > 1 the program streams the first sequence
+            text = chunk.get("text", "")
+            delta = text[len(seen) :] if text.startswith(seen) else text
+            seen = text if text.startswith(seen) else seen + text
+            yield delta, chunk.get("meta_info") or {}
+
+    def select(
+        self, prompt: Prompt, choices: Sequence[str], temperature: float, method: ChoicesMethod
+    ) -> ChoicesDecision:
+        """Score all choices in one batched request (max_new_tokens=0, prompt logprobs from the
+        token before the choice). A first call on the prompt alone tells where the choice
+        starts and puts the prompt in the cache for the batch."""
+        images = _image_field(prompt.images)
+        head_body: Body = {"text": prompt.text, "sampling_params": {"max_new_tokens": 0}}
+        if images is not None:
+            head_body["image_data"] = images
+        head = _as_list(self.transport.request(head_body))[0]
+        prefix_tokens = int(head["meta_info"]["prompt_tokens"])
+        start = max(prefix_tokens - 1, 0)
+        body: Body = {
+            "text": [prompt.text + c for c in choices],
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+            "logprob_start_len": start,
+        }
+        if images is not None:
+            body["image_data"] = [images] * len(choices)
+        outputs = _as_list(self.transport.request(body))
+        inputs = [
+            _choice_entries(
+                [list(e) for e in o["meta_info"]["input_token_logprobs"]], c, prefix_tokens
+            )
+            for c, o in zip(choices, outputs, strict=True)
+        ]
+        generated = [list(o["meta_info"].get("output_token_logprobs") or []) for o in outputs]
+        unconditional = None
+        if method.requires_unconditional_logprobs:
+            alone = _as_list(
+                self.transport.request(
+                    {
+                        "input_ids": [[e[1] for e in entries] for entries in inputs],
+                        "sampling_params": {"max_new_tokens": 0},
+                        "return_logprob": True,
+                        "return_text_in_logprobs": True,
+                        "logprob_start_len": 0,
+                    }
+                )
+            )
+            unconditional = [
+                [list(e) for e in o["meta_info"]["input_token_logprobs"]] for o in alone
+            ]
+        return method(
+            choices=list(choices),
+            normalized_prompt_logprobs=[normalized_logprob(e) for e in inputs],
+            input_token_logprobs=inputs,
+            output_token_logprobs=generated,
+            unconditional_token_logprobs=unconditional,
+        )
+
+    def cache_prefix(self, text: str) -> None:
+        self.transport.request({"text": text, "sampling_params": {"max_new_tokens": 0}})
+
+    def flush_cache(self) -> bool:
+        return self.transport.flush_cache()
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self.transport.server_info()
