@@ -137,7 +137,7 @@ def native_router(state: ServerState) -> APIRouter:
             "version": __version__,
         }
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"], tags=["native"])
+    @router.post("/flush_cache", tags=["native"])
     async def flush_cache() -> Response:
         """Drop the unlocked prefix-cache entries; 400 while requests are running."""
         if await engine.flush_cache():
@@ -145,6 +145,9 @@ def native_router(state: ServerState) -> APIRouter:
         raise APIError(
             400, "the cache was not flushed: requests are running; retry when idle", code="busy"
         )
+
+    # SGLang also answers GET on it.
+    router.add_api_route("/flush_cache", flush_cache, methods=["GET"], include_in_schema=False)
 
     @router.post("/abort_request", tags=["native"])
     async def abort_request(http: Request) -> dict[str, Any]:

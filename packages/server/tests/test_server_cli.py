@@ -1,0 +1,140 @@
+"""The command line, the launcher (on a stand-in runtime) and composing create_app."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from typing import Any
+
+import pytest
+import server_fake_engine as fake  # loaded by conftest.py
+from starlette.testclient import TestClient
+
+from radixlm.server import ServerConfig, create_app, launcher
+from radixlm.server.cli import build_parser, engine_kwargs, main, serve_main, server_config
+
+
+def test_serve_without_a_model_path_says_what_to_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    assert serve_main([]) == 2
+    message = capsys.readouterr().err
+    assert "--model-path" in message and "built-in default model" in message
+
+
+def test_radixlm_without_a_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as raised:
+        main([])
+    assert raised.value.code == 0
+    assert "serve" in capsys.readouterr().out
+
+
+def test_python_dash_m_shows_the_serve_flags() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "radixlm.server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0
+    for flag in ("--max-queued-requests", "--tool-call-parser", "--json-whitespace", "--api-key"):
+        assert flag in result.stdout
+
+
+def test_flags_mirror_sglang_and_reach_the_engine_only_when_given() -> None:
+    args = build_parser().parse_args(
+        [
+            "--model-path", "m", "--page-size", "16", "--schedule-policy", "fcfs",
+            "--disable-radix-cache", "--max-queued-requests", "8", "--json-whitespace", "any",
+            "--enable-custom-logit-processor",
+        ]
+    )  # fmt: skip
+    assert engine_kwargs(args) == {
+        "page_size": 16,
+        "schedule_policy": "fcfs",
+        "disable_radix_cache": True,
+        "max_queued_requests": 8,
+        "json_whitespace": "any",
+        "enable_custom_logit_processor": True,
+    }
+
+
+def test_server_flags_build_the_server_config(tmp_path: Any) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0].content }}")
+    args = build_parser().parse_args(
+        ["--model-path", "m", "--port", "8001", "--api-key", "k", "--served-model-name", "s",
+         "--chat-template", str(template), "--tool-call-parser", "llama3", "--enable-metrics"]
+    )  # fmt: skip
+    config = server_config(args)
+    assert (config.port, config.api_key, config.served_model_name) == (8001, "k", "s")
+    assert config.chat_template == "{{ messages[0].content }}"
+    assert config.tool_call_parser == "llama3" and config.enable_metrics
+
+
+def install_runtime(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType) -> None:
+    monkeypatch.setitem(sys.modules, "radixlm.runtime", module)
+
+
+def test_launcher_explains_a_missing_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_runtime(monkeypatch, types.ModuleType("radixlm.runtime"))
+    with pytest.raises(launcher.LaunchError, match="radixlm-runtime"):
+        launcher.build_engine("some/model", {})
+
+
+def test_serve_builds_the_runtime_engine_and_runs_uvicorn(
+    monkeypatch: pytest.MonkeyPatch, tokenizer: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    built: dict[str, Any] = {}
+
+    def engine_factory(model_path: str, **kwargs: Any) -> Any:
+        built.update(model_path=model_path, kwargs=kwargs)
+        return fake.FakeEngine(tokenizer)
+
+    runtime = types.ModuleType("radixlm.runtime")
+    runtime.Engine = engine_factory  # type: ignore[attr-defined]
+    install_runtime(monkeypatch, runtime)
+    served: dict[str, Any] = {}
+    uvicorn = pytest.importorskip("uvicorn")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
+    status = serve_main(["--model-path", "/models/x", "--port", "8123", "--page-size", "4"])
+    assert status == 0
+    assert built == {"model_path": "/models/x", "kwargs": {"page_size": 4}}
+    assert served["port"] == 8123 and served["host"] == "127.0.0.1"
+    assert served["app"].state.radixlm.config.port == 8123
+    banner = capsys.readouterr().out
+    assert "curl http://127.0.0.1:8123/generate" in banner and "OpenAI(" in banner
+
+
+def test_create_app_refuses_what_is_not_an_engine() -> None:
+    with pytest.raises(TypeError, match="EngineClient"):
+        create_app(object(), ServerConfig())  # type: ignore[arg-type]
+
+
+def test_an_app_takes_routes_of_its_own(tokenizer: Any) -> None:
+    app = create_app(fake.FakeEngine(tokenizer), ServerConfig())
+
+    @app.get("/hello")
+    async def hello() -> dict[str, str]:
+        return {"hello": "world"}
+
+    with TestClient(app) as client:
+        assert client.get("/hello").json() == {"hello": "world"}
+        answer = client.post("/generate", json={"text": "<<say:composed:say>>"})
+        assert answer.json()["text"] == "composed"
+
+
+def test_openapi_schema_documents_the_request_bodies(tokenizer: Any) -> None:
+    with TestClient(create_app(fake.FakeEngine(tokenizer))) as client:
+        schema = client.get("/openapi.json").json()
+    body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    assert "messages" in body["content"]["application/json"]["schema"]["properties"]
+    assert "/generate" in schema["paths"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"tool_call_parser": "mistral"}, {"port": 0}, {"api_key": ""}, {"log_level": "loud"}],
+)
+def test_server_config_rejects_bad_values(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        ServerConfig(**bad)
