@@ -27,7 +27,23 @@ Output chunks are plain dicts in SGLang's `/generate` response shape:
       },
     }
 
-A sequence's last chunk has a non-null `finish_reason`.
+A sequence's last chunk has a non-null `finish_reason`. Logprob lists are cumulative like
+`text` and `output_ids` (one entry per output token so far); the server also accepts lists that
+hold only the new tokens' entries. `[logprob, token_id, text]` triples carry the text when the
+request set `return_text_in_logprobs` (the server sets it on OpenAI routes; it decodes the token
+itself when the text is None).
+
+What the server sends (so an engine can rely on it): `generate` receives single requests only
+(batches are split by the server), always with a `rid` (the client's, or a fresh unique one; a
+rid already running is refused with a 400 before it reaches the engine). Sampling parameters
+hold only the fields the client sent (`model_fields_set`), so `SamplingDefaults.apply` can put
+the model's defaults under them. The server has already checked token ids against
+`model_info()["vocab_size"]`, token-id prompts against `max_context_length`, and a
+`custom_logit_processor` (present only when the server enables them, and loadable with
+`CustomLogitProcessor.from_str`). OpenAI chat requests arrive as `input_ids` (the chat template
+is rendered and tokenized by the server, without adding special tokens again); completions
+arrive as `text` or `input_ids` as the client sent them. `response_format` and
+`tool_choice: "required"` / named arrive as `sampling_params.json_schema`.
 """
 
 from __future__ import annotations
@@ -54,13 +70,17 @@ class EngineClient(Protocol):
         The iterator ends once every sequence has finished. Bad input raises
         `radixlm.sampling.InvalidRequest` before the first chunk (grammar errors, a prompt longer
         than the context, token ids outside the vocabulary); an overloaded engine raises
-        `radixlm.sampling.EngineOverloaded`. Closing the iterator early (`aclose()`, a cancelled task) aborts the
-        request in the engine and releases everything it held.
+        `radixlm.sampling.EngineOverloaded`. An InvalidRequest's `field` is reported to the client
+        as the error's `param` (the server renames `text` / `input_ids` to `prompt` / `messages` on
+        the OpenAI routes). Closing the iterator early (`aclose()`, or a CancelledError thrown in
+        at an await, when the client disconnects) aborts the request in the engine and releases
+        everything it held.
         """
         ...
 
     async def abort(self, rid: str) -> bool:
-        """Abort a request by id; its stream ends with finish_reason `abort`. False if unknown."""
+        """Abort a request by id; its stream ends with finish_reason `abort` (one final chunk per
+        unfinished sequence). False if unknown."""
         ...
 
     async def flush_cache(self) -> bool:
@@ -74,7 +94,9 @@ class EngineClient(Protocol):
         ...
 
     def server_info(self) -> dict[str, Any]:
-        """Config and live stats: cache hit rate, running / queued requests, token usage."""
+        """Config and live stats, JSON-serialisable. `/metrics` exports these keys when present
+        (at the top level or one level down): `num_running_reqs`, `num_queued_reqs`,
+        `cache_hit_rate` (0..1), `token_usage` (0..1)."""
         ...
 
     @property
