@@ -1,0 +1,109 @@
+"""The tree node (an opaque handle for callers) and the child-key scheme."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+# Marks the child key of a namespaced top-level node: (_NAMESPACE, extra_key, first). A page of
+# token ids holds only ints, so such a key can never equal a plain first token or first page.
+_NAMESPACE = object()
+
+
+class RadixNode:
+    """An opaque handle to a point in a `RadixCache` tree.
+
+    Callers receive one in `MatchResult.node` and pass it back to `RadixCache.lock` /
+    `RadixCache.unlock`; they should not read or change its attributes.
+    """
+
+    __slots__ = (
+        "children",
+        "ckey",
+        "hits",
+        "key",
+        "lock_ref",
+        "namespace",
+        "parent",
+        "tick",
+        "value",
+    )
+
+    def __init__(
+        self,
+        parent: RadixNode | None,
+        key: bytes,
+        value: list[int],
+        ckey: Any,
+        namespace: Hashable | None,
+        tick: int,
+    ) -> None:
+        self.parent = parent
+        # Token ids on the edge from `parent` to this node, packed as native int64 so that
+        # comparing a run of tokens is one memcmp (see `pack_tokens`).
+        self.key = key
+        self.value = value  # one KV slot id per token of the edge
+        self.ckey = ckey  # this node's key in `parent.children`
+        self.namespace = namespace
+        self.children: dict[Any, RadixNode] = {}
+        self.lock_ref = 0  # number of locks held on this node or on any descendant
+        self.tick = tick  # logical time of the last match / insert through this node
+        self.hits = 1  # number of matches / inserts through this node (for LFU)
+
+    def tokens(self, limit: int | None = None) -> list[int]:
+        """The token ids of the edge (the first `limit` of them)."""
+        count = len(self.value) if limit is None else min(limit, len(self.value))
+        return list(struct.unpack_from(f"{count}q", self.key))
+
+    def __repr__(self) -> str:
+        head = ", ".join(map(str, self.tokens(4)))
+        more = f", … ({len(self.value)} tokens)" if len(self.value) > 4 else ""
+        return f"<RadixNode [{head}{more}] lock_ref={self.lock_ref}>"
+
+
+def pack_tokens(key: Sequence[int], start: int, stop: int) -> bytes:
+    """`key[start:stop]` packed as native int64: 8 bytes per token, converted in C."""
+    try:
+        if start == 0 and stop == len(key):
+            return struct.pack(f"{stop}q", *key)
+        return struct.pack(f"{stop - start}q", *key[start:stop])
+    except struct.error as exc:
+        raise ValueError(f"token ids must be ints in the int64 range ({exc})") from None
+
+
+def child_key(key: Sequence[int], pos: int, page_size: int, namespace: Hashable | None) -> Any:
+    """The key under which the edge starting at `key[pos]` hangs from its parent.
+
+    A child is found by its first token (page_size 1) or its first page (a tuple); at the root,
+    a namespace other than None is folded in so that namespaces never share a node.
+    """
+    first: Any = key[pos] if page_size == 1 else tuple(key[pos : pos + page_size])
+    if namespace is None:
+        return first
+    return (_NAMESPACE, namespace, first)
+
+
+def edge_child_key(key: bytes, page_size: int) -> Any:
+    """`child_key` of an edge below the root, computed from its packed tokens."""
+    if page_size == 1:
+        return struct.unpack_from("q", key)[0]
+    return struct.unpack_from(f"{page_size}q", key)
+
+
+def common_prefix_length(a: bytes, start: int, b: bytes, limit: int) -> int:
+    """Number of leading tokens shared by `a` (from token `start`) and `b`, at most `limit`.
+
+    `a` and `b` are packed keys (8 bytes per token). Binary search on slice equality: every
+    comparison is a memcmp and the slices halve each round, so the cost is O(limit) bytes,
+    never a Python loop per token.
+    """
+    base = 8 * start
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if a[base + 8 * lo : base + 8 * mid] == b[8 * lo : 8 * mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
