@@ -1,0 +1,27 @@
+"""The engine's scheduler (torch-free): requests, queue policies, budgets, prefix reuse, retraction."""
+
+from radixlm.runtime.scheduler.batch import ScheduledBatch, StepEntry
+from radixlm.runtime.scheduler.policy import (
+    POLICIES,
+    Policy,
+    dfs_weight,
+    fcfs,
+    longest_prefix_match,
+)
+from radixlm.runtime.scheduler.request import Req, ReqStatus
+from radixlm.runtime.scheduler.scheduler import RowPool, Scheduler, SlotPool
+
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "Req",
+    "ReqStatus",
+    "RowPool",
+    "ScheduledBatch",
+    "Scheduler",
+    "SlotPool",
+    "StepEntry",
+    "dfs_weight",
+    "fcfs",
+    "longest_prefix_match",
+]

@@ -1,0 +1,60 @@
+"""The plain data a scheduling step hands to the model side: one entry per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixlm.runtime.scheduler.request import Req
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """One request's part of a step.
+
+    Compute `input_ids` (positions `prefix_len ..`) into `out_slots`; before that, write
+    `row_write = (start, slots)` into the request's row of the request-to-token table when
+    given (a cached prefix the row does not hold yet). `sample` says whether the logits after
+    the last new token give the request's next token (False for a non-final prefill chunk).
+    `logprob_targets`, when given, asks for prompt logprobs: position `logprob_start + i` of
+    the new tokens is scored against `logprob_targets[i]`.
+    """
+
+    req: Req
+    input_ids: list[int]
+    prefix_len: int
+    out_slots: list[int]
+    row: int
+    row_write: tuple[int, list[int]] | None
+    sample: bool
+    is_prefill: bool
+    logprob_start: int = 0
+    logprob_targets: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """What to compute in one forward pass (decode entries first, then prefill entries).
+
+    `retracted`: requests sent back to the queue in this step (their tokens are kept);
+    `dropped`: requests the scheduler ended because they cannot fit in the KV pool even alone
+    (already released; the engine reports them as aborted).
+    """
+
+    entries: tuple[StepEntry, ...]
+    retracted: tuple[Req, ...] = field(default=())
+    dropped: tuple[Req, ...] = field(default=())
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(e.input_ids) for e in self.entries)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(len(e.input_ids) for e in self.entries if e.is_prefill)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for e in self.entries if not e.is_prefill)
+
+    def __len__(self) -> int:
+        return len(self.entries)

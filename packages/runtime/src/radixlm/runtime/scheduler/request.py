@@ -1,0 +1,120 @@
+"""Req: one sequence the scheduler tracks — its tokens, its KV slots and its place in the queue."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Hashable
+from typing import Any
+
+_ARRIVALS = itertools.count()
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Req:
+    """One sequence: a prompt and the tokens generated after it.
+
+    The scheduler owns the memory fields: `kv_slots[i]` is the KV slot of token i for the first
+    `kv_len` tokens of `tokens` (the ones computed so far); the first `cache_len` of them belong
+    to the radix cache and are protected by the lock on `last_node`; the rest, plus
+    `spare_slots` (the unused tail of its last page), belong to the request. `row` is its row
+    in the request-to-token table while it runs.
+
+    The engine owns the output fields: `output_ids` grows as tokens are sampled (the scheduler
+    reads it to know what to compute next) and `payload` carries whatever the engine needs
+    (detokenizer, stop checker, grammar, logprobs). A request waits in the queue while
+    `blocked()` holds: its grammar is compiling, or it is a sibling of an `n > 1` request whose
+    prompt is not cached yet.
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        extra_key: Hashable | None = None,
+        input_logprob_start: int | None = None,
+        wait_for: Req | None = None,
+        payload: Any = None,
+    ) -> None:
+        if not prompt_ids:
+            raise ValueError("a request needs at least one prompt token")
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.output_ids: list[int] = []
+        self.max_new_tokens = max_new_tokens
+        self.extra_key = extra_key
+        #: Prompt positions from which the runner returns input logprobs (None: none asked).
+        self.input_logprob_start = input_logprob_start
+        self.input_logprobs_done = input_logprob_start is None
+        self.wait_for = wait_for
+        self.payload = payload
+        self.arrival = next(_ARRIVALS)
+        self.status = ReqStatus.WAITING
+        self.grammar_pending = False
+        self.finished = False
+        # Memory (the scheduler's).
+        self.kv_slots: list[int] = []
+        self.spare_slots: list[int] = []
+        self.cache_len = 0
+        self.last_node: Any = None
+        self.row: int | None = None
+        self.row_synced = 0  # leading positions whose slots are written in the row
+        self.in_prefill = False
+        # Statistics.
+        self.cached_tokens: int | None = None  # prefix hit at the first admission
+        self.retractions = 0
+        self.forward_passes = 0
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose K/V are computed (or scheduled in the step being built)."""
+        return len(self.kv_slots)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Tokens `start:end` of prompt + output."""
+        prompt = len(self.prompt_ids)
+        end = self.seq_len if end is None else end
+        if end <= prompt:
+            return self.prompt_ids[start:end]
+        if start >= prompt:
+            return self.output_ids[start - prompt : end - prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - prompt]
+
+    @property
+    def pending(self) -> int:
+        """Tokens to compute before the next token can be sampled."""
+        return self.seq_len - self.kv_len
+
+    def blocked(self) -> bool:
+        """Whether the request must stay in the queue for now."""
+        if self.grammar_pending:
+            return True
+        parent = self.wait_for
+        if parent is None:
+            return False
+        if parent.finished or (parent.status is ReqStatus.RUNNING and not parent.in_prefill):
+            self.wait_for = None
+            return False
+        return True
+
+    @property
+    def owned_slots(self) -> list[int]:
+        """Slots this request must give back when it releases its memory."""
+        return self.kv_slots[self.cache_len :] + self.spare_slots
+
+    def __repr__(self) -> str:
+        return (
+            f"Req({self.rid!r}, {self.status.value}, prompt={len(self.prompt_ids)}, "
+            f"output={len(self.output_ids)}, kv={self.kv_len}, cached={self.cache_len})"
+        )

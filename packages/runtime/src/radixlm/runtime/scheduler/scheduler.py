@@ -1,0 +1,474 @@
+"""Scheduler: waiting queue, running batch, KV-slot budgets, prefix reuse and retraction.
+
+Torch-free. One step: `schedule()` picks the work and allocates its KV slots (evicting from the
+radix cache before refusing, retracting the youngest running requests when decode runs out of
+slots), the model side computes it, `after_forward(batch)` records what was computed (and
+caches finished prefill chunks), the engine appends sampled tokens and calls `finish(req)` or
+`abort(req)`, which give every slot back (to the cache when reusable, else to the pool).
+Not thread-safe: one thread (the engine loop) calls it.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Sequence
+from typing import Protocol
+
+from radixlm.cache import RadixCache
+from radixlm.runtime.engine_config import SchedulerConfig
+from radixlm.runtime.scheduler.batch import ScheduledBatch, StepEntry
+from radixlm.runtime.scheduler.policy import Policy
+from radixlm.runtime.scheduler.request import Req, ReqStatus
+from radixlm.sampling import EngineOverloaded
+
+
+class SlotPool(Protocol):
+    """The KV slots (e.g. the runner's `KVPool`): whole pages of `page_size` slots."""
+
+    page_size: int
+
+    @property
+    def available(self) -> int:
+        """Free token slots."""
+        ...
+
+    def alloc_pages(self, num_pages: int) -> list[int] | None:
+        """The slots of `num_pages` free pages (in order), or None if fewer are free."""
+        ...
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Give back slots of whole pages, in page order."""
+        ...
+
+
+class RowPool(Protocol):
+    """Rows of the request-to-token table (e.g. the runner's `ReqToTokenPool`)."""
+
+    def alloc(self) -> int | None: ...
+
+    def free(self, row: int) -> None: ...
+
+
+def _packed(tokens: list[int]) -> bytes:
+    return array("q", tokens).tobytes()
+
+
+class Scheduler:
+    """Continuous batching over a radix cache. See the module docstring for the step."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: SlotPool,
+        rows: RowPool,
+        cache: RadixCache,
+        max_running_requests: int | None = None,
+    ) -> None:
+        if cache.page_size != pool.page_size:
+            raise ValueError("the radix cache and the KV pool must use the same page size")
+        self.config = config
+        self.pool = pool
+        self.rows = rows
+        self.cache = cache
+        self.page = pool.page_size
+        self.max_running = min(config.max_running_requests, max_running_requests or 1 << 30)
+        self.policy = Policy(
+            config.schedule_policy, config.policy_fallback_queue_len, config.random_seed
+        )
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.new_token_ratio = config.init_new_token_ratio
+        # Statistics (cumulative).
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.num_retractions = 0
+
+    # ---------------------------------------------------------------------------- the queue
+
+    @property
+    def caching(self) -> bool:
+        return not self.cache.disabled
+
+    def add(self, req: Req) -> None:
+        """Queue a request; raises EngineOverloaded beyond `max_queued_requests`."""
+        limit = self.config.max_queued_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise EngineOverloaded(
+                f"the engine's queue is full ({limit} requests waiting); retry later"
+            )
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+
+    def abort(self, req: Req) -> None:
+        """Remove a request wherever it is and give back everything it holds (nothing is
+        cached for it). Idempotent."""
+        if req.status is ReqStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        elif req.status is ReqStatus.RUNNING:
+            self._release(req, cache_it=False)
+            self.running.remove(req)
+        self._mark_finished(req)
+
+    def finish(self, req: Req) -> None:
+        """A running request ended normally: cache prompt + output, unlock, free the rest."""
+        if req.status is ReqStatus.RUNNING:
+            self._release(req, cache_it=True)
+            self.running.remove(req)
+        elif req.status is ReqStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        self._mark_finished(req)
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache if no request is running; False otherwise."""
+        if self.running:
+            return False
+        self.pool.free(self.cache.reset())
+        return True
+
+    @staticmethod
+    def _mark_finished(req: Req) -> None:
+        req.status = ReqStatus.FINISHED
+        req.finished = True
+
+    # ------------------------------------------------------------------------------ memory
+
+    def _make_room(self, tokens: int) -> bool:
+        """Free slots until `tokens` are available, evicting from the cache; False if it
+        cannot be done (nothing is evicted then)."""
+        available = self.pool.available
+        if available >= tokens:
+            return True
+        short = tokens - available
+        if not self.caching or self.cache.evictable_size < short:
+            return False
+        self.pool.free(self.cache.evict(short))
+        return self.pool.available >= tokens
+
+    def _tokens_to_alloc(self, req: Req, count: int) -> int:
+        """Fresh slots (whole pages) needed to add `count` tokens to `req`."""
+        need = count - len(req.spare_slots)
+        if need <= 0:
+            return 0
+        return -(-need // self.page) * self.page
+
+    def _alloc(self, req: Req, count: int) -> list[int] | None:
+        """Slots for the next `count` tokens of `req` (appended to its kv_slots), or None."""
+        fresh = self._tokens_to_alloc(req, count)
+        new: list[int] = []
+        if fresh:
+            if not self._make_room(fresh):
+                return None
+            got = self.pool.alloc_pages(fresh // self.page)
+            if got is None:
+                return None
+            new = got
+        pool = req.spare_slots + new
+        slots, req.spare_slots = pool[:count], pool[count:]
+        req.kv_slots.extend(slots)
+        return slots
+
+    def _release(self, req: Req, cache_it: bool) -> None:
+        """Give back a running request's slots, row and lock; with `cache_it`, first insert its
+        computed tokens into the cache (which keeps the new part)."""
+        kv = req.kv_len
+        if cache_it and self.caching and kv > 0:
+            inserted = self.cache.insert(req.tokens(0, kv), req.kv_slots, req.extra_key)
+            stored = kv - kv % self.page
+            duplicates = req.kv_slots[req.cache_len : max(req.cache_len, inserted)]
+            self.pool.free(duplicates + req.kv_slots[stored:] + req.spare_slots)
+        else:
+            self.pool.free(req.owned_slots)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        if req.row is not None:
+            self.rows.free(req.row)
+        req.kv_slots = []
+        req.spare_slots = []
+        req.cache_len = 0
+        req.last_node = None
+        req.row = None
+        req.row_synced = 0
+        req.in_prefill = False
+
+    def _cache_computed(self, req: Req) -> None:
+        """Insert what `req` has computed into the cache and hold it by a lock (the cache's
+        slots replace the request's duplicates)."""
+        kv = req.kv_len
+        stored = kv - kv % self.page
+        if not self.caching or stored <= req.cache_len:
+            return
+        key = req.tokens(0, stored)
+        inserted = self.cache.insert(key, req.kv_slots[:stored], req.extra_key)
+        match = self.cache.match_prefix(key, req.extra_key)
+        assert match.length == stored, "a fresh insert must match in full"
+        if inserted > req.cache_len:
+            self.pool.free(req.kv_slots[req.cache_len : inserted])
+            req.row_synced = min(req.row_synced, req.cache_len)
+        self.cache.lock(match.node)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.kv_slots[:stored] = match.indices
+        req.cache_len = stored
+        req.last_node = match.node
+
+    def can_rollback(self, req: Req, num_tokens: int) -> bool:
+        """Whether the last `num_tokens` output tokens can be taken back (their KV, if any,
+        belongs to the request and not to the cache)."""
+        return req.seq_len - num_tokens >= req.cache_len and num_tokens <= len(req.output_ids)
+
+    def trim_kv(self, req: Req) -> None:
+        """After output tokens were taken back (`del req.output_ids[-k:]`), drop the KV of
+        positions past the new end (their slots stay with the request for its next tokens).
+        Check `can_rollback` before taking tokens back."""
+        keep = req.seq_len
+        if keep < req.kv_len:
+            assert keep >= req.cache_len, "cannot take back tokens the cache owns"
+            req.spare_slots = req.kv_slots[keep:] + req.spare_slots
+            del req.kv_slots[keep:]
+            req.row_synced = min(req.row_synced, keep)
+
+    # -------------------------------------------------------------------------- scheduling
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work and allocate its slots. Mutates the queue, the running set,
+        the pool and the cache (locks, evictions). The batch may be empty."""
+        retracted: list[Req] = []
+        dropped: list[Req] = []
+        budget = self.config.prefill_budget
+        while True:
+            if self.config.enable_mixed_chunk:
+                entries = self._schedule_decodes(retracted, dropped)
+                entries += self._schedule_prefills(budget - len(entries), retracted, bool(entries))
+            else:
+                entries = self._schedule_prefills(budget, retracted, False)
+                if not entries:
+                    entries = self._schedule_decodes(retracted, dropped)
+            if entries or not self.running:
+                break
+            # Nothing could run but requests hold memory: free some and try again.
+            if len(self.running) > 1:
+                retracted.append(self._retract(self._youngest()))
+            else:
+                dropped.append(self._drop(self.running[0]))
+        if any(not e.is_prefill for e in entries):
+            self.new_token_ratio = max(
+                self.config.min_new_token_ratio,
+                self.new_token_ratio - self.config.new_token_ratio_decay,
+            )
+        return ScheduledBatch(tuple(entries), tuple(retracted), tuple(dropped))
+
+    def _youngest(self, among: Sequence[Req] | None = None) -> Req:
+        return max(among if among is not None else self.running, key=lambda r: r.arrival)
+
+    def _retract(self, req: Req) -> Req:
+        """Send a running request back to the queue: its computed tokens go to the cache (or
+        are freed), its tokens stay; it is prefilled again when admitted."""
+        self._release(req, cache_it=True)
+        self.running.remove(req)
+        req.status = ReqStatus.WAITING
+        req.retractions += 1
+        self.waiting.append(req)
+        self.num_retractions += 1
+        self.new_token_ratio = self.config.init_new_token_ratio
+        return req
+
+    def _drop(self, req: Req) -> Req:
+        """End a request that cannot fit in the KV pool even alone."""
+        self._release(req, cache_it=True)
+        self.running.remove(req)
+        self._mark_finished(req)
+        return req
+
+    def _schedule_decodes(self, retracted: list[Req], dropped: list[Req]) -> list[StepEntry]:
+        decoding = [r for r in self.running if not r.in_prefill]
+        if not decoding:
+            return []
+        while True:
+            need = sum(self._tokens_to_alloc(r, r.pending) for r in decoding)
+            if self._make_room(need):
+                break
+            oldest = min(decoding, key=_arrival)
+            victims = [r for r in self.running if r is not oldest]
+            if not victims:
+                dropped.append(self._drop(decoding[0]))
+                return []
+            victim = self._youngest(victims)
+            retracted.append(self._retract(victim))
+            if victim in decoding:
+                decoding.remove(victim)
+        entries = []
+        for req in decoding:
+            start = req.kv_len
+            slots = self._alloc(req, req.pending)
+            assert slots is not None, "room was made for every decode"
+            entries.append(self._entry(req, start, slots, is_prefill=False))
+        return entries
+
+    def _entry(self, req: Req, start: int, slots: list[int], is_prefill: bool) -> StepEntry:
+        assert req.row is not None
+        row_write = None
+        if req.row_synced < start:
+            row_write = (req.row_synced, req.kv_slots[req.row_synced : start])
+        end = start + len(slots)
+        targets: list[int] | None = None
+        logprob_start = 0
+        if is_prefill and not req.input_logprobs_done and req.input_logprob_start is not None:
+            prompt = len(req.prompt_ids)
+            first = max(req.input_logprob_start - 1, 0, start)
+            last = min(prompt - 1, end)
+            if last > first:
+                targets = req.prompt_ids[first + 1 : last + 1]
+                logprob_start = first - start
+            else:
+                targets = []
+        return StepEntry(
+            req=req,
+            input_ids=req.tokens(start, end),
+            prefix_len=start,
+            out_slots=slots,
+            row=req.row,
+            row_write=row_write,
+            sample=end == req.seq_len,
+            is_prefill=is_prefill,
+            logprob_start=logprob_start,
+            logprob_targets=targets,
+        )
+
+    def _reserve(self, req: Req) -> float:
+        """Slots `req` will still need: its uncomputed tokens and a share of its output."""
+        remaining = max(req.max_new_tokens - len(req.output_ids), 0)
+        remaining = min(remaining, self.config.clip_max_new_tokens)
+        return req.pending + self.new_token_ratio * remaining
+
+    def _schedule_prefills(
+        self, budget: int, retracted: Sequence[Req], have_entries: bool
+    ) -> list[StepEntry]:
+        entries: list[StepEntry] = []
+        chunking = self.config.chunked_prefill_size is not None
+        # Requests in the middle of a chunked prefill continue first.
+        for req in [r for r in self.running if r.in_prefill]:
+            if budget <= 0:
+                return entries
+            count = min(req.pending, budget) if chunking else req.pending
+            start = req.kv_len
+            slots = self._alloc(req, count)
+            if slots is None:
+                return entries
+            entries.append(self._entry(req, start, slots, is_prefill=True))
+            budget -= count
+        if budget <= 0 or not self.waiting or len(self.running) >= self.max_running:
+            return entries
+        # Requests retracted in this step wait for the next one (no thrashing).
+        candidates = [r for r in self.waiting if not r.blocked() and r not in retracted]
+        if not candidates:
+            return entries
+        order = self.policy.order(candidates, self._prefix_length)
+        prefix_aware = self.policy.name in ("lpm", "dfs-weight") and (
+            len(candidates) <= self.config.policy_fallback_queue_len
+        )
+        in_flight = [_packed(r.tokens()) for r in self.running if r.in_prefill]
+        reserve = sum(self._reserve(r) for r in self.running)
+        for req in order:
+            if budget <= 0 or len(self.running) >= self.max_running:
+                break
+            match = self.cache.match_prompt(req.tokens(), req.extra_key)
+            prefix = match.length
+            if not req.input_logprobs_done and req.input_logprob_start is not None:
+                limit = max(req.input_logprob_start - 1, 0)
+                prefix = min(prefix, limit - limit % self.page)
+            packed = _packed(req.tokens()) if prefix_aware else b""
+            if prefix_aware and self._shares_in_flight(packed, prefix, in_flight):
+                continue  # reuse it from the cache once the other request has computed it
+            extend = req.seq_len - prefix
+            count = min(extend, budget) if chunking else extend
+            if not chunking and count > budget and (entries or have_entries):
+                break
+            self.cache.lock(match.node)
+            idle = not self.running and not entries
+            future = self.new_token_ratio * min(req.max_new_tokens, self.config.clip_max_new_tokens)
+            needed = self._tokens_to_alloc(req, count)
+            free = self.pool.available + (self.cache.evictable_size if self.caching else 0)
+            if (not idle and free < needed + reserve + future) or not self._make_room(needed):
+                self.cache.unlock(match.node)
+                break
+            row = self.rows.alloc()
+            if row is None:
+                self.cache.unlock(match.node)
+                break
+            self._admit(req, match.node, match.indices[:prefix], row)
+            slots = self._alloc(req, count)
+            assert slots is not None, "room was made"
+            entries.append(self._entry(req, prefix, slots, is_prefill=True))
+            budget -= count
+            reserve += self._reserve(req)
+            if prefix_aware:
+                in_flight.append(packed)
+        return entries
+
+    def _prefix_length(self, req: Req) -> int:
+        if not self.caching:
+            return 0
+        return self.cache.match_prompt(req.tokens(), req.extra_key).length
+
+    def _shares_in_flight(self, packed: bytes, prefix: int, in_flight: list[bytes]) -> bool:
+        threshold = self.config.in_batch_prefix_min
+        if not self.caching or threshold <= 0:
+            return False
+        for other in in_flight:
+            common = len(os.path.commonprefix([packed, other])) // 8  # noqa: RUF071 (bytes)
+            if common - prefix >= threshold:
+                return True
+        return False
+
+    def _admit(self, req: Req, node: object, prefix_slots: list[int], row: int) -> None:
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = ReqStatus.RUNNING
+        req.in_prefill = True
+        req.last_node = node
+        req.kv_slots = list(prefix_slots)
+        req.cache_len = len(prefix_slots)
+        req.row = row
+        req.row_synced = 0
+        if req.cached_tokens is None:
+            req.cached_tokens = len(prefix_slots)
+            self.prompt_tokens += len(req.prompt_ids)
+            self.cached_tokens += len(prefix_slots)
+
+    def after_forward(self, batch: ScheduledBatch) -> None:
+        """Record that the batch was computed: rows are in sync, finished prefills end their
+        prefill phase, and computed prompt chunks are inserted into the cache."""
+        for entry in batch.entries:
+            req = entry.req
+            if req.status is not ReqStatus.RUNNING:
+                continue
+            req.forward_passes += 1
+            req.row_synced = entry.prefix_len + len(entry.input_ids)
+            if entry.is_prefill:
+                if entry.sample:
+                    req.in_prefill = False
+                    req.input_logprobs_done = True
+                self._cache_computed(req)
+
+    # ------------------------------------------------------------------------- inspection
+
+    def evictable_tokens(self) -> int:
+        return self.cache.evictable_size if self.caching else 0
+
+    def held_tokens(self) -> int:
+        """Slots held by running requests outside the cache."""
+        return sum(len(r.owned_slots) for r in self.running)
+
+    def check_memory(self, pool_size: int) -> None:
+        """Raise AssertionError unless free + cached + held by requests == pool size."""
+        self.cache.check_invariants()
+        total = self.pool.available + self.cache.total_size + self.held_tokens()
+        assert total == pool_size, (
+            f"slot leak: free {self.pool.available} + cached {self.cache.total_size} + held "
+            f"{self.held_tokens()} = {total} != pool size {pool_size}"
+        )
+
+
+def _arrival(req: Req) -> int:
+    return req.arrival

@@ -1,0 +1,297 @@
+"""Output text: tokenizer loading, incremental detokenization and stop conditions (torch-free)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from radixlm.sampling import SamplingParams
+
+_REPLACEMENT = "\ufffd"
+
+FinishType = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a sequence ended, in SGLang's shape: `type` stop | length | abort, `matched` the
+    stop token id or stop string (None otherwise), `message` a human-readable detail."""
+
+    type: FinishType
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type, "matched": self.matched}
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """A Hugging Face tokenizer from a local directory (never downloads)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+class TextDecoder:
+    """`decode(ids)` with SGLang/vLLM semantics for special tokens.
+
+    `skip_special_tokens` drops the tokenizer's special tokens; otherwise, with
+    `spaces_between_special_tokens`, a special token is separated from its neighbours by a space.
+    Tokenization-space clean-up is never applied (it would break incremental decoding).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+
+    def _plain(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return str(
+            self.tokenizer.decode(
+                list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        )
+
+    def __call__(self, ids: Sequence[int]) -> str:
+        special = self.special_ids
+        if not special or special.isdisjoint(ids):
+            return self._plain(ids)
+        parts: list[str] = []
+        run: list[int] = []
+        for token in ids:
+            if token not in special:
+                run.append(token)
+                continue
+            if self.skip_special_tokens:
+                continue
+            if run:
+                parts.append(self._plain(run))
+                run = []
+            parts.append(self._plain([token]))
+        if run:
+            parts.append(self._plain(run))
+        separator = (
+            " " if self.spaces_between_special_tokens and not self.skip_special_tokens else ""
+        )
+        return separator.join(parts)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of token ids, decoded a few tokens at a time.
+
+    Each `append` decodes only a short window: the tokens since the last settled point plus
+    the ones before it (so merges and leading spaces come out as in a full decode). Text that
+    ends in an incomplete UTF-8 character is held back until the character completes. `text`
+    always equals the full decode of `ids` up to the held-back tail; `flush()` settles the rest.
+    """
+
+    def __init__(self, decoder: TextDecoder) -> None:
+        self.decoder = decoder
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # window start
+        self._read = 0  # tokens whose text is settled in `text`
+
+    def append(self, ids: Iterable[int]) -> str:
+        """Add tokens; return the newly settled text (possibly empty)."""
+        self.ids.extend(ids)
+        if len(self.ids) == self._read:
+            return ""
+        window = self.ids[self._prefix :]
+        before = self.decoder(self.ids[self._prefix : self._read])
+        full = self.decoder(window)
+        if full.endswith(_REPLACEMENT):
+            return ""  # an incomplete character: wait for its remaining bytes
+        if not full.startswith(before):
+            # The window decodes differently in context (rare normalisations): redo it all.
+            return self._resync()
+        new = full[len(before) :]
+        self.text += new
+        self._prefix = self._read
+        self._read = len(self.ids)
+        return new
+
+    def flush(self) -> str:
+        """Settle everything, including a trailing incomplete character; return the new text."""
+        if self._read == len(self.ids):
+            return ""
+        return self._resync()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Drop the last `num_tokens` ids (text is recomputed from what remains)."""
+        if num_tokens <= 0:
+            return
+        del self.ids[len(self.ids) - num_tokens :]
+        self.text = self.decoder(self.ids)
+        if self.text.endswith(_REPLACEMENT):
+            # Keep the settled point before an incomplete character, as `append` would.
+            self.text = self.text.rstrip(_REPLACEMENT)
+        self._read = len(self.ids)
+        self._prefix = max(0, self._read - 4)
+
+    def _resync(self) -> str:
+        full = self.decoder(self.ids)
+        new = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text = full
+        self._read = len(self.ids)
+        self._prefix = max(0, self._read - 4)
+        return new
+
+
+def _longest_partial_stop(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:size]):
+                best = size
+                break
+    return best
+
+
+def _repeats(ids: Sequence[int], ngram: int, repeats: int, window: int) -> bool:
+    span = ngram * repeats
+    if len(ids) < span:
+        return False
+    tail = list(ids[-min(window, len(ids)) :])
+    last = tail[-ngram:]
+    return all(
+        tail[len(tail) - (k + 1) * ngram : len(tail) - k * ngram] == last for k in range(repeats)
+    )
+
+
+class SequenceOutput:
+    """One sequence's output: token ids, detokenized text and stop conditions.
+
+    `append(token)` adds a generated token and returns a FinishReason when the sequence ends:
+    a stop token id or EOS (unless `ignore_eos`), a stop string (matched across token
+    boundaries; the text is cut before it unless `no_stop_trim` / `include_stop_str_in_output`),
+    a stop regex, a repetition loop, or `max_new_tokens`. Stops other than the length do not
+    fire before `min_new_tokens` tokens. `text` is the output text, final once finished.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        decoder: TextDecoder,
+        eos_token_ids: Iterable[int] = (),
+        max_new_tokens: int | None = None,
+        output_ids: list[int] | None = None,
+    ) -> None:
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(decoder)
+        #: The generated ids; pass a list to share it (the engine shares it with the scheduler).
+        self.output_ids: list[int] = output_ids if output_ids is not None else []
+        self.max_new_tokens = (
+            max_new_tokens if max_new_tokens is not None else params.max_new_tokens
+        )
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids.update(eos_token_ids)
+        self.stop_ids = frozenset(stop_ids)
+        self.stop_strings = params.stop_strings
+        self._max_stop = max((len(s) for s in self.stop_strings), default=0)
+        self.stop_regexes = [re.compile(p) for p in params.stop_regexes]
+        self.finish: FinishReason | None = None
+        self._text_end: int | None = None  # where the final text is cut (stop string or regex)
+
+    @property
+    def text(self) -> str:
+        text = self.detokenizer.text
+        return text if self._text_end is None else text[: self._text_end]
+
+    def stream_text(self) -> str:
+        """Text that is safe to show now: without a tail that may still become a stop string."""
+        text = self.text
+        if self.finish is not None or not self.stop_strings:
+            return text
+        return text[: len(text) - _longest_partial_stop(text, self.stop_strings)]
+
+    def append(self, token_id: int) -> FinishReason | None:
+        """Add one generated token; return the finish reason if the sequence ends here."""
+        if self.finish is not None:
+            raise RuntimeError("append() after the sequence finished")
+        self.output_ids.append(token_id)
+        count = len(self.output_ids)
+        past_min = count > self.params.min_new_tokens
+        if past_min and token_id in self.stop_ids:
+            if self.params.keeps_stop_string:
+                self.detokenizer.append([token_id])
+            self.detokenizer.flush()
+            return self._finished(FinishReason("stop", matched=token_id))
+        before = len(self.detokenizer.text)
+        self.detokenizer.append([token_id])
+        if past_min and self._check_text(before):
+            return self.finish
+        detection = self.params.repetition_detection
+        if detection is not None and _repeats(
+            self.output_ids, detection.ngram_size, detection.repeats, detection.window
+        ):
+            self.detokenizer.flush()
+            return self._finished(FinishReason("stop", message="repetition detected"))
+        if self.max_new_tokens is not None and count >= self.max_new_tokens:
+            return self.finish_length()
+        return None
+
+    def finish_length(self, message: str | None = None) -> FinishReason:
+        """End the sequence for its length (max_new_tokens or the context)."""
+        self.detokenizer.flush()
+        return self._finished(FinishReason("length", message=message))
+
+    def stop(self, matched: int | str | None = None, message: str | None = None) -> FinishReason:
+        """End the sequence with a stop decided outside (e.g. the grammar terminated)."""
+        self.detokenizer.flush()
+        return self._finished(FinishReason("stop", matched=matched, message=message))
+
+    def abort(self, message: str | None = None) -> FinishReason:
+        """End the sequence as aborted."""
+        self.detokenizer.flush()
+        return self._finished(FinishReason("abort", message=message))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` tokens (jump-forward re-tokenization)."""
+        if num_tokens > 0:
+            del self.output_ids[len(self.output_ids) - num_tokens :]
+            self.detokenizer.rollback(num_tokens)
+
+    def _finished(self, reason: FinishReason) -> FinishReason:
+        self.finish = reason
+        return reason
+
+    def _check_text(self, before: int) -> bool:
+        text = self.detokenizer.text
+        if self.stop_strings and len(text) > before:
+            start = max(0, before - self._max_stop + 1)
+            found: tuple[int, str] | None = None
+            for stop in self.stop_strings:
+                at = text.find(stop, start)
+                if at >= 0 and (found is None or at < found[0]):
+                    found = (at, stop)
+            if found is not None:
+                at, stop = found
+                keep = self.params.keeps_stop_string
+                self._text_end = at + len(stop) if keep else at
+                self._finished(FinishReason("stop", matched=stop))
+                return True
+        for pattern in self.stop_regexes:
+            match = pattern.search(text)
+            if match is not None:
+                keep = self.params.keeps_stop_string
+                self._text_end = match.end() if keep else match.start()
+                self._finished(FinishReason("stop", matched=match.group(0)))
+                return True
+        return False

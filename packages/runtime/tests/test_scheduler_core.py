@@ -1,0 +1,387 @@
+"""The scheduler against a fake model that checks every KV slot it reads (torch-free)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from radixlm.cache import RadixCache, TokenSlotAllocator
+from radixlm.runtime.engine_config import SchedulerConfig
+from radixlm.runtime.scheduler import Req, ReqStatus, ScheduledBatch, Scheduler, dfs_weight
+from radixlm.sampling import EngineOverloaded
+
+VOCAB = 97
+
+
+class PagedSlots:
+    """A SlotPool over a TokenSlotAllocator of pages (like the runner's KVPool)."""
+
+    def __init__(self, size: int, page_size: int = 1) -> None:
+        self.page_size = page_size
+        self.size = size
+        self.allocator = TokenSlotAllocator(size // page_size)
+
+    @property
+    def available(self) -> int:
+        return self.allocator.available * self.page_size
+
+    def alloc_pages(self, num_pages: int) -> list[int] | None:
+        pages = self.allocator.alloc(num_pages)
+        if pages is None:
+            return None
+        return [p * self.page_size + i for p in pages for i in range(self.page_size)]
+
+    def free(self, slots: Sequence[int]) -> None:
+        slots = list(slots)
+        assert len(slots) % self.page_size == 0, "frees whole pages only"
+        pages = [s // self.page_size for s in slots[:: self.page_size]]
+        for k, page in enumerate(pages):  # each page's slots in order
+            run = slots[k * self.page_size : (k + 1) * self.page_size]
+            assert run == [page * self.page_size + i for i in range(self.page_size)], run
+        self.allocator.free(pages)
+
+
+class Rows:
+    def __init__(self, n: int) -> None:
+        self.free_rows = list(range(n))
+
+    def alloc(self) -> int | None:
+        return self.free_rows.pop() if self.free_rows else None
+
+    def free(self, row: int) -> None:
+        assert row not in self.free_rows
+        self.free_rows.append(row)
+
+
+def next_token(tokens: Sequence[int]) -> int:
+    """The fake model: a deterministic function of the whole sequence."""
+    h = 17
+    for t in tokens[-8:]:
+        h = (h * 31 + t) % 1_000_003
+    return (h + len(tokens)) % VOCAB
+
+
+class FakeModel:
+    """Writes K/V (token, position) into slots and reads every earlier one back through the
+    request-to-token rows, so any bookkeeping error in the scheduler shows up as a mismatch."""
+
+    def __init__(self) -> None:
+        self.kv: dict[int, tuple[int, int]] = {}
+        self.rows: dict[int, dict[int, int]] = {}
+        self.tokens_forwarded = 0
+        self.forward_calls = 0
+
+    def forward(self, batch: ScheduledBatch) -> list[int]:
+        self.forward_calls += 1
+        out = []
+        for e in batch.entries:
+            row = self.rows.setdefault(e.row, {})
+            if e.row_write is not None:
+                start, slots = e.row_write
+                for i, slot in enumerate(slots):
+                    row[start + i] = slot
+            for i, (token, slot) in enumerate(zip(e.input_ids, e.out_slots, strict=True)):
+                self.kv[slot] = (token, e.prefix_len + i)
+                row[e.prefix_len + i] = slot
+            self.tokens_forwarded += len(e.input_ids)
+            end = e.prefix_len + len(e.input_ids)
+            seen = [self.kv[row[p]] for p in range(end)]
+            expected = e.req.tokens(0, end)
+            assert [t for t, _ in seen] == expected, f"{e.req} read wrong K/V"
+            assert [p for _, p in seen] == list(range(end))
+            out.append(next_token(expected))
+        return out
+
+
+def make(pool: int = 4096, page: int = 1, rows: int = 64, **config: Any) -> Scheduler:
+    config.setdefault("schedule_policy", "fcfs")
+    return Scheduler(
+        SchedulerConfig(**config), PagedSlots(pool, page), Rows(rows), RadixCache(page_size=page)
+    )
+
+
+def run(sched: Scheduler, model: FakeModel, max_steps: int = 10_000, on_step: Any = None) -> None:
+    for step in range(max_steps):
+        if not sched.waiting and not sched.running:
+            return
+        batch = sched.schedule()
+        tokens = model.forward(batch) if batch.entries else []
+        sched.after_forward(batch)
+        for entry, token in zip(batch.entries, tokens, strict=False):
+            req = entry.req
+            if entry.sample and req.status is ReqStatus.RUNNING:
+                if req.max_new_tokens == 0:
+                    sched.finish(req)
+                    continue
+                req.output_ids.append(token)
+                if len(req.output_ids) >= req.max_new_tokens:
+                    sched.finish(req)
+        if on_step is not None:
+            on_step(step, sched)
+    raise AssertionError("the scheduler did not drain")
+
+
+def solo(prompt: list[int], max_new: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(max_new):
+        seq.append(next_token(seq))
+    return seq[len(prompt) :]
+
+
+def prompts(count: int, shared: int, own: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(VOCAB) for _ in range(shared)]
+    return [prefix + [rng.randrange(VOCAB) for _ in range(own)] for _ in range(count)]
+
+
+def assert_clean(sched: Scheduler, pool: int) -> None:
+    sched.check_memory(pool)
+    assert sched.pool.available + sched.cache.total_size == pool
+
+
+def test_every_request_finishes_with_its_solo_output() -> None:
+    sched, model = make(), FakeModel()
+    reqs = [Req(f"r{i}", p, 12) for i, p in enumerate(prompts(20, 30, 10))]
+    for r in reqs:
+        sched.add(r)
+    run(sched, model)
+    for r in reqs:
+        assert r.finished and r.output_ids == solo(r.prompt_ids, 12)
+    assert_clean(sched, 4096)
+
+
+def test_second_request_reuses_a_500_token_prefix() -> None:
+    sched, model = make(), FakeModel()
+    first, second = prompts(2, 500, 20)
+    a = Req("a", first, 4)
+    sched.add(a)
+    run(sched, model)
+    before = model.tokens_forwarded
+    b = Req("b", second, 4)
+    sched.add(b)
+    run(sched, model)
+    assert b.cached_tokens is not None and b.cached_tokens >= 499
+    # The prefill computes only the uncached part, then 3 decode steps of one token.
+    assert model.tokens_forwarded - before == len(second) - b.cached_tokens + 3
+
+
+def test_lpm_admits_the_longest_cached_prefix_first() -> None:
+    sched, model = make(schedule_policy="lpm", max_running_requests=1), FakeModel()
+    warm, hit = prompts(2, 64, 8, seed=1)
+    sched.add(Req("warm", warm, 1))
+    run(sched, model)
+    cold = Req("cold", prompts(1, 0, 72, seed=2)[0], 1)
+    hot = Req("hot", hit, 1)
+    sched.add(cold)
+    sched.add(hot)
+    first = sched.schedule()
+    assert [e.req.rid for e in first.entries] == ["hot"]
+
+
+def test_dfs_weight_groups_requests_by_shared_prefix() -> None:
+    a = prompts(2, 40, 5, seed=3)
+    b = prompts(3, 40, 5, seed=4)
+    queue = [Req("a0", a[0], 1), Req("b0", b[0], 1), Req("a1", a[1], 1)]
+    queue += [Req("b1", b[1], 1), Req("b2", b[2], 1)]
+    order = [r.rid for r in dfs_weight(queue)]
+    assert order == ["b0", "b1", "b2", "a0", "a1"]  # the heavier subtree first
+
+
+def test_prefix_policies_fall_back_to_fcfs_on_a_long_queue() -> None:
+    sched = make(schedule_policy="lpm", policy_fallback_queue_len=2)
+    reqs = [Req(f"r{i}", p, 1) for i, p in enumerate(prompts(4, 0, 10, seed=5))]
+    order = sched.policy.order(list(reversed(reqs)), lambda r: int(r.rid[1:]))
+    assert order == reqs  # arrival order, not the (reversed) prefix lengths
+
+
+def test_chunked_prefill_splits_the_prompt_and_caches_finished_chunks() -> None:
+    sched, model = make(chunked_prefill_size=64), FakeModel()
+    req = Req("long", prompts(1, 0, 200, seed=6)[0], 2)
+    sched.add(req)
+    batch = sched.schedule()
+    assert batch.num_tokens == 64 and not batch.entries[0].sample
+    model.forward(batch)
+    sched.after_forward(batch)
+    assert sched.cache.total_size == 64  # the finished chunk is in the cache, locked
+    assert sched.cache.protected_size == 64
+    run(sched, model)
+    assert req.output_ids == solo(req.prompt_ids, 2)
+    assert_clean(sched, 4096)
+
+
+def test_mixed_step_carries_decodes_and_a_prefill_chunk() -> None:
+    sched, model = make(chunked_prefill_size=32), FakeModel()
+    sched.add(Req("short", prompts(1, 0, 8, seed=7)[0], 20))
+    batch = sched.schedule()
+    model.forward(batch)
+    sched.after_forward(batch)
+    batch.entries[0].req.output_ids.append(1)
+    sched.add(Req("long", prompts(1, 0, 100, seed=8)[0], 2))
+    mixed = sched.schedule()
+    kinds = [(e.req.rid, e.is_prefill, len(e.input_ids)) for e in mixed.entries]
+    assert kinds == [("short", False, 1), ("long", True, 31)]
+
+
+def test_max_running_requests_caps_the_running_set() -> None:
+    sched, model = make(max_running_requests=3), FakeModel()
+    for i, p in enumerate(prompts(8, 0, 6, seed=9)):
+        sched.add(Req(f"r{i}", p, 5))
+    peak = []
+    run(sched, model, on_step=lambda _s, s: peak.append(len(s.running)))
+    assert max(peak) == 3
+
+
+def test_full_queue_refuses_with_engine_overloaded() -> None:
+    sched = make(max_queued_requests=2)
+    sched.add(Req("a", [1, 2], 1))
+    sched.add(Req("b", [1, 2], 1))
+    with pytest.raises(EngineOverloaded, match="queue is full"):
+        sched.add(Req("c", [1, 2], 1))
+
+
+def test_cache_is_evicted_before_a_request_is_refused() -> None:
+    sched, model = make(pool=300), FakeModel()
+    for i, p in enumerate(prompts(4, 0, 60, seed=10)):
+        sched.add(Req(f"w{i}", p, 2))
+    run(sched, model)
+    assert sched.cache.total_size >= 240
+    big = Req("big", prompts(1, 0, 200, seed=11)[0], 3)
+    sched.add(big)
+    run(sched, model)
+    assert big.output_ids == solo(big.prompt_ids, 3)
+    assert sched.cache.stats.evicted_tokens > 0
+    assert_clean(sched, 300)
+
+
+def test_decode_out_of_slots_retracts_the_youngest_and_all_finish() -> None:
+    sched, model = make(pool=200, init_new_token_ratio=0.0, min_new_token_ratio=0.0), FakeModel()
+    reqs = [Req(f"r{i}", p, 40) for i, p in enumerate(prompts(6, 0, 20, seed=12))]
+    for r in reqs:
+        sched.add(r)
+    run(sched, model)
+    assert sched.num_retractions > 0
+    assert max(r.retractions for r in reqs) > 0
+    assert reqs[0].retractions == 0  # the oldest is never the victim
+    for r in reqs:
+        assert r.output_ids == solo(r.prompt_ids, 40)
+    assert_clean(sched, 200)
+
+
+def test_abort_frees_everything_at_once() -> None:
+    sched, model = make(pool=512), FakeModel()
+    reqs = [Req(f"r{i}", p, 30) for i, p in enumerate(prompts(5, 10, 20, seed=13))]
+    for r in reqs:
+        sched.add(r)
+
+    def abort_some(step: int, s: Scheduler) -> None:
+        if step == 3:
+            s.abort(reqs[1])
+            s.abort(reqs[4])
+            s.check_memory(512)
+
+    run(sched, model, on_step=abort_some)
+    assert reqs[1].finished and len(reqs[1].output_ids) < 30
+    assert_clean(sched, 512)
+
+
+def test_finished_request_is_inserted_with_its_output() -> None:
+    sched, model = make(), FakeModel()
+    req = Req("a", prompts(1, 0, 10, seed=14)[0], 5)
+    sched.add(req)
+    run(sched, model)
+    follow_up = req.prompt_ids + req.output_ids[:4] + [3]
+    assert sched.cache.match_prompt(follow_up).length == 14  # prompt + computed output
+
+
+def test_siblings_wait_for_the_first_prefill_and_reuse_it() -> None:
+    sched, model = make(), FakeModel()
+    prompt = prompts(1, 0, 100, seed=15)[0]
+    first = Req("x#0", prompt, 3)
+    siblings = [Req(f"x#{i}", list(prompt), 3, wait_for=first) for i in range(1, 4)]
+    for r in [first, *siblings]:
+        sched.add(r)
+    batch = sched.schedule()
+    assert [e.req.rid for e in batch.entries] == ["x#0"]
+    first.output_ids += model.forward(batch)
+    sched.after_forward(batch)
+    run(sched, model)
+    assert [s.cached_tokens for s in siblings] == [99, 99, 99]
+
+
+def test_input_logprob_positions_and_prefix_limited_to_them() -> None:
+    sched, model = make(), FakeModel()
+    prompt = prompts(1, 0, 40, seed=16)[0]
+    sched.add(Req("warm", prompt, 1))
+    run(sched, model)
+    req = Req("score", prompt, 0, input_logprob_start=30)
+    sched.add(req)
+    batch = sched.schedule()
+    (entry,) = batch.entries
+    assert entry.prefix_len == 29  # the cached prefix stops where scoring starts
+    assert entry.logprob_start == 0 and entry.logprob_targets == prompt[30:40]
+
+
+def test_paged_pool_keeps_pages_whole_under_pressure() -> None:
+    sched, model = make(pool=256, page=4, chunked_prefill_size=24), FakeModel()
+    reqs = [Req(f"r{i}", p, 15) for i, p in enumerate(prompts(10, 21, 7, seed=17))]
+    for r in reqs:
+        sched.add(r)
+    run(sched, model)
+    for r in reqs:
+        assert r.output_ids == solo(r.prompt_ids, 15)
+    assert_clean(sched, 256)
+
+
+def test_rollback_returns_kv_of_taken_back_tokens() -> None:
+    sched, model = make(), FakeModel()
+    req = Req("a", prompts(1, 0, 10, seed=18)[0], 50)
+    sched.add(req)
+    for _ in range(5):
+        batch = sched.schedule()
+        tokens = model.forward(batch)
+        sched.after_forward(batch)
+        req.output_ids.append(tokens[0])
+    assert req.kv_len == 14 and req.seq_len == 15
+    assert sched.can_rollback(req, 2)
+    del req.output_ids[-2:]
+    sched.trim_kv(req)
+    req.output_ids += [5, 6, 7]
+    batch = sched.schedule()
+    (entry,) = batch.entries
+    assert entry.prefix_len == 13 and entry.input_ids == [5, 6, 7]
+    model.forward(batch)  # reads back every slot: the rolled-back ones were rewritten
+    sched.after_forward(batch)
+    sched.abort(req)
+    assert_clean(sched, 4096)
+
+
+def test_retracted_request_is_not_readmitted_in_the_same_step() -> None:
+    sched, model = make(pool=120, init_new_token_ratio=0.0, min_new_token_ratio=0.0), FakeModel()
+    reqs = [Req(f"r{i}", p, 60) for i, p in enumerate(prompts(3, 0, 30, seed=19))]
+    for r in reqs:
+        sched.add(r)
+
+    def check(_step: int, s: Scheduler) -> None:
+        pass
+
+    seen_retracted = []
+    for _ in range(400):
+        if not sched.running and not sched.waiting:
+            break
+        batch = sched.schedule()
+        admitted = {e.req.rid for e in batch.entries if e.is_prefill}
+        assert not admitted & {r.rid for r in batch.retracted}
+        seen_retracted += batch.retracted
+        tokens = model.forward(batch) if batch.entries else []
+        sched.after_forward(batch)
+        for entry, token in zip(batch.entries, tokens, strict=False):
+            if entry.sample and entry.req.status is ReqStatus.RUNNING:
+                entry.req.output_ids.append(token)
+                if len(entry.req.output_ids) >= entry.req.max_new_tokens:
+                    sched.finish(entry.req)
+    assert seen_retracted
+    assert all(r.finished for r in reqs)
+    assert_clean(sched, 120)

@@ -1,0 +1,151 @@
+"""Incremental detokenization and stop conditions on a tiny byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+
+from radixlm.runtime.fixtures import build_tiny_tokenizer
+from radixlm.runtime.tokenizer import IncrementalDetokenizer, SequenceOutput, TextDecoder
+from radixlm.sampling import RepetitionDetection, SamplingParams
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _encode(tok: Any, text: str) -> list[int]:
+    return list(tok(text, add_special_tokens=False).input_ids)
+
+
+def _output(tok: Any, **params: Any) -> SequenceOutput:
+    return SequenceOutput(SamplingParams(**params), TextDecoder(tok), eos_token_ids=[0])
+
+
+def test_incremental_text_equals_full_decode_across_multibyte_characters(tok: Any) -> None:
+    text = "café 中文 🙂 naïve — “quotes” hello world 日本語 🚀"
+    ids = _encode(tok, text)
+    detok = IncrementalDetokenizer(TextDecoder(tok))
+    pieces = [detok.append([token]) for token in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == text
+    assert detok.text == text
+
+
+def test_incomplete_character_is_held_back_until_complete(tok: Any) -> None:
+    ids = _encode(tok, "🙂")
+    assert len(ids) > 1  # the emoji's bytes span several tokens
+    detok = IncrementalDetokenizer(TextDecoder(tok))
+    assert [detok.append([t]) for t in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.append(ids[-1:]) == "🙂"
+
+
+def test_random_token_sequences_decode_like_the_tokenizer(tok: Any) -> None:
+    rng = random.Random(0)
+    special = set(tok.all_special_ids)
+    for _ in range(30):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 40))]
+        ids = [t for t in ids if t not in special] or [5]
+        detok = IncrementalDetokenizer(TextDecoder(tok))
+        for token in ids:
+            detok.append([token])
+        detok.flush()
+        assert detok.text == tok.decode(ids, clean_up_tokenization_spaces=False)
+
+
+def test_skip_special_tokens_drops_them(tok: Any) -> None:
+    ids = [*_encode(tok, "hello"), tok.convert_tokens_to_ids("<|im_end|>"), *_encode(tok, " world")]
+    assert TextDecoder(tok, skip_special_tokens=True)(ids) == "hello world"
+
+
+def test_spaces_between_special_tokens_when_kept(tok: Any) -> None:
+    ids = [*_encode(tok, "hello"), tok.convert_tokens_to_ids("<|im_end|>"), *_encode(tok, "x")]
+    spaced = TextDecoder(tok, skip_special_tokens=False, spaces_between_special_tokens=True)
+    tight = TextDecoder(tok, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert spaced(ids) == "hello <|im_end|> x"
+    assert tight(ids) == "hello<|im_end|>x"
+
+
+def test_stop_string_matched_across_token_boundaries_is_trimmed(tok: Any) -> None:
+    out = _output(tok, stop=["capital of"])
+    reason = None
+    for token in _encode(tok, "What is the capital of France"):
+        reason = out.append(token)
+        if reason:
+            break
+    assert reason is not None and reason.type == "stop" and reason.matched == "capital of"
+    assert out.text == "What is the "
+
+
+def test_stop_string_kept_with_no_stop_trim(tok: Any) -> None:
+    out = _output(tok, stop="capital", no_stop_trim=True)
+    for token in _encode(tok, "the capital city"):
+        if out.append(token):
+            break
+    assert out.text == "the capital"
+
+
+def test_include_stop_str_in_output_keeps_it(tok: Any) -> None:
+    out = _output(tok, stop="capital", include_stop_str_in_output=True)
+    for token in _encode(tok, "the capital city"):
+        if out.append(token):
+            break
+    assert out.text == "the capital"
+
+
+def test_stream_text_holds_back_a_possible_stop_prefix(tok: Any) -> None:
+    out = _output(tok, stop="Paris!")
+    for token in _encode(tok, "hello Par"):
+        out.append(token)
+    assert out.text == "hello Par"
+    assert out.stream_text() == "hello "
+
+
+def test_stop_token_id_finishes_without_its_text(tok: Any) -> None:
+    out = _output(tok, stop_token_ids=[7])
+    out.append(_encode(tok, "hello")[0])
+    reason = out.append(7)
+    assert reason is not None and reason.matched == 7
+    assert out.text == "hello"
+
+
+def test_eos_finishes_unless_ignore_eos(tok: Any) -> None:
+    assert _output(tok).append(0) is not None
+    assert _output(tok, ignore_eos=True).append(0) is None
+
+
+def test_stops_wait_for_min_new_tokens(tok: Any) -> None:
+    out = _output(tok, min_new_tokens=2, stop="a")
+    assert out.append(0) is None  # EOS before min_new_tokens does not stop
+    assert out.append(_encode(tok, "a")[0]) is None
+    assert out.append(0) is not None
+
+
+def test_max_new_tokens_finishes_with_length(tok: Any) -> None:
+    out = _output(tok, max_new_tokens=2, ignore_eos=True)
+    assert out.append(5) is None
+    reason = out.append(6)
+    assert reason is not None and reason.type == "length"
+
+
+def test_stop_regex_trims_at_the_match(tok: Any) -> None:
+    out = _output(tok, stop_regex=r"\d+!")
+    for token in _encode(tok, "value 42! more"):
+        if out.append(token):
+            break
+    assert out.finish is not None and out.finish.matched == "42!"
+    assert out.text == "value "
+
+
+def test_repetition_detection_stops_a_loop(tok: Any) -> None:
+    out = _output(tok, repetition_detection=RepetitionDetection(ngram_size=2, repeats=3, window=16))
+    reasons = [out.append(t) for t in [5, 6, 5, 6, 5]]
+    assert reasons == [None] * 5
+    reason = out.append(6)
+    assert reason is not None and reason.type == "stop" and reason.message
