@@ -15,10 +15,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from lang_fake_server import FakeServer  # noqa: E402
-from lang_toy_model import FakeEngine, ToyCore, ToyModel  # noqa: E402
+from lang_fake_server import FakeServer
+from lang_toy_model import FakeEngine, ToyCore, ToyModel
 
-import radixlm.lang as sgl  # noqa: E402
+import radixlm.lang as sgl
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"

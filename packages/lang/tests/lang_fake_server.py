@@ -25,7 +25,17 @@ def render_chat(messages: list[dict[str, Any]]) -> str:
     return "".join(parts) + "<|assistant|>"
 
 
-_OPENAI_FIELDS = {"max_tokens", "stop", "temperature", "top_p", "n", "seed", "regex", "top_k", "min_p"}
+_OPENAI_FIELDS = {
+    "max_tokens",
+    "stop",
+    "temperature",
+    "top_p",
+    "n",
+    "seed",
+    "regex",
+    "top_k",
+    "min_p",
+}
 
 
 def _params(body: dict[str, Any]) -> SamplingParams:
@@ -123,22 +133,50 @@ class FakeServer:
 
             def events() -> Iterator[dict[str, Any]]:
                 for piece in tokenize(text):
-                    yield {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
-                           "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
-                yield {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
-                       "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+                    yield {
+                        "id": "c1",
+                        "object": "chat.completion.chunk",
+                        "created": 0,
+                        "model": body["model"],
+                        "choices": [
+                            {"index": 0, "delta": {"content": piece}, "finish_reason": None}
+                        ],
+                    }
+                yield {
+                    "id": "c1",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": body["model"],
+                    "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                }
 
             handler._sse(events())
             return
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-             "finish_reason": "length" if finish["type"] == "length" else "stop"}
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": "length" if finish["type"] == "length" else "stop",
+            }
             for i, (text, finish) in enumerate(outs)
         ]
-        usage = {"prompt_tokens": len(tokenize(prompt)), "completion_tokens": len(tokenize(outs[0][0])),
-                 "total_tokens": 0}
-        handler._json(200, {"id": "c1", "object": "chat.completion", "created": 0, "model": body["model"],
-                            "choices": choices, "usage": usage})
+        usage = {
+            "prompt_tokens": len(tokenize(prompt)),
+            "completion_tokens": len(tokenize(outs[0][0])),
+            "total_tokens": 0,
+        }
+        handler._json(
+            200,
+            {
+                "id": "c1",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": choices,
+                "usage": usage,
+            },
+        )
 
     def _completions(self, handler: Any, body: dict[str, Any]) -> None:
         self.core.openai_requests.append(body)
@@ -149,16 +187,34 @@ class FakeServer:
 
             def events() -> Iterator[dict[str, Any]]:
                 for piece in tokenize(text):
-                    yield {"id": "c2", "object": "text_completion", "created": 0, "model": body["model"],
-                           "choices": [{"index": 0, "text": piece, "finish_reason": None, "logprobs": None}]}
-                yield {"id": "c2", "object": "text_completion", "created": 0, "model": body["model"],
-                       "choices": [{"index": 0, "text": "", "finish_reason": "stop", "logprobs": None}]}
+                    yield {
+                        "id": "c2",
+                        "object": "text_completion",
+                        "created": 0,
+                        "model": body["model"],
+                        "choices": [
+                            {"index": 0, "text": piece, "finish_reason": None, "logprobs": None}
+                        ],
+                    }
+                yield {
+                    "id": "c2",
+                    "object": "text_completion",
+                    "created": 0,
+                    "model": body["model"],
+                    "choices": [
+                        {"index": 0, "text": "", "finish_reason": "stop", "logprobs": None}
+                    ],
+                }
 
             handler._sse(events())
             return
         choices = []
         for i, prompt in enumerate(prompts):
-            text, finish = ("", {"type": "length"}) if body.get("max_tokens") == 0 else self.core.model.complete(prompt, params)
+            text, finish = (
+                ("", {"type": "length"})
+                if body.get("max_tokens") == 0
+                else self.core.model.complete(prompt, params)
+            )
             logprobs = None
             if body.get("logprobs") is not None:
                 tokens = (tokenize(prompt) if body.get("echo") else []) + tokenize(text)
@@ -166,10 +222,32 @@ class FakeServer:
                 for token in tokens:
                     offsets.append(at)
                     at += len(token)
-                values = [None if j == 0 else self.core.model.logprob("".join(tokens[:j]), tokens[j])
-                          for j in range(len(tokens))]
-                logprobs = {"tokens": tokens, "token_logprobs": values, "text_offset": offsets, "top_logprobs": None}
-            choices.append({"index": i, "text": (prompt if body.get("echo") else "") + text, "logprobs": logprobs,
-                            "finish_reason": "length" if finish["type"] == "length" else "stop"})
-        handler._json(200, {"id": "c2", "object": "text_completion", "created": 0, "model": body["model"],
-                            "choices": choices, "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+                values = [
+                    None if j == 0 else self.core.model.logprob("".join(tokens[:j]), tokens[j])
+                    for j in range(len(tokens))
+                ]
+                logprobs = {
+                    "tokens": tokens,
+                    "token_logprobs": values,
+                    "text_offset": offsets,
+                    "top_logprobs": None,
+                }
+            choices.append(
+                {
+                    "index": i,
+                    "text": (prompt if body.get("echo") else "") + text,
+                    "logprobs": logprobs,
+                    "finish_reason": "length" if finish["type"] == "length" else "stop",
+                }
+            )
+        handler._json(
+            200,
+            {
+                "id": "c2",
+                "object": "text_completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": choices,
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            },
+        )

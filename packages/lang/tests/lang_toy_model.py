@@ -28,10 +28,11 @@ except ImportError:  # pragma: no cover
 
 TOKEN_RE = re.compile(r" ?[A-Za-z0-9_]+| ?[^A-Za-z0-9_\s]|\s")
 EOS = 0
-CORPUS = (
+CORPUS_TEXT = (
     "the river runs past the old mill and the children watch the boats drift toward the sea "
     "while the baker sells warm bread to travellers who arrive by the morning train"
-).split()
+)
+CORPUS = CORPUS_TEXT.split(" ")
 CANDIDATES = ["0", "1", "42", "3.14", "True", "False", "yes", "no", '"hello"', "A", "B+"]
 HIGH, LOW = -0.05, -3.0
 
@@ -75,9 +76,9 @@ def _in_class(items: list[Any]) -> str:
         if str(op) == "RANGE":
             return chr(value[0])
         return _category_char(str(value))
-    pattern = "[^" + "".join(
-        re.escape(chr(v)) if str(op) == "LITERAL" else "" for op, v in items
-    ) + "]"
+    pattern = (
+        "[^" + "".join(re.escape(chr(v)) if str(op) == "LITERAL" else "" for op, v in items) + "]"
+    )
     return next(c for c in "ax0 _" if re.fullmatch(pattern, c))
 
 
@@ -265,6 +266,8 @@ class ToyCore:
         params = req.params
         if params.regex is not None:
             re.compile(params.regex)  # a bad pattern is the caller's error (HTTP 400)
+            if "(?=" in params.regex or "(?!" in params.regex:
+                raise ValueError("regex: lookaround assertions are not supported")
         text, finish = self.model.complete(prompt, params)
         out_tokens = tokenize(text)
         ids = tuple(self.vocab.id(t) for t in prompt_tokens)
@@ -285,7 +288,12 @@ class ToyCore:
             meta["output_token_logprobs"] = self._entries(every, len(prompt_tokens), with_text)
         with self._lock:
             self._cache.append(ids + tuple(self.vocab.id(t) for t in out_tokens))
-        return {"index": index, "text": text, "output_ids": [self.vocab.id(t) for t in out_tokens], "meta_info": meta}
+        return {
+            "index": index,
+            "text": text,
+            "output_ids": [self.vocab.id(t) for t in out_tokens],
+            "meta_info": meta,
+        }
 
     def generate(self, body: dict[str, Any]) -> Any:
         """A /generate body -> its JSON answer. Raises InvalidRequest / re.error for a 400."""
@@ -326,8 +334,13 @@ class FakeEngine:
         self.shut_down = False
 
     @staticmethod
-    def _body(prompt: Any, sampling_params: Any, input_ids: Any, image_data: Any, **rest: Any) -> dict[str, Any]:
-        body: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_text_in_logprobs": True}
+    def _body(
+        prompt: Any, sampling_params: Any, input_ids: Any, image_data: Any, **rest: Any
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "sampling_params": sampling_params or {},
+            "return_text_in_logprobs": True,
+        }
         if prompt is not None:
             body["text"] = prompt
         if input_ids is not None:
@@ -348,7 +361,15 @@ class FakeEngine:
         top_logprobs_num: int | None = None,
         stream: bool = False,
     ) -> Any:
-        body = self._body(prompt, sampling_params, input_ids, image_data, return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num)
+        body = self._body(
+            prompt,
+            sampling_params,
+            input_ids,
+            image_data,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+        )
         return self.core.stream(body) if stream else self.core.generate(body)
 
     async def async_generate(
@@ -362,7 +383,15 @@ class FakeEngine:
         top_logprobs_num: int | None = None,
         stream: bool = False,
     ) -> Any:
-        body = self._body(prompt, sampling_params, input_ids, image_data, return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num)
+        body = self._body(
+            prompt,
+            sampling_params,
+            input_ids,
+            image_data,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+        )
         if stream:
             return self._astream(body)
         return await asyncio.to_thread(self.core.generate, body)

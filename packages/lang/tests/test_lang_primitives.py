@@ -191,12 +191,18 @@ def test_gen_with_choices_is_select(backend):
 
 @pytest.mark.parametrize(
     "method",
-    [sgl.token_length_normalized, sgl.greedy_token_selection, sgl.unconditional_likelihood_normalized],
+    [
+        sgl.token_length_normalized,
+        sgl.greedy_token_selection,
+        sgl.unconditional_likelihood_normalized,
+    ],
 )
 def test_every_choices_method_picks_the_models_answer(backend, method):
     @sgl.function
     def prog(s):
-        s += "Is Paris in France? Answer:" + sgl.select("answer", [" no", " yes"], choices_method=method)
+        s += "Is Paris in France? Answer:" + sgl.select(
+            "answer", [" no", " yes"], choices_method=method
+        )
 
     state = prog.run(backend=backend)
     assert state["answer"] == " yes"
@@ -216,7 +222,9 @@ def test_image_goes_to_the_request_as_base64(backend, tmp_path):
     state.sync()
     assert backend.fake.core.requests[-1]["image_data"] == "iVBORw0KGgpmYWtl"
     assert "<image>" in state.text()
-    assert state.messages()[0]["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert state.messages()[0]["content"][1]["image_url"]["url"].startswith(
+        "data:image/png;base64,"
+    )
 
 
 def test_var_scope_captures_the_text_added_inside(backend):

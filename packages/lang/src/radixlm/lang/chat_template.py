@@ -145,7 +145,11 @@ def jinja_renderer(source: str) -> Renderer | None:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    template = env.from_string(source)
+    try:
+        template = env.from_string(source)
+    except TemplateError as error:
+        logger.debug("chat template does not compile: %s", error)
+        return None
 
     def render(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> str:
         return template.render(

@@ -72,9 +72,13 @@ class Expr:
     """A node of an LM program. `a + b` of nodes and strings builds an ExprList."""
 
     def __add__(self, other: ExprLike) -> ExprList:
+        if not isinstance(other, (str, Expr)):
+            return NotImplemented
         return ExprList.of(self, as_expr(other))
 
     def __radd__(self, other: ExprLike) -> ExprList:
+        if not isinstance(other, (str, Expr)):
+            return NotImplemented
         return ExprList.of(as_expr(other), self)
 
     def describe(self) -> str:

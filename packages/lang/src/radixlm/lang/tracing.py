@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from radixlm.lang.chat_template import ChatTemplate
-from radixlm.lang.ir import ConstantText, ExprList, RoleBegin, RoleEnd
+from radixlm.lang.ir import ConstantText, Expr, ExprList, RoleBegin, RoleEnd, as_expr
 
 logger = logging.getLogger(__name__)
 _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -37,14 +37,43 @@ def _stop(*args: Any, **kwargs: Any) -> Any:
     raise StopTrace
 
 
-class _Placeholder:
-    """An argument whose value differs across the batch: any use of it stops the trace."""
+class _Unknown:
+    """A value the trace cannot know: any use of it stops the trace."""
 
-    __str__ = __repr__ = __format__ = __add__ = __radd__ = __mul__ = __rmul__ = _stop
+    __str__ = __repr__ = __format__ = __mul__ = __rmul__ = _stop
     __iter__ = __len__ = __bool__ = __eq__ = __ne__ = __hash__ = __getitem__ = _stop
     __int__ = __float__ = __contains__ = __call__ = __lt__ = __gt__ = _stop
 
     def __getattr__(self, name: str) -> Any:
+        raise StopTrace
+
+    def __add__(self, other: Any) -> _Partial:
+        return _Partial("")
+
+    def __radd__(self, other: Any) -> _Partial:
+        if isinstance(other, (str, Expr)):
+            return _Partial(other)
+        raise StopTrace
+
+
+class _Placeholder(_Unknown):
+    """An argument whose value differs across the batch."""
+
+
+class _Partial(_Unknown):
+    """Known text (or expression) followed by something unknown: `"Q: " + question`."""
+
+    known: str | Expr
+
+    def __init__(self, known: str | Expr) -> None:
+        object.__setattr__(self, "known", known)
+
+    def __add__(self, other: Any) -> _Partial:
+        return self
+
+    def __radd__(self, other: Any) -> _Partial:
+        if isinstance(other, (str, Expr)):
+            return _Partial(ExprList.of(as_expr(other), as_expr(self.known)))
         raise StopTrace
 
 
@@ -62,6 +91,9 @@ class _TraceState:
         return self
 
     def _add(self, other: Any) -> None:
+        if isinstance(other, _Partial):
+            self._add(other.known)
+            raise StopTrace
         if isinstance(other, str):
             self.text += other
         elif isinstance(other, ConstantText):
