@@ -281,3 +281,8 @@ def test_metrics_count_requests_and_tokens(http: httpx.Client) -> None:
 def test_metrics_route_is_absent_unless_enabled(make_server: Any) -> None:
     live, _ = make_server(ServerConfig())
     assert httpx.get(f"{live.url}/metrics").status_code == 404
+
+
+def test_metrics_count_refused_requests(http: httpx.Client) -> None:
+    http.post("/generate", json={"text": "a", "sampling_params": {"top_p": 0}})
+    assert 'radixlm_request_errors_total{status="400"}' in http.get("/metrics").text

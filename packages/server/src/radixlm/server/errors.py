@@ -106,22 +106,32 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     return "; ".join(parts) or "invalid request", first
 
 
+def _counted(request: Request, response: JSONResponse) -> JSONResponse:
+    """Count an error answer in the app's metrics, when it has them."""
+    state = getattr(request.app.state, "radixlm", None)
+    metrics = getattr(state, "metrics", None)
+    if metrics is not None:
+        metrics.errors.labels(status=str(response.status_code)).inc()
+    return response
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map every exception to an OpenAI error object; nothing a client sends becomes a 500."""
 
     async def on_api_error(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, APIError)
-        return error.response()
+        return _counted(request, error.response())
 
     async def on_invalid(request: Request, error: Exception) -> JSONResponse:
         mapped = as_api_error(error)
         assert mapped is not None
-        return mapped.response()
+        return _counted(request, mapped.response())
 
     async def on_request_validation(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError)
         message, param = _validation_message(error)
-        return APIError(400, message, param=param, code="invalid_request").response()
+        response = APIError(400, message, param=param, code="invalid_request").response()
+        return _counted(request, response)
 
     async def on_http(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, StarletteHTTPException)
@@ -133,11 +143,12 @@ def install_error_handlers(app: FastAPI) -> None:
         response = APIError(status, message).response()
         if error.headers:
             response.headers.update(error.headers)
-        return response
+        return _counted(request, response)
 
     async def on_unexpected(request: Request, error: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error: {type(error).__name__}: {error}").response()
+        message = f"internal server error: {type(error).__name__}: {error}"
+        return _counted(request, APIError(500, message).response())
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(InvalidRequest, on_invalid)

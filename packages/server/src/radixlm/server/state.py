@@ -13,7 +13,12 @@ from typing import Any
 
 from starlette.requests import Request
 
-from radixlm.sampling import CustomLogitProcessor, GenerateRequest, InvalidRequest
+from radixlm.sampling import (
+    CustomLogitProcessor,
+    EngineOverloaded,
+    GenerateRequest,
+    InvalidRequest,
+)
 from radixlm.server.config import ServerConfig
 from radixlm.server.errors import APIError, invalid_json
 from radixlm.server.metrics import ServerMetrics
@@ -165,8 +170,10 @@ class ServerState:
         self.inflight[rid] = arrival
         finals: dict[int, dict[str, Any]] = {}
         first_token_at: float | None = None
-        iterator = self.engine.generate(request)
+        iterator: AsyncIterator[dict[str, Any]] | None = None
+        outcome = "disconnected"  # unless the engine finishes or refuses it
         try:
+            iterator = self.engine.generate(request)
             async for chunk in iterator:
                 if first_token_at is None and chunk.get("output_ids"):
                     first_token_at = time.monotonic()
@@ -175,10 +182,21 @@ class ServerState:
                 if finish_type(chunk) is not None:
                     finals[int(chunk.get("index", 0))] = chunk
                 yield chunk
+            outcome = "finished"
+        except InvalidRequest:
+            outcome = "invalid"
+            raise
+        except EngineOverloaded:
+            outcome = "overloaded"
+            raise
+        except Exception:
+            outcome = "error"
+            raise
         finally:
-            await close_iterator(iterator)
+            if iterator is not None:
+                await close_iterator(iterator)
             self.inflight.pop(rid, None)
-            self._account(route, request, finals, time.monotonic() - arrival)
+            self._account(route, request, finals, time.monotonic() - arrival, outcome)
 
     def _account(
         self,
@@ -186,7 +204,12 @@ class ServerState:
         request: GenerateRequest,
         finals: dict[int, dict[str, Any]],
         latency: float,
+        outcome: str,
     ) -> None:
+        if outcome in ("invalid", "overloaded", "error"):
+            if self.config.log_requests:
+                logger.info("%s rid=%s refused by the engine (%s)", route, request.rid, outcome)
+            return
         expected = request.params.n
         meta = [finals[i].get("meta_info", {}) for i in sorted(finals)]
         prompt = int(meta[0].get("prompt_tokens", 0)) if meta else 0
@@ -194,7 +217,7 @@ class ServerState:
         completion = sum(int(m.get("completion_tokens", 0)) for m in meta)
         reasons = [finish_type(finals[i]) or "?" for i in sorted(finals)]
         if len(finals) < expected:
-            reasons.append("disconnected")
+            reasons.append(outcome)
         if self.metrics is not None:
             for i, m in enumerate(meta):
                 self.metrics.record_sequence(
@@ -206,7 +229,7 @@ class ServerState:
                     latency,
                 )
             if len(finals) < expected:
-                self.metrics.requests.labels(route=route, finish_reason="disconnected").inc()
+                self.metrics.requests.labels(route=route, finish_reason=outcome).inc()
         if self.config.log_requests:
             logger.info(
                 "%s rid=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d n=%d "
