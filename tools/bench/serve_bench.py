@@ -1,0 +1,493 @@
+#!/usr/bin/env python3
+"""HTTP serving benchmark: a load generator for any OpenAI-compatible or radixlm server.
+
+Sends a synthetic workload (random prompts, or groups of prompts sharing a long prefix) at a
+request rate (Poisson arrivals) or a fixed concurrency, streams every answer, and reports
+request and token throughput, time to first token (TTFT), inter-token latency (ITL) and
+end-to-end latency (mean, p50, p99).
+
+    # against a running server
+    .venv/bin/python tools/bench/serve_bench.py --base-url http://127.0.0.1:30000 --model NAME
+
+    # self-test: an in-process server on the toy engine of the server's tests (no model needed)
+    .venv/bin/python tools/bench/serve_bench.py --fake
+
+    # side by side: `radixlm serve` and `transformers serve` on the same dummy-weight model,
+    # one after the other, the same workload; prints the ratios
+    .venv/bin/python tools/bench/serve_bench.py --compare --dummy-model tiny
+    .venv/bin/python tools/bench/serve_bench.py --compare --dummy-model qwen2.5-0.5b --num-prompts 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_ENGINE = ROOT / "packages" / "server" / "tests" / "server_fake_engine.py"
+
+# Model shapes for --dummy-model (random weights, saved with a small local tokenizer).
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2,
+    },
+    "qwen2.5-0.5b": {
+        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2,
+    },
+}  # fmt: skip
+
+
+# Workloads.
+
+SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "shi", "pa", "de", "go", "zu", "ri", "en"]
+
+
+def _words(rng: random.Random, count: int) -> str:
+    return " ".join(
+        "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(count)
+    )
+
+
+@dataclass(frozen=True)
+class Prompt:
+    system: str
+    user: str
+    output_len: int
+
+
+def random_dataset(n: int, input_len: int, output_len: int, seed: int) -> list[Prompt]:
+    """Independent prompts of about `input_len` words (lengths vary ±25%)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = max(1, int(input_len * rng.uniform(0.75, 1.25)))
+        out.append(Prompt("", _words(rng, length), output_len))
+    return out
+
+
+def shared_prefix_dataset(
+    n: int, groups: int, prefix_len: int, question_len: int, output_len: int, seed: int
+) -> list[Prompt]:
+    """`groups` long system prompts, each shared by n/groups short questions (interleaved)."""
+    rng = random.Random(seed)
+    prefixes = [_words(rng, prefix_len) for _ in range(groups)]
+    return [Prompt(prefixes[i % groups], _words(rng, question_len), output_len) for i in range(n)]
+
+
+# One request.
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+def _body(
+    api: str, model: str, prompt: Prompt, extra: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    if api == "chat":
+        messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
+        messages.append({"role": "user", "content": prompt.user})
+        body: dict[str, Any] = {"model": model, "messages": messages}
+        path = "/v1/chat/completions"
+    elif api == "completions":
+        body = {"model": model, "prompt": f"{prompt.system}\n{prompt.user}".strip()}
+        path = "/v1/completions"
+    else:
+        text = f"{prompt.system}\n{prompt.user}".strip()
+        params = {"max_new_tokens": prompt.output_len, "temperature": 0.0, **extra}
+        return "/generate", {"text": text, "sampling_params": params, "stream": True}
+    body.update(
+        max_tokens=prompt.output_len,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        **extra,
+    )
+    return path, body
+
+
+def _delta(api: str, data: dict[str, Any], seen: int) -> tuple[int, int]:
+    """(new characters, output length) of one streamed event."""
+    if api == "generate":
+        text = str(data.get("text", ""))
+        return len(text) - seen, len(text)
+    choices = data.get("choices") or []
+    if not choices:
+        return 0, seen
+    choice = choices[0]
+    piece = (
+        choice.get("text") if api == "completions" else (choice.get("delta") or {}).get("content")
+    )
+    return len(piece or ""), seen + len(piece or "")
+
+
+async def one_request(
+    client: httpx.AsyncClient, api: str, model: str, prompt: Prompt, extra: dict[str, Any]
+) -> Result:
+    path, body = _body(api, model, prompt, extra)
+    result = Result()
+    start = time.perf_counter()
+    last = start
+    seen = 0
+    chunks = 0
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                data = json.loads(payload)
+                if "error" in data:
+                    result.error = str(data["error"])[:200]
+                    return result
+                usage = data.get("usage") or data.get("meta_info")
+                if usage:
+                    result.prompt_tokens = int(usage.get("prompt_tokens", result.prompt_tokens))
+                    result.output_tokens = int(usage.get("completion_tokens", result.output_tokens))
+                grown, seen = _delta(api, data, seen)
+                if grown > 0:
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    result.latency = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or chunks  # no usage: one chunk ≈ one token
+    result.ok = chunks > 0 or result.output_tokens == 0
+    return result
+
+
+async def run_load(
+    base_url: str,
+    api: str,
+    model: str,
+    prompts: list[Prompt],
+    rate: float,
+    concurrency: int | None,
+    extra: dict[str, Any],
+    seed: int,
+    headers: dict[str, str] | None = None,
+) -> tuple[list[Result], float]:
+    """Send every prompt (Poisson arrivals at `rate`/s, at most `concurrency` open at once)."""
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency or len(prompts))
+    timeout = httpx.Timeout(600.0, connect=30.0)
+    limits = httpx.Limits(max_connections=(concurrency or len(prompts)) + 8)
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=timeout, limits=limits, headers=headers
+    ) as client:
+
+        async def limited(prompt: Prompt) -> Result:
+            async with limit:
+                return await one_request(client, api, model, prompt, extra)
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.ensure_future(limited(prompt)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+# Report.
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def summarize(results: list[Result], duration: float) -> dict[str, float]:
+    done = [r for r in results if r.ok]
+    ttft = [r.ttft for r in done]
+    itl = [x for r in done for x in r.itl]
+    e2e = [r.latency for r in done]
+    out_tokens = sum(r.output_tokens for r in done)
+    return {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "input_tok_s": sum(r.prompt_tokens for r in done) / duration,
+        "output_tok_s": out_tokens / duration,
+        "mean_ttft_ms": 1000 * statistics.fmean(ttft) if ttft else float("nan"),
+        "p50_ttft_ms": 1000 * _pct(ttft, 50),
+        "p99_ttft_ms": 1000 * _pct(ttft, 99),
+        "mean_itl_ms": 1000 * statistics.fmean(itl) if itl else float("nan"),
+        "p50_itl_ms": 1000 * _pct(itl, 50),
+        "p99_itl_ms": 1000 * _pct(itl, 99),
+        "mean_e2e_ms": 1000 * statistics.fmean(e2e) if e2e else float("nan"),
+        "p50_e2e_ms": 1000 * _pct(e2e, 50),
+        "p99_e2e_ms": 1000 * _pct(e2e, 99),
+    }
+
+
+# Lower is better for these; ratios are printed so that > 1 means the first column is better.
+LOWER_IS_BETTER = ("ttft", "itl", "e2e", "duration", "failed")
+
+
+def print_table(columns: dict[str, dict[str, float] | None]) -> None:
+    names = list(columns)
+    keys = next((list(c) for c in columns.values() if c), [])
+    header = f"{'metric':22s}" + "".join(f"{n:>18s}" for n in names)
+    if len(names) == 2:
+        header += f"{'ratio (1st/2nd)':>18s}"
+    print(header)
+    print("-" * len(header))
+    for key in keys:
+        cells = []
+        for name in names:
+            value = (columns[name] or {}).get(key)
+            cells.append(f"{value:18.2f}" if value is not None else f"{'n/a':>18s}")
+        line = f"{key:22s}" + "".join(cells)
+        if len(names) == 2:
+            a, b = ((columns[n] or {}).get(key) for n in names)
+            if a and b:
+                lower = any(word in key for word in LOWER_IS_BETTER)
+                line += f"{(b / a if lower else a / b):17.2f}x"
+        print(line)
+    if len(names) == 2:
+        print("(ratio: > 1 means the first column is better — faster or higher throughput)")
+
+
+def build_prompts(args: argparse.Namespace) -> list[Prompt]:
+    if args.dataset == "shared-prefix":
+        return shared_prefix_dataset(
+            args.num_prompts, args.num_groups, args.prefix_len, args.input_len,
+            args.output_len, args.seed,
+        )  # fmt: skip
+    return random_dataset(args.num_prompts, args.input_len, args.output_len, args.seed)
+
+
+def bench(
+    args: argparse.Namespace, base_url: str, model: str, extra: dict[str, Any]
+) -> dict[str, float]:
+    prompts = build_prompts(args)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    results, duration = asyncio.run(
+        run_load(base_url, args.api, model, prompts, args.request_rate, args.max_concurrency,
+                 extra, args.seed, headers)
+    )  # fmt: skip
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        print(f"  {len(errors)} requests failed; first: {errors[0]}", file=sys.stderr)
+    return summarize(results, duration)
+
+
+# Servers to bench.
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_healthy(url: str, process: subprocess.Popen[bytes] | None, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            return False
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def _load_fake_engine() -> Any:
+    """The toy engine module of the server's tests (loaded by path; it is not installed)."""
+    name = "server_fake_engine"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, FAKE_ENGINE)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def fake_server(token_delay: float) -> tuple[str, str, Any]:
+    """An in-process uvicorn server on the tests' toy engine; returns (url, model, stop)."""
+    import uvicorn
+
+    from radixlm.server import ServerConfig, create_app
+
+    fake = _load_fake_engine()
+    tokenizer = fake.build_tokenizer(Path(tempfile.mkdtemp(prefix="serve-bench-tok-")))
+    engine = fake.FakeEngine(tokenizer, token_delay=token_delay, max_context_length=1 << 16)
+    app = create_app(engine, ServerConfig(served_model_name="fake", log_requests=False))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    if not _wait_healthy(url, None, 30):
+        raise SystemExit("the fake server did not start")
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+    return url, "fake", stop
+
+
+def build_dummy_model(shape: str, directory: Path) -> Path:
+    """A random-weight Qwen2 model of `shape` with the toy byte-level BPE tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = _load_fake_engine().build_tokenizer(directory)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        **SHAPES[shape],
+    )
+    Qwen2ForCausalLM(config).save_pretrained(str(directory))
+    return directory
+
+
+def launch(name: str, model: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+    if name == "radixlm":
+        cmd = [sys.executable, "-m", "radixlm.server", "--model-path", model, "--port", str(port),
+               "--served-model-name", model, "--log-level", "warning"]  # fmt: skip
+    else:
+        exe = shutil.which("transformers") or str(Path(sys.executable).with_name("transformers"))
+        cmd = [exe, "serve", model, "--port", str(port), "--continuous-batching",
+               "--device", "cpu", "--log-level", "warning"]  # fmt: skip
+    print(f"+ {' '.join(cmd)}", flush=True)
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def compare(args: argparse.Namespace) -> dict[str, dict[str, float] | None]:
+    model = args.model_path
+    if model is None:
+        model = str(build_dummy_model(args.dummy_model, Path(tempfile.mkdtemp(prefix="dummy-"))))
+        print(f"dummy {args.dummy_model} model in {model}")
+    columns: dict[str, dict[str, float] | None] = {}
+    for name in ("radixlm", "transformers"):
+        port = _free_port()
+        log = Path(tempfile.mkdtemp(prefix=f"{name}-")) / "server.log"
+        process = launch(name, model, port, log)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            if not _wait_healthy(url, process, args.startup_timeout):
+                tail = log.read_text(errors="replace")[-1500:]
+                print(f"[{name}] did not start; its log ends with:\n{tail}", file=sys.stderr)
+                columns[name] = None
+                continue
+            extra = {"ignore_eos": True} if name == "radixlm" else {}
+            columns[name] = bench(args, url, model, extra)
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    return columns
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    target = parser.add_argument_group("target")
+    target.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:30000")
+    target.add_argument("--model", default="default", help="model name sent in requests")
+    target.add_argument("--api-key")
+    target.add_argument("--fake", action="store_true", help="self-test on the toy engine")
+    target.add_argument("--fake-token-delay", type=float, default=0.002)
+    target.add_argument("--compare", action="store_true",
+                        help="radixlm serve vs transformers serve on the same model")  # fmt: skip
+    target.add_argument("--model-path", help="model for --compare (default: a dummy model)")
+    target.add_argument("--dummy-model", choices=sorted(SHAPES), default="tiny")
+    target.add_argument("--startup-timeout", type=float, default=600)
+    load = parser.add_argument_group("load")
+    load.add_argument("--api", choices=["chat", "completions", "generate"], default="chat")
+    load.add_argument("--dataset", choices=["random", "shared-prefix"], default="shared-prefix")
+    load.add_argument("--num-prompts", type=int, default=200)
+    load.add_argument("--input-len", type=int, default=64, help="words per prompt / question")
+    load.add_argument("--output-len", type=int, default=32, help="max tokens per answer")
+    load.add_argument("--prefix-len", type=int, default=512, help="words of each shared prefix")
+    load.add_argument("--num-groups", type=int, default=8, help="shared prefixes")
+    load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
+    load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--extra-body", default="{}", help="JSON merged into every request")
+    load.add_argument("--output-json", help="write the figures here")
+    args = parser.parse_args()
+
+    extra = json.loads(args.extra_body)
+    print(
+        f"workload: {args.dataset}, {args.num_prompts} prompts, api {args.api}, rate "
+        f"{args.request_rate}/s, concurrency {args.max_concurrency or 'unbounded'}, "
+        f"input {args.input_len} words, output {args.output_len} tokens"
+        + (f", {args.num_groups} prefixes of {args.prefix_len} words" if args.dataset == "shared-prefix" else "")
+    )  # fmt: skip
+    columns: dict[str, dict[str, float] | None]
+    if args.compare:
+        columns = compare(args)
+    elif args.fake:
+        url, model, stop = fake_server(args.fake_token_delay)
+        try:
+            columns = {
+                "radixlm (toy engine)": bench(args, url, model, {"ignore_eos": True, **extra})
+            }
+        finally:
+            stop()
+    elif args.base_url:
+        columns = {args.base_url: bench(args, args.base_url.rstrip("/"), args.model, extra)}
+    else:
+        parser.error("give --base-url, --fake or --compare")
+    print_table(columns)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(columns, indent=2))
+    return 0 if all(columns.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
