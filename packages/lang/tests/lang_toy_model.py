@@ -397,8 +397,10 @@ class FakeEngine:
         return await asyncio.to_thread(self.core.generate, body)
 
     async def _astream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        for chunk in await asyncio.to_thread(lambda: list(self.core.stream(body))):
-            yield chunk
+        chunks = self.core.stream(body)
+        done = object()
+        while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+            yield chunk  # type: ignore[misc]
 
     def model_info(self) -> dict[str, Any]:
         return self.core.model_info()

@@ -39,6 +39,7 @@ def _earliest(text: str, needles: list[str], start: int = 0) -> tuple[int, str |
 
 
 def _ahead(params: SamplingParams, num_tokens: int) -> SamplingParams:
+    """`params` without stop strings, generating `num_tokens` (at least the gen's own budget)."""
     values = params.model_dump(exclude_unset=True)
     values["max_new_tokens"] = max(params.max_new_tokens or 0, num_tokens)
     values.pop("stop", None)
@@ -72,12 +73,16 @@ class CompletionSpeculation:
         if not speculable(call):
             self.buffer = ""
             return generate(call)
+        fresh, ahead = None, call
         if not self.buffer:
             ahead = replace(call, params=_ahead(call.params, self.num_tokens))
-            self.buffer = _first_text(generate(ahead))
+            fresh = generate(ahead)
+            self.buffer = _first_text(fresh)
         at, stop = _earliest(self.buffer, call.params.stop_strings)
         if at == -1:
             self.buffer = ""
+            if fresh is not None and ahead.params.max_new_tokens == call.params.max_new_tokens:
+                return fresh  # the same call as the gen's own, minus stop strings it never hit
             return generate(call)
         value, self.buffer = self.buffer[:at], self.buffer[at:]
         return Completion(
@@ -130,7 +135,11 @@ class ChatSpeculation:
         try:
             if first is None:
                 return [(p.text or "", p) for p in parts]
-            call = replace(first, params=_ahead(first.params, self.num_tokens))
+            turn = first.params.model_dump(exclude_unset=True)
+            turn["max_new_tokens"] = self.num_tokens  # the budget of the whole turn
+            turn.pop("stop", None)
+            turn.pop("stop_regex", None)
+            call = replace(first, params=SamplingParams.parse(turn))
             answers = []
             for _ in range(self.max_tries):
                 answer = _first_text(generate(call))
