@@ -364,10 +364,7 @@ def test_retracted_request_is_not_readmitted_in_the_same_step() -> None:
     for r in reqs:
         sched.add(r)
 
-    def check(_step: int, s: Scheduler) -> None:
-        pass
-
-    seen_retracted = []
+    seen_retracted: list[Req] = []
     for _ in range(400):
         if not sched.running and not sched.waiting:
             break

@@ -8,6 +8,8 @@ from radixlm.runtime.config import (
     RunnerConfig,
     SamplerConfig,
 )
+from radixlm.runtime.engine import Engine, Reply
+from radixlm.runtime.engine_config import CacheConfig, EngineConfig, GrammarConfig, SchedulerConfig
 from radixlm.runtime.forward_batch import BatchEntry, ForwardBatch, InputLogprobRequest
 from radixlm.runtime.loader import (
     ModelInfo,
@@ -26,8 +28,12 @@ from radixlm.runtime.sampling_batch import SamplingBatch, SamplingRequest
 __all__ = [
     "AttentionConfig",
     "BatchEntry",
+    "CacheConfig",
     "CustomProcessorsDisabled",
+    "Engine",
+    "EngineConfig",
     "ForwardBatch",
+    "GrammarConfig",
     "InputLogprobRequest",
     "KVPool",
     "LogitsOutput",
@@ -37,6 +43,7 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "ModelRunner",
+    "Reply",
     "ReqToTokenPool",
     "RunnerConfig",
     "RunnerStats",
@@ -45,6 +52,7 @@ __all__ = [
     "SamplerConfig",
     "SamplingBatch",
     "SamplingRequest",
+    "SchedulerConfig",
     "TokenLogprob",
     "__version__",
     "load_model",

@@ -1,0 +1,97 @@
+"""ModelExecutor: runs a scheduled step on the ModelRunner and returns plain per-entry results."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.runtime.forward_batch import BatchEntry, ForwardBatch
+from radixlm.runtime.logprobs import TokenLogprob
+from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.sampling_batch import SamplingBatch, SamplingRequest
+from radixlm.runtime.scheduler import ScheduledBatch
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Per entry of the step: the sampled token (None where the entry does not sample), its
+    logprobs (None unless asked), and prompt logprobs (None unless asked)."""
+
+    tokens: list[int | None]
+    logprobs: list[TokenLogprob | None]
+    input_logprobs: list[list[TokenLogprob] | None]
+
+
+@dataclass(frozen=True)
+class InputLogprobAsk:
+    """Prompt-logprob options of one entry: top alternatives and requested token ids."""
+
+    top: int = 0
+    token_ids: Sequence[int] | None = None
+
+
+class ModelExecutor:
+    """Turns a `ScheduledBatch` into a `ForwardBatch`, runs it, samples the entries that
+    sample. The only engine module that touches tensors."""
+
+    def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
+        self.runner = runner
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(seed)
+
+    def run(
+        self,
+        batch: ScheduledBatch,
+        sampling: Sequence[SamplingRequest | None],
+        input_asks: Sequence[InputLogprobAsk | None],
+        bitmask: torch.Tensor | None = None,
+    ) -> StepResult:
+        """Compute the step. `sampling[i]` describes entry i when it samples (None otherwise);
+        `bitmask` has one row per sampling entry, in order. Mutates the KV pool and the
+        request table."""
+        runner = self.runner
+        table = runner.req_to_token_pool
+        entries: list[BatchEntry] = []
+        for entry, ask in zip(batch.entries, input_asks, strict=True):
+            if entry.row_write is not None:
+                start, slots = entry.row_write
+                table.write(entry.row, start, slots)
+            ask = ask or InputLogprobAsk()
+            entries.append(
+                BatchEntry(
+                    req_pool_index=entry.row,
+                    input_ids=entry.input_ids,
+                    prefix_len=entry.prefix_len,
+                    out_slots=entry.out_slots,
+                    input_logprob_start=entry.logprob_start,
+                    input_logprob_targets=entry.logprob_targets,
+                    top_logprobs_num=ask.top,
+                    token_ids_logprob=ask.token_ids,
+                )
+            )
+        forward = ForwardBatch.build(entries, table.req_to_token)
+        out = runner.forward(forward)
+        rows = [i for i, s in enumerate(sampling) if s is not None]
+        tokens: list[int | None] = [None] * len(entries)
+        logprobs: list[TokenLogprob | None] = [None] * len(entries)
+        if rows:
+            logits = out.next_token_logits
+            if len(rows) != len(entries):
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            requests = [s for s in sampling if s is not None]
+            sampling_batch = SamplingBatch.build(
+                requests,
+                runner.vocab_size,
+                runner.device,
+                grammar_bitmask=bitmask,
+                generator=self.generator,
+            )
+            sampled = runner.sample(logits, sampling_batch)
+            for k, row in enumerate(rows):
+                tokens[row] = sampled.token_ids[k]
+                if sampled.logprobs is not None:
+                    logprobs[row] = sampled.logprobs[k]
+        input_logprobs = out.input_logprobs or [None] * len(entries)
+        return StepResult(tokens, logprobs, list(input_logprobs))

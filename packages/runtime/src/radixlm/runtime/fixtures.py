@@ -1,0 +1,214 @@
+"""Tiny local models and tokenizers for tests, examples and benchmarks (nothing is downloaded).
+
+`build_tiny_tokenizer(dir)` trains a small byte-level BPE tokenizer on built-in text and saves
+it in the Hugging Face layout; `build_tiny_model(dir)` writes a randomly initialised causal LM
+of a given architecture next to it (config.json, model.safetensors, generation_config.json,
+tokenizer files), so `Engine(dir)` can load it like any checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>", "<|pad|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_WORDS = [
+    "the",
+    "a",
+    "an",
+    "of",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "it",
+    "this",
+    "be",
+    "are",
+    "or",
+    "have",
+    "not",
+    "model",
+    "token",
+    "cache",
+    "prefix",
+    "radix",
+    "tree",
+    "request",
+    "batch",
+    "decode",
+    "prefill",
+    "engine",
+    "server",
+    "json",
+    "name",
+    "population",
+    "city",
+    "country",
+    "France",
+    "England",
+    "Paris",
+    "London",
+    "answer",
+    "question",
+    "value",
+    "true",
+    "false",
+    "null",
+    "yes",
+    "no",
+    "hello",
+    "world",
+    "river",
+    "mountain",
+    "number",
+    "list",
+    "item",
+    "first",
+    "second",
+    "third",
+]
+_EXTRA = (
+    "café naïve résumé déjà vu — “quotes” 中文 字符 日本語 🙂 🚀 ✓ ü ö ä ß € £ ¥",
+    '{"name": "Paris", "population": 2148000, "country": "France"}',
+    '{"answer": true, "items": [1, 2, 3], "score": 0.5, "note": null}',
+    "def f(x):\n    return x * 2\n\nprint(f(21))\n",
+    "Q: What is 2 + 2?\nA: 4\nQ: What is the capital of France?\nA: Paris\n",
+)
+
+
+def _corpus(lines: int = 400, seed: int = 0) -> Iterator[str]:
+    rng = random.Random(seed)
+    for i in range(lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        yield " ".join(words) + rng.choice([".", "!", "?", ",", ":", "\n"])
+        if i % 8 == 0:
+            yield _EXTRA[(i // 8) % len(_EXTRA)]
+    yield "".join(chr(c) for c in range(32, 127))
+
+
+def build_tiny_tokenizer(path: str | Path, vocab_size: int = 512) -> Any:
+    """Train a byte-level BPE tokenizer on built-in text and save it to `path`.
+
+    The vocabulary holds every byte, merges up to `vocab_size` and the special tokens
+    `SPECIAL_TOKENS` (EOS first). Returns the `PreTrainedTokenizerFast`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    Path(path).mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def build_tiny_model(
+    path: str | Path,
+    architecture: str = "LlamaForCausalLM",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 4096,
+    seed: int = 0,
+    tokenizer_vocab_size: int = 512,
+    generation_config: dict[str, Any] | None = None,
+    init_std: float = 0.5,
+) -> Path:
+    """Write a random causal LM of `architecture` with a tiny tokenizer into `path`.
+
+    `init_std` scales the random weights: a large value gives peaked, varied next-token
+    distributions, so greedy outputs of the tiny model are not one token repeated.
+    """
+    import torch
+    import transformers
+
+    path = Path(path)
+    tokenizer = build_tiny_tokenizer(path, tokenizer_vocab_size)
+    config_class = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+    }[architecture]
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    config = config_class(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=eos,
+        bos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        initializer_range=init_std,
+        architectures=[architecture],
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).to(torch.float32)
+    model.save_pretrained(str(path))
+    gen = {"eos_token_id": eos, **(generation_config or {})}
+    (path / "generation_config.json").write_text(json.dumps(gen), encoding="utf-8")
+    return path
+
+
+def sample_texts(count: int, seed: int = 0, words: int = 12) -> list[str]:
+    """`count` random sentences over the tiny tokenizer's training words."""
+    rng = random.Random(seed)
+    return [
+        " ".join(rng.choice(_WORDS) for _ in range(rng.randint(max(1, words // 2), words)))
+        for _ in range(count)
+    ]
+
+
+def shared_prefix_prompts(
+    count: int, prefix_words: int, suffix_words: int = 8, seed: int = 0
+) -> list[str]:
+    """`count` prompts sharing one random prefix of `prefix_words` words."""
+    rng = random.Random(seed)
+    prefix = " ".join(itertools.islice((rng.choice(_WORDS) for _ in iter(int, 1)), prefix_words))
+    return [
+        prefix + " " + " ".join(rng.choice(_WORDS) for _ in range(suffix_words))
+        for _ in range(count)
+    ]

@@ -1,0 +1,163 @@
+"""Per-request engine state and the output chunks it streams (SGLang's `/generate` shape)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixlm.runtime.logprobs import TokenLogprob
+from radixlm.runtime.scheduler import Req
+from radixlm.runtime.tokenizer import FinishReason, SequenceOutput, TextDecoder
+from radixlm.sampling import SamplingParams
+
+#: What a request's sink receives: an output chunk, an exception (raised by the reader), or
+#: END once every sequence has finished.
+END = object()
+Sink = Callable[[Any], None]
+
+Triple = list[Any]  # [logprob | None, token_id, text | None]
+
+
+@dataclass(frozen=True)
+class LogprobOptions:
+    """What a request asked for: output logprobs with `top` alternatives and `token_ids`;
+    prompt logprobs from `input_start` (None: none); token texts in the triples."""
+
+    enabled: bool = False
+    top: int = 0
+    token_ids: tuple[int, ...] | None = None
+    input_start: int | None = None
+    with_text: bool = False
+
+
+@dataclass
+class RequestHandle:
+    """One user request (n sequences). Created by the engine's front end, driven by the loop.
+
+    `sink` is called from the engine loop's thread; it must only hand the item over (put it
+    on a queue), never block.
+    """
+
+    rid: str
+    params: SamplingParams
+    prompt_ids: list[int]
+    sink: Sink
+    stream: bool = False
+    incremental: bool = False
+    logprobs: LogprobOptions = field(default_factory=LogprobOptions)
+    custom_logit_processor: str | None = None
+    created: float = field(default_factory=time.monotonic)
+    seqs: list[SequenceState] = field(default_factory=list)
+    closed: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish is not None for s in self.seqs)
+
+    def fail(self, error: BaseException) -> None:
+        """End the request with an error (delivered to the reader instead of chunks)."""
+        if not self.closed:
+            self.closed = True
+            self.sink(error)
+            self.sink(END)
+
+
+@dataclass
+class SequenceState:
+    """One of a request's sequences: its scheduler request, output text and logprobs."""
+
+    handle: RequestHandle
+    index: int
+    req: Req
+    output: SequenceOutput
+    decoder: TextDecoder
+    seed: int | None = None
+    grammar: Any = None
+    grammar_future: Any = None
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    output_logprobs: list[Triple] = field(default_factory=list)
+    output_top: list[list[Triple]] = field(default_factory=list)
+    output_ids_logprobs: list[list[Triple]] = field(default_factory=list)
+    input_logprobs: list[Triple] = field(default_factory=list)
+    input_top: list[list[Triple] | None] = field(default_factory=list)
+    input_ids_logprobs: list[list[Triple] | None] = field(default_factory=list)
+    sent_text: int = 0
+    sent_ids: int = 0
+    sent_logprobs: int = 0
+    dirty: bool = False
+
+    @property
+    def finish(self) -> FinishReason | None:
+        return self.output.finish
+
+    def _text(self, token_id: int) -> str | None:
+        return self.decoder([token_id]) if self.handle.logprobs.with_text else None
+
+    def _triples(self, pairs: Sequence[tuple[int, float]]) -> list[Triple]:
+        return [[lp, tid, self._text(tid)] for tid, lp in pairs]
+
+    def record_output_logprob(self, logprob: TokenLogprob | None) -> None:
+        if not self.handle.logprobs.enabled or logprob is None:
+            return
+        self.output_logprobs.append(
+            [logprob.logprob, logprob.token_id, self._text(logprob.token_id)]
+        )
+        self.output_top.append(self._triples(logprob.top))
+        self.output_ids_logprobs.append(self._triples(logprob.requested))
+
+    def record_input_logprobs(self, scored: Sequence[TokenLogprob]) -> None:
+        options = self.handle.logprobs
+        if options.input_start is None:
+            return
+        if not self.input_logprobs and options.input_start == 0:
+            first = self.req.prompt_ids[0]
+            self.input_logprobs.append([None, first, self._text(first)])
+            self.input_top.append(None)
+            self.input_ids_logprobs.append(None)
+        for lp in scored:
+            self.input_logprobs.append([lp.logprob, lp.token_id, self._text(lp.token_id)])
+            self.input_top.append(self._triples(lp.top))
+            self.input_ids_logprobs.append(self._triples(lp.requested))
+
+    def chunk(self) -> dict[str, Any]:
+        """The sequence's output now: cumulative, or only what is new since the last chunk
+        when the request streams incrementally. Marks what it returns as sent."""
+        handle = self.handle
+        final = self.finish is not None
+        text = self.output.text if final else self.output.stream_text()
+        ids = self.req.output_ids
+        incremental = handle.stream and handle.incremental
+        start_text = self.sent_text if incremental else 0
+        start_ids = self.sent_ids if incremental else 0
+        start_lp = self.sent_logprobs if incremental else 0
+        meta: dict[str, Any] = {
+            "id": handle.rid,
+            "prompt_tokens": len(self.req.prompt_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": self.req.cached_tokens or 0,
+            "finish_reason": self.finish.to_dict() if final and self.finish else None,
+            "e2e_latency": time.monotonic() - handle.created,
+        }
+        if handle.logprobs.enabled:
+            meta["output_token_logprobs"] = self.output_logprobs[start_lp:]
+            meta["output_top_logprobs"] = self.output_top[start_lp:]
+            if handle.logprobs.token_ids is not None:
+                meta["output_token_ids_logprobs"] = self.output_ids_logprobs[start_lp:]
+            if handle.logprobs.input_start is not None:
+                meta["input_token_logprobs"] = self.input_logprobs
+                meta["input_top_logprobs"] = self.input_top
+                if handle.logprobs.token_ids is not None:
+                    meta["input_token_ids_logprobs"] = self.input_ids_logprobs
+        out = {
+            "index": self.index,
+            "text": text[start_text:],
+            "output_ids": list(ids[start_ids:]),
+            "meta_info": meta,
+        }
+        self.sent_text = len(text)
+        self.sent_ids = len(ids)
+        self.sent_logprobs = len(self.output_logprobs)
+        self.dirty = False
+        return out
