@@ -1,0 +1,467 @@
+#!/usr/bin/env python3
+"""Benchmark radixlm-cache: RadixCache beside a naive per-token trie on the same traces.
+
+Four synthetic traces replay the runtime's use of the cache one request at a time (match the
+prompt, lock, allocate what is missing, evicting if the pool is short, insert prompt + output,
+free duplicates, unlock): few-shot batches sharing their examples, multi-turn chats,
+tree-of-thought branching and self-consistency sampling. For each trace it prints ops/s of
+match / insert / evict, the hit rate at a capacity of a third (--capacity) of the trace's distinct tokens
+beside the optimal hit rate (unbounded capacity, never evicting), and the same for the peer.
+Then the memory per cached token (tracemalloc) and the headline: the median time to match a
+2,000-token prompt whose path has 10 nodes in a tree holding 1,000,000 tokens, with insert and
+evict of the same size.
+
+    python tools/bench/cache_bench.py             # about 30 s on one core
+    python tools/bench/cache_bench.py --json out.json
+
+The peer is what a first implementation looks like: one trie node per token, a Python loop
+per token in match and insert, lock counts walked per token, and eviction that heapifies every
+leaf on each call. Token ids are fresh int objects for every request, as a tokenizer makes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import heapq
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "packages" / "cache" / "src"))  # runs from a checkout as is
+
+from radixlm.cache import RadixCache, TokenSlotAllocator  # noqa: E402
+
+VOCAB = (1000, 128000)  # token ids above the small-int cache, like a real vocabulary
+
+
+# ------------------------------------------------------------------------------------ peer
+
+
+class _TrieNode:
+    __slots__ = ("children", "last", "lock", "parent", "slot", "token")
+
+    def __init__(self, parent: _TrieNode | None, token: int, slot: int) -> None:
+        self.parent = parent
+        self.token = token
+        self.slot = slot
+        self.children: dict[int, _TrieNode] = {}
+        self.last = 0
+        self.lock = 0
+
+
+class NaiveTrie:
+    """One node per token; every operation walks token by token in Python."""
+
+    def __init__(self) -> None:
+        self.root = _TrieNode(None, -1, -1)
+        self.clock = 0
+        self.leaves: set[_TrieNode] = set()
+        self.size = 0
+
+    def match_prompt(self, key: list[int]) -> tuple[list[int], _TrieNode]:
+        self.clock += 1
+        node, out = self.root, []
+        for token in key[:-1]:
+            child = node.children.get(token)
+            if child is None:
+                break
+            child.last = self.clock
+            out.append(child.slot)
+            node = child
+        return out, node
+
+    def insert(self, key: list[int], slots: list[int]) -> int:
+        self.clock += 1
+        node, cached = self.root, 0
+        for i, token in enumerate(key):
+            child = node.children.get(token)
+            if child is None:
+                self.leaves.discard(node)
+                child = _TrieNode(node, token, slots[i])
+                node.children[token] = child
+                self.size += 1
+            else:
+                cached = i + 1
+            child.last = self.clock
+            node = child
+        if not node.children:
+            self.leaves.add(node)
+        return cached
+
+    def lock(self, node: _TrieNode) -> None:
+        while node is not self.root:
+            node.lock += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: _TrieNode) -> None:
+        while node is not self.root:
+            node.lock -= 1
+            node = node.parent  # type: ignore[assignment]
+
+    def evict(self, num_tokens: int) -> list[int]:
+        heap = [(leaf.last, id(leaf), leaf) for leaf in self.leaves if leaf.lock == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while len(freed) < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.token]
+            self.leaves.discard(leaf)
+            freed.append(leaf.slot)
+            self.size -= 1
+            if parent is not self.root and not parent.children:
+                self.leaves.add(parent)
+                if parent.lock == 0:
+                    heapq.heappush(heap, (parent.last, id(parent), parent))
+        return freed
+
+
+class RadixAdapter:
+    """RadixCache behind the same five calls as the peer."""
+
+    def __init__(self) -> None:
+        self.cache = RadixCache()
+
+    def match_prompt(self, key: list[int]) -> tuple[list[int], Any]:
+        result = self.cache.match_prompt(key)
+        return result.indices, result.node
+
+    def insert(self, key: list[int], slots: list[int]) -> int:
+        return self.cache.insert(key, slots)
+
+    def lock(self, node: Any) -> None:
+        self.cache.lock(node)
+
+    def unlock(self, node: Any) -> None:
+        self.cache.unlock(node)
+
+    def evict(self, num_tokens: int) -> list[int]:
+        return self.cache.evict(num_tokens)
+
+    @property
+    def size(self) -> int:
+        return self.cache.total_size
+
+
+# ---------------------------------------------------------------------------------- traces
+
+Request = tuple[list[int], list[int]]  # (prompt, output)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*VOCAB) for _ in range(n)]
+
+
+def few_shot(rng: random.Random) -> list[Request]:
+    """4 tasks x 150 queries: 1,000 tokens of examples, a 50-token question, 20 out."""
+    tasks = [_tokens(rng, 1000) for _ in range(4)]
+    return [(tasks[rng.randrange(4)] + _tokens(rng, 50), _tokens(rng, 20)) for _ in range(600)]
+
+
+def multi_turn_chat(rng: random.Random) -> list[Request]:
+    """150 sessions x 6 turns, interleaved: a shared 200-token system prompt, 60-token user
+    turns, 120-token answers; each turn's prompt is the whole history."""
+    system = _tokens(rng, 200)
+    history = [list(system) for _ in range(150)]
+    turns = [s for s in range(150) for _ in range(6)]
+    rng.shuffle(turns)
+    trace = []
+    for s in turns:
+        prompt = history[s] + _tokens(rng, 60)
+        output = _tokens(rng, 120)
+        trace.append((prompt, output))
+        history[s] = prompt + output
+    return trace
+
+
+def tree_of_thought(rng: random.Random) -> list[Request]:
+    """25 problems (400 tokens), each expanded breadth-first 3 ways to depth 4 (60 tokens)."""
+    trace = []
+    for _ in range(25):
+        frontier = [_tokens(rng, 400)]
+        for _depth in range(4):
+            nxt = []
+            for path in frontier:
+                for _ in range(3):
+                    thought = _tokens(rng, 60)
+                    trace.append((path, thought))
+                    nxt.append(path + thought)
+            frontier = nxt[:9]  # keep the search bounded: the best 9 (first 9) paths
+    return trace
+
+
+def self_consistency(rng: random.Random) -> list[Request]:
+    """80 questions on shared 800-token examples, 8 samples of 100 tokens each."""
+    examples = _tokens(rng, 800)
+    trace: list[Request] = []
+    for _ in range(80):
+        prompt = examples + _tokens(rng, 80)
+        trace.extend((prompt, _tokens(rng, 100)) for _ in range(8))
+    return trace
+
+
+TRACES: dict[str, Callable[[random.Random], list[Request]]] = {
+    "few-shot": few_shot,
+    "multi-turn chat": multi_turn_chat,
+    "tree-of-thought": tree_of_thought,
+    "self-consistency": self_consistency,
+}
+
+
+def fresh(trace: list[Request]) -> list[Request]:
+    """The same token values as new int objects (a tokenizer never hands back cached ints)."""
+    return [([int(str(t)) for t in p], [int(str(t)) for t in o]) for p, o in trace]
+
+
+# ---------------------------------------------------------------------------------- replay
+
+
+@dataclass
+class Replay:
+    calls: dict[str, int] = field(default_factory=lambda: {"match": 0, "insert": 0, "evict": 0})
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"match": 0.0, "insert": 0.0, "evict": 0.0}
+    )
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    final_size: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens
+
+    def ops(self, op: str) -> float:
+        return self.calls[op] / self.seconds[op] if self.seconds[op] else float("nan")
+
+
+def replay(cache: Any, trace: list[Request], capacity: int) -> Replay:
+    out = Replay()
+    pool = TokenSlotAllocator(capacity)
+    clock = time.perf_counter
+    for prompt, output in trace:
+        t0 = clock()
+        indices, node = cache.match_prompt(prompt)
+        t1 = clock()
+        out.seconds["match"] += t1 - t0
+        out.calls["match"] += 1
+        out.prompt_tokens += len(prompt)
+        out.hit_tokens += len(indices)
+        cache.lock(node)
+        need = len(prompt) + len(output) - len(indices)
+        if pool.available < need:
+            t0 = clock()
+            freed = cache.evict(need - pool.available)
+            out.seconds["evict"] += clock() - t0
+            out.calls["evict"] += 1
+            pool.free(freed)
+        slots = pool.alloc(need)
+        assert slots is not None, "capacity below one request"
+        full = indices + slots
+        t0 = clock()
+        cached = cache.insert(prompt + output, full)
+        out.seconds["insert"] += clock() - t0
+        out.calls["insert"] += 1
+        pool.free(full[len(indices) : cached])
+        cache.unlock(node)
+    out.final_size = cache.size
+    return out
+
+
+def bench_traces(rng: random.Random, results: dict[str, Any], fraction: float) -> None:
+    print(f"Traces (one request at a time; capacity = {fraction:.0%} of the distinct tokens)")
+    head = f"{'trace':<18}{'impl':<7}{'match/s':>10}{'insert/s':>10}{'evict/s':>9}"
+    print(f"{head}{'hit rate':>10}{'optimal':>9}{'evictions':>11}")
+    for name, make in TRACES.items():
+        trace = make(rng)
+        total = sum(len(p) + len(o) for p, o in trace)
+        distinct = replay(RadixAdapter(), fresh(trace), total).final_size
+        capacity = max(int(distinct * fraction), max(len(p) + len(o) for p, o in trace))
+        rows = {}
+        for impl, factory in (("radix", RadixAdapter), ("naive", NaiveTrie)):
+            optimal = replay(factory(), fresh(trace), total)
+            bounded = replay(factory(), fresh(trace), capacity)
+            rows[impl] = (bounded, optimal)
+            print(
+                f"{name:<18}{impl:<7}{bounded.ops('match'):>10,.0f}{bounded.ops('insert'):>10,.0f}"
+                f"{bounded.ops('evict'):>9,.0f}{bounded.hit_rate:>10.1%}{optimal.hit_rate:>9.1%}"
+                f"{bounded.calls['evict']:>11}"
+            )
+        r, n = rows["radix"][0], rows["naive"][0]
+        ratios = {op: r.ops(op) / n.ops(op) for op in ("match", "insert", "evict")}
+        print(
+            f"{'':<18}{'ratio':<7}{ratios['match']:>9.1f}x{ratios['insert']:>9.1f}x"
+            f"{ratios['evict']:>8.1f}x   ({len(trace)} requests, {distinct:,} distinct tokens,"
+            f" capacity {capacity:,})"
+        )
+        results["traces"][name] = {
+            "requests": len(trace),
+            "distinct_tokens": distinct,
+            "capacity": capacity,
+            **{
+                impl: {
+                    "ops_per_s": {op: bounded.ops(op) for op in ("match", "insert", "evict")},
+                    "hit_rate": bounded.hit_rate,
+                    "optimal_hit_rate": optimal.hit_rate,
+                    "evict_calls": bounded.calls["evict"],
+                }
+                for impl, (bounded, optimal) in rows.items()
+            },
+        }
+
+
+# ---------------------------------------------------------------------------------- memory
+
+
+def bytes_per_token(factory: Callable[[], Any], rng: random.Random) -> float:
+    """Memory the cache retains per cached token, its token-id ints included (the slot ids
+    are the allocator's, made before tracing starts)."""
+    slots = list(range(400_000))
+    gc.collect()
+    tracemalloc.start()
+    cache = factory()
+    base = tracemalloc.get_traced_memory()[0]
+    system = _tokens(rng, 200)
+    used = 0
+    for _ in range(100):  # 100 chats of 8 turns of 250 tokens on one system prompt
+        history = list(system)
+        for _ in range(8):
+            history = history + _tokens(rng, 250)
+            prompt = list(history)
+            cached = cache.insert(prompt, slots[used : used + len(prompt)])
+            used += len(prompt) - cached
+        del history, prompt
+    gc.collect()
+    retained = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return retained / float(cache.size)
+
+
+# -------------------------------------------------------------------------------- headline
+
+
+def build_million(rng: random.Random, cache: Any, path: list[int], total: int) -> None:
+    """`path` (2,000 tokens) as 10 edges of 200, under branches, plus random filler."""
+    slot = 0
+
+    def put(key: list[int]) -> None:
+        nonlocal slot
+        cache.insert(key, list(range(slot, slot + len(key))))
+        slot += len(key)
+
+    for i in range(1, 11):
+        put(path[: 200 * i] + _tokens(rng, 20))
+    while cache.size < total:
+        put(_tokens(rng, 2000))
+
+
+def median_us(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    clock = time.perf_counter
+    for _ in range(repeat):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return statistics.median(times) * 1e6
+
+
+def bench_headline(rng: random.Random, results: dict[str, Any]) -> None:
+    path = _tokens(rng, 2000)
+    adapter = RadixAdapter()
+    build_million(rng, adapter, path, 1_000_000)
+    cache = adapter.cache
+    query = [int(str(t)) for t in path] + [7]
+    assert cache.match_prefix(query).length == 2000
+    packed = array("q", query)
+    figures = {
+        "tree_tokens": cache.total_size,
+        "tree_nodes": cache.node_count,
+        "match_list_us": median_us(lambda: cache.match_prefix(query), 3000),
+        "match_array_us": median_us(lambda: cache.match_prefix(packed), 3000),
+    }
+
+    # Insert 2,000 tokens that share the first 1,000 (5 edges) with the path, adding a
+    # 1,000-token leaf; then evict 2,000 tokens (the least recently used filler leaf).
+    inserts, evicts = [], []
+    clock = time.perf_counter
+    for i in range(300):
+        key = [int(str(t)) for t in path[:1000]] + _tokens(rng, 1000)
+        slots = list(range(5_000_000 + 2000 * i, 5_002_000 + 2000 * i))
+        t0 = clock()
+        cache.insert(key, slots)
+        inserts.append(clock() - t0)
+        t0 = clock()
+        cache.evict(2000)
+        evicts.append(clock() - t0)
+    figures["insert_us"] = statistics.median(inserts) * 1e6
+    figures["evict_us"] = statistics.median(evicts) * 1e6
+
+    # The peer, on the same path inside a smaller tree (a per-token trie of 1M tokens would
+    # take about 1 GB here; its match time does not depend on the tree's size).
+    peer = NaiveTrie()
+    build_million(rng, peer, path, 100_000)
+    figures["peer_match_us"] = median_us(lambda: peer.match_prompt(query), 300)
+    results["headline"] = figures
+
+    print()
+    print(
+        f"Match a 2,000-token prompt (10 edges) in a tree of {figures['tree_tokens']:,} tokens"
+        f" ({figures['tree_nodes']:,} nodes), median of 3,000:"
+    )
+    print(f"  key as list[int] (fresh ints):   {figures['match_list_us']:7.1f} us")
+    print(f"  key as array('q'):               {figures['match_array_us']:7.1f} us")
+    print(
+        f"  naive per-token trie (list):     {figures['peer_match_us']:7.1f} us"
+        f"   ({figures['peer_match_us'] / figures['match_list_us']:.0f}x slower)"
+    )
+    print(f"  insert 2,000 (1,000 cached, 1,000 new): {figures['insert_us']:5.1f} us")
+    print(f"  evict 2,000 tokens:                {figures['evict_us']:5.1f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--capacity",
+        type=float,
+        default=1 / 3,
+        help="KV pool size as a fraction of each trace's distinct tokens (default 1/3)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    started = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    results: dict[str, Any] = {"python": sys.version.split()[0], "load": load, "traces": {}}
+    print(f"Python {results['python']}, {os.cpu_count()} CPUs, load average {load:.2f}\n")
+
+    bench_traces(rng, results, args.capacity)
+
+    radix_b = bytes_per_token(RadixAdapter, random.Random(args.seed))
+    naive_b = bytes_per_token(NaiveTrie, random.Random(args.seed))
+    results["bytes_per_token"] = {"radix": radix_b, "naive": naive_b}
+    print()
+    print(
+        f"Memory per cached token (tracemalloc, token ints included): radix {radix_b:.1f} B,"
+        f" naive trie {naive_b:.1f} B ({naive_b / radix_b:.1f}x)"
+    )
+
+    bench_headline(rng, results)
+    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
