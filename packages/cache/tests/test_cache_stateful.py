@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -195,7 +195,13 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
     return CacheMachine
 
 
-STATEFUL = settings(max_examples=150, stateful_step_count=50, deadline=None)
+# No deadline and no speed health check: the suite runs on shared, sometimes loaded machines.
+STATEFUL = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 TestCacheAgainstOracle = make_machine(page_size=1, alphabet=3, max_len=12).TestCase
 TestCacheAgainstOracle.settings = STATEFUL

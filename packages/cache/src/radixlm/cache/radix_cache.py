@@ -220,8 +220,11 @@ class RadixCache:
             edge = child.key
             end = at + len(edge)
             if end > len(packed) < stop:
+                # Packing past `stop` is harmless (comparisons stop there) and packing the
+                # whole key avoids copying a slice of it first.
                 done = len(packed) >> 3
-                packed += pack_tokens(key, done, min(n, max(end >> 3, 2 * done, _PACK_CHUNK)))
+                upto = min(len(key), max(end >> 3, 2 * done, _PACK_CHUNK))
+                packed += pack_tokens(key, done, upto)
             if end <= stop and packed[at:end] == edge:
                 indices += child.value
                 child.tick = tick
