@@ -436,3 +436,12 @@ def test_splitting_a_locked_edge_keeps_the_whole_path_locked() -> None:
     cache.match_prefix([1, 2, 9])
     assert (cache.protected_size, cache.evict(100)) == (4, [])
     cache.check_invariants()
+
+
+def test_the_handle_of_an_empty_match_survives_a_reset() -> None:
+    cache = RadixCache()
+    node = cache.match_prefix([1, 2]).node
+    cache.lock(node)
+    cache.reset()
+    cache.unlock(node)
+    assert cache.protected_size == 0

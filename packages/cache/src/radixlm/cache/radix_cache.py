@@ -363,9 +363,12 @@ class RadixCache:
         """Protect the path from the root to `node` from eviction (reference counted).
 
         Mutates lock counts and moves the path's tokens from evictable to protected when they
-        become locked. Locking the root (an empty match) does nothing. Raises ValueError for a
+        become locked. The handle of an empty match (the root) carries no lock: locking or
+        unlocking it does nothing, even after a `reset`. Raises ValueError for any other
         handle that was evicted, reset away or belongs to another cache.
         """
+        if self._is_root_handle(node):
+            return
         self._check_handle(node)
         root = self._root
         while node is not root:
@@ -382,9 +385,11 @@ class RadixCache:
         Tokens whose lock count drops to zero become evictable again. Raises ValueError for a
         stale or foreign handle, or for a node that is not locked.
         """
+        if self._is_root_handle(node):
+            return
         self._check_handle(node)
         root = self._root
-        if node is not root and node.lock_ref <= 0:
+        if node.lock_ref <= 0:
             raise ValueError("unlock() of a node that is not locked: pair it with lock()")
         while node is not root:
             node.lock_ref -= 1
@@ -395,6 +400,11 @@ class RadixCache:
                 if not node.children:
                     self._push(node)
             node = node.parent  # type: ignore[assignment]
+
+    @staticmethod
+    def _is_root_handle(node: RadixNode) -> bool:
+        # The handle of an empty match, possibly from before a reset: it carries no lock.
+        return node.parent is None and not node.value
 
     def _check_handle(self, node: RadixNode) -> None:
         root = self._root
@@ -468,7 +478,7 @@ class RadixCache:
                 seen.add(id(node))
                 kept.append(entry)
         heapq.heapify(kept)
-        self._heap = kept
+        self._heap[:] = kept  # in place: callers may hold a reference to the list
         self._heap_limit = max(1024, 2 * len(kept))
 
     # --------------------------------------------------------------------------------- whole
