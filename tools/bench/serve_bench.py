@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
 import os
 import random
 import shutil
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,7 @@ class Result:
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    text: str = ""
 
 
 def _body(
@@ -133,29 +136,31 @@ def _body(
     return path, body
 
 
-def _delta(api: str, data: dict[str, Any], seen: int) -> tuple[int, int]:
-    """(new characters, output length) of one streamed event."""
+def _delta(api: str, data: dict[str, Any], text: str) -> str:
+    """The output text so far, after one streamed event."""
     if api == "generate":
-        text = str(data.get("text", ""))
-        return len(text) - seen, len(text)
+        return str(data.get("text", ""))  # cumulative
     choices = data.get("choices") or []
     if not choices:
-        return 0, seen
+        return text
     choice = choices[0]
-    piece = (
-        choice.get("text") if api == "completions" else (choice.get("delta") or {}).get("content")
-    )
-    return len(piece or ""), seen + len(piece or "")
+    delta = choice.get("delta") or {}
+    piece = choice.get("text") if api == "completions" else delta.get("content")
+    return text + (piece or "")
 
 
 async def one_request(
-    client: httpx.AsyncClient, api: str, model: str, prompt: Prompt, extra: dict[str, Any]
+    client: httpx.AsyncClient,
+    api: str,
+    model: str,
+    prompt: Prompt,
+    extra: dict[str, Any],
+    count_tokens: Callable[[str], int] | None = None,
 ) -> Result:
     path, body = _body(api, model, prompt, extra)
     result = Result()
     start = time.perf_counter()
     last = start
-    seen = 0
     chunks = 0
     try:
         async with client.stream("POST", path, json=body) as response:
@@ -176,8 +181,10 @@ async def one_request(
                 if usage:
                     result.prompt_tokens = int(usage.get("prompt_tokens", result.prompt_tokens))
                     result.output_tokens = int(usage.get("completion_tokens", result.output_tokens))
-                grown, seen = _delta(api, data, seen)
-                if grown > 0:
+                text = _delta(api, data, result.text)
+                grown = len(text) > len(result.text)
+                result.text = text
+                if grown:
                     now = time.perf_counter()
                     if chunks == 0:
                         result.ttft = now - start
@@ -189,7 +196,8 @@ async def one_request(
         result.error = f"{type(error).__name__}: {error}"
         return result
     result.latency = time.perf_counter() - start
-    result.output_tokens = result.output_tokens or chunks  # no usage: one chunk ≈ one token
+    if not result.output_tokens:  # the server sent no usage: count the text's tokens
+        result.output_tokens = count_tokens(result.text) if count_tokens else chunks
     result.ok = chunks > 0 or result.output_tokens == 0
     return result
 
@@ -204,6 +212,7 @@ async def run_load(
     extra: dict[str, Any],
     seed: int,
     headers: dict[str, str] | None = None,
+    count_tokens: Callable[[str], int] | None = None,
 ) -> tuple[list[Result], float]:
     """Send every prompt (Poisson arrivals at `rate`/s, at most `concurrency` open at once)."""
     rng = random.Random(seed)
@@ -216,7 +225,7 @@ async def run_load(
 
         async def limited(prompt: Prompt) -> Result:
             async with limit:
-                return await one_request(client, api, model, prompt, extra)
+                return await one_request(client, api, model, prompt, extra, count_tokens)
 
         start = time.perf_counter()
         tasks = []
@@ -283,7 +292,7 @@ def print_table(columns: dict[str, dict[str, float] | None]) -> None:
         line = f"{key:22s}" + "".join(cells)
         if len(names) == 2:
             a, b = ((columns[n] or {}).get(key) for n in names)
-            if a and b:
+            if a and b and not (math.isnan(a) or math.isnan(b)):
                 lower = any(word in key for word in LOWER_IS_BETTER)
                 line += f"{(b / a if lower else a / b):17.2f}x"
         print(line)
@@ -301,13 +310,21 @@ def build_prompts(args: argparse.Namespace) -> list[Prompt]:
 
 
 def bench(
-    args: argparse.Namespace, base_url: str, model: str, extra: dict[str, Any]
+    args: argparse.Namespace,
+    base_url: str,
+    model: str,
+    extra: dict[str, Any],
+    count_tokens: Callable[[str], int] | None = None,
 ) -> dict[str, float]:
     prompts = build_prompts(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    if args.warmup:
+        # Untimed: first requests pay for lazy initialisation (compilation, warm-up) in servers.
+        warm = random_dataset(args.warmup, 8, 4, args.seed + 1)
+        asyncio.run(run_load(base_url, args.api, model, warm, float("inf"), 1, extra, 0, headers))
     results, duration = asyncio.run(
         run_load(base_url, args.api, model, prompts, args.request_rate, args.max_concurrency,
-                 extra, args.seed, headers)
+                 extra, args.seed, headers, count_tokens)
     )  # fmt: skip
     errors = [r.error for r in results if not r.ok]
     if errors:
@@ -391,14 +408,14 @@ def build_dummy_model(shape: str, directory: Path) -> Path:
     return directory
 
 
-def launch(name: str, model: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+def launch(name: str, model: str, port: int, log: Path, peer_args: str) -> subprocess.Popen[bytes]:
     if name == "radixlm":
         cmd = [sys.executable, "-m", "radixlm.server", "--model-path", model, "--port", str(port),
                "--served-model-name", model, "--log-level", "warning"]  # fmt: skip
     else:
         exe = shutil.which("transformers") or str(Path(sys.executable).with_name("transformers"))
-        cmd = [exe, "serve", model, "--port", str(port), "--continuous-batching",
-               "--device", "cpu", "--log-level", "warning"]  # fmt: skip
+        cmd = [exe, "serve", model, "--port", str(port), *peer_args.split(),
+               "--log-level", "warning"]  # fmt: skip
     print(f"+ {' '.join(cmd)}", flush=True)
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
@@ -408,11 +425,18 @@ def compare(args: argparse.Namespace) -> dict[str, dict[str, float] | None]:
     if model is None:
         model = str(build_dummy_model(args.dummy_model, Path(tempfile.mkdtemp(prefix="dummy-"))))
         print(f"dummy {args.dummy_model} model in {model}")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
     columns: dict[str, dict[str, float] | None] = {}
     for name in ("radixlm", "transformers"):
         port = _free_port()
         log = Path(tempfile.mkdtemp(prefix=f"{name}-")) / "server.log"
-        process = launch(name, model, port, log)
+        process = launch(name, model, port, log, args.transformers_args)
         url = f"http://127.0.0.1:{port}"
         try:
             if not _wait_healthy(url, process, args.startup_timeout):
@@ -421,7 +445,7 @@ def compare(args: argparse.Namespace) -> dict[str, dict[str, float] | None]:
                 columns[name] = None
                 continue
             extra = {"ignore_eos": True} if name == "radixlm" else {}
-            columns[name] = bench(args, url, model, extra)
+            columns[name] = bench(args, url, model, extra, count_tokens)
         finally:
             process.terminate()
             try:
@@ -446,6 +470,11 @@ def main() -> int:
     target.add_argument("--model-path", help="model for --compare (default: a dummy model)")
     target.add_argument("--dummy-model", choices=sorted(SHAPES), default="tiny")
     target.add_argument("--startup-timeout", type=float, default=600)
+    target.add_argument(
+        "--transformers-args",
+        default="--continuous-batching --device cpu",
+        help="extra arguments of `transformers serve` in --compare",
+    )
     load = parser.add_argument_group("load")
     load.add_argument("--api", choices=["chat", "completions", "generate"], default="chat")
     load.add_argument("--dataset", choices=["random", "shared-prefix"], default="shared-prefix")
@@ -457,6 +486,7 @@ def main() -> int:
     load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
     load.add_argument("--max-concurrency", type=int, default=None)
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--warmup", type=int, default=2, help="untimed requests sent first")
     load.add_argument("--extra-body", default="{}", help="JSON merged into every request")
     load.add_argument("--output-json", help="write the figures here")
     args = parser.parse_args()
