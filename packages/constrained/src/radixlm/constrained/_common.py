@@ -152,7 +152,16 @@ def _schema_content(
     schema: Any, support: SchemaSupport, options: GrammarOptions, spec: GrammarSpec
 ) -> dict[str, Any]:
     text = schema if isinstance(schema, str) else json.dumps(schema)
-    normalized = prepare_schema(GrammarSpec("json_schema", text), support, options)
+    try:
+        normalized = prepare_schema(GrammarSpec("json_schema", text), support, options)
+    except GrammarError as error:
+        raise GrammarError(
+            f"in a schema of the structural tag: {error.message}",
+            kind=spec.kind,
+            backend=support.backend,
+            keyword=error.keyword,
+            path=error.path,
+        ) from None
     content: dict[str, Any] = {"type": "json_schema", "json_schema": json.loads(normalized)}
     if options.json_whitespace == "flexible":
         content["max_whitespace_cnt"] = options.max_whitespace

@@ -451,6 +451,8 @@ class _Normalizer:
             return self.filter_values(out, path)
         if kinds is None or "object" in kinds:
             self.object_members(out, path, depth)
+            if kinds == frozenset({"object"}) and self.support.any_value is not None:
+                self.spell_out_object(out)
         else:
             for key in ("properties", "required", "additionalProperties"):
                 out.pop(key, None)
@@ -531,6 +533,17 @@ class _Normalizer:
             out["unevaluatedProperties"] = self.node(
                 out["unevaluatedProperties"], f"{path}/unevaluatedProperties", depth + 1
             )
+
+    def spell_out_object(self, out: Schema) -> None:
+        """For a backend with `any_value`: a free-form object gets values of `any_value` (its
+        own free-form objects nest deep and take minutes to build), a closed one lists its
+        (possibly no) properties."""
+        extra = out.get("additionalProperties", True)
+        if extra is False:
+            out.pop("additionalProperties")
+            out.setdefault("properties", {})
+        elif "properties" not in out and (extra is True or extra == {}):
+            out["additionalProperties"] = copy.deepcopy(self.support.any_value)
 
     def array_members(self, out: Schema, path: str, depth: int) -> None:
         if "prefixItems" in out:

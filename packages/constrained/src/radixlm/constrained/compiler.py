@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import itertools
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -35,8 +37,9 @@ class GrammarCompiler:
     one spec share one compilation. A compilation that runs past `time_limit_s` resolves its
     future with a `GrammarError` at the deadline (and that error is cached). Native code cannot
     be interrupted: the compilation itself runs to its end on a spare daemon thread, and a
-    replacement worker keeps the pool at `max_workers`. Workers are daemon threads, so a
-    runaway compilation never keeps the process from exiting.
+    replacement worker keeps the pool at `max_workers`. Workers are daemon threads; at
+    interpreter exit, running compilations get up to `exit_grace_s` to finish (native code
+    torn down mid-compilation can abort the process), then the process exits regardless.
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class GrammarCompiler:
         max_workers: int = 2,
         time_limit_s: float = 10.0,
         cache_size: int = 1024,
+        exit_grace_s: float = 60.0,
     ) -> None:
         if max_workers < 1 or cache_size < 1 or time_limit_s <= 0:
             raise ValueError("max_workers and cache_size must be >= 1, time_limit_s > 0")
@@ -64,8 +68,13 @@ class GrammarCompiler:
         self._tick = itertools.count()
         self._wake = threading.Condition(self._lock)
         self._running: set[Future[CompiledGrammar]] = set()
+        self._busy = 0  # compilations running, timed out or not
+        self._idle = threading.Condition(self._lock)
         for _ in range(max_workers):
             self._start_worker()
+        # Native code still compiling when the interpreter tears down can abort the process
+        # (xgrammar's C++ threads): at exit, give running compilations time to finish.
+        atexit.register(_wait_at_exit, weakref.ref(self), exit_grace_s)
         threading.Thread(target=self._watchdog, name="grammar-watchdog", daemon=True).start()
 
     # -- public -----------------------------------------------------------------------------
@@ -125,6 +134,12 @@ class GrammarCompiler:
         for _ in range(workers):
             self._jobs.put(None)
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no compilation runs (including ones past their time limit); False when
+        `timeout` ran out first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._busy == 0, timeout)
+
     def __enter__(self) -> GrammarCompiler:
         return self
 
@@ -151,6 +166,7 @@ class GrammarCompiler:
             with self._lock:
                 deadline = time.monotonic() + self.time_limit_s
                 self._running.add(future)
+                self._busy += 1
                 heapq.heappush(self._deadlines, (deadline, next(self._tick), future, spec))
                 self._wake.notify()
             result: CompiledGrammar | None = None
@@ -172,6 +188,8 @@ class GrammarCompiler:
                     backend=self.backend.name,
                 )
             with self._lock:
+                self._busy -= 1
+                self._idle.notify_all()
                 timed_out = future not in self._running
                 if timed_out:  # this thread was replaced at the deadline, so it retires
                     self._workers -= 1
@@ -212,6 +230,12 @@ class GrammarCompiler:
                         backend=self.backend.name,
                     ),
                 )
+
+
+def _wait_at_exit(ref: weakref.ref[GrammarCompiler], grace_s: float) -> None:
+    compiler = ref()
+    if compiler is not None:
+        compiler.wait_idle(grace_s)
 
 
 def _settle(

@@ -91,10 +91,13 @@ class OutlinesBackend:
         elif spec.kind == "choice":
             regex = "|".join(f"({regex_literal(choice)})" for choice in spec.source)
         else:
-            regex = str(spec.source)
+            regex = _strip_anchors(str(spec.source))
             self._check_regex(regex, spec)
         try:
-            index = outlines_core.Index(regex, self._vocab())
+            # outlines-core builds its automaton with leftmost-first semantics, which drops
+            # alternatives that extend an earlier one (`ab|abc` never reaches "abc"); the end
+            # anchor makes every alternative a whole-output match again.
+            index = outlines_core.Index(f"({regex})$", self._vocab())
         except Exception as error:
             raise GrammarError(
                 f"the {spec.kind} constraint does not compile for outlines: "
@@ -266,3 +269,12 @@ def _json_object_regex(ws: str) -> str:
         return f"\\[{ws}({value}({ws},{ws}{value})*)?{ws}\\]"
 
     return obj(f"({scalar}|{obj(scalar)}|{arr(scalar)})")
+
+
+def _strip_anchors(regex: str) -> str:
+    """The output must match the regex as a whole anyway; outlines-core refuses a leading `^`."""
+    if regex.startswith("^"):
+        regex = regex[1:]
+    if regex.endswith("$") and not regex.endswith("\\$"):
+        regex = regex[:-1]
+    return regex
