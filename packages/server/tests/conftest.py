@@ -119,9 +119,12 @@ def client(server: LiveServer) -> openai.OpenAI:
 
 
 @pytest.fixture(autouse=True)
-def _no_leaked_requests(engine: Any) -> Iterator[None]:
-    """Every test leaves the shared engine with nothing running."""
+def _no_leaked_requests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test that used the shared engine leaves it with nothing running."""
     yield
+    if "engine" not in request.fixturenames:
+        return
+    engine = request.getfixturevalue("engine")
     deadline = time.monotonic() + 5
     while engine.active and time.monotonic() < deadline:
         time.sleep(0.01)

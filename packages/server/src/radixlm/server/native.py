@@ -62,9 +62,11 @@ class _Generate:
                     finals[int(shaped.get("index", 0))] = shaped
         finally:
             await streams.aclose()
-        if self.single:
-            return finals[0]
-        return [finals[i] for i in sorted(finals)]
+        expected = sum(self.n)
+        if len(finals) < expected:
+            raise APIError(500, f"the engine ended {expected - len(finals)} sequence(s) without a "
+                           "final chunk (finish_reason set); this is an engine bug")  # fmt: skip
+        return finals[0] if self.single else [finals[i] for i in sorted(finals)]
 
     async def events(self, streams: EngineStreams) -> AsyncIterator[str]:
         try:
