@@ -209,6 +209,7 @@ class ToyCore:
         self.in_flight = 0
         self.max_in_flight = 0
         self.flushes = 0
+        self.omit_first_logprob = False  # some servers leave out token 0 (it has no logprob)
         self._cache: list[tuple[int, ...]] = []
         self._lock = threading.Lock()
 
@@ -252,6 +253,8 @@ class ToyCore:
 
     def _entries(self, tokens: list[str], start: int, with_text: bool) -> list[list[Any]]:
         out = []
+        if self.omit_first_logprob:
+            start = max(start, 1)
         for i in range(max(start, 0), len(tokens)):
             value = None if i == 0 else self.model.logprob("".join(tokens[:i]), tokens[i])
             out.append([value, self.vocab.id(tokens[i]), tokens[i] if with_text else None])

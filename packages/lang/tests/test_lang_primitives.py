@@ -209,6 +209,21 @@ def test_every_choices_method_picks_the_models_answer(backend, method):
     assert "normalized_prompt_logprobs" in state.get_meta_info("answer")
 
 
+def test_select_copes_with_a_server_that_omits_the_first_tokens_logprob(backend):
+    backend.fake.core.omit_first_logprob = True
+
+    @sgl.function
+    def prog(s):
+        s += "Is Paris in France? Answer:" + sgl.select(
+            "answer", [" no", " yes"], choices_method=sgl.unconditional_likelihood_normalized
+        )
+
+    state = prog.run(backend=backend)
+    assert state["answer"] == " yes"
+    alone = state.get_meta_info("answer")["unconditional_token_logprobs"]
+    assert [e[0] for e in alone[0]] == [None]
+
+
 def test_image_goes_to_the_request_as_base64(backend, tmp_path):
     picture = tmp_path / "dot.png"
     picture.write_bytes(b"\x89PNG\r\n\x1a\nfake")

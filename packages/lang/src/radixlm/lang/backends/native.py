@@ -58,6 +58,19 @@ def _as_list(output: Any) -> list[dict[str, Any]]:
     return list(output) if isinstance(output, list) else [output]
 
 
+def _input_entries(
+    output: dict[str, Any], start: int, first_id: int | None = None
+) -> list[list[Any]]:
+    """The output's input_token_logprobs from position `start`, one entry per token. A server
+    that leaves out the first token (which has no logprob) gets a [None, id, None] entry back."""
+    meta = output["meta_info"]
+    entries = [list(e) for e in meta.get("input_token_logprobs") or []]
+    expected = int(meta.get("prompt_tokens", len(entries) + start)) - start
+    if start == 0 and len(entries) == expected - 1:
+        entries.insert(0, [None, first_id, None])
+    return entries
+
+
 def _choice_entries(entries: list[list[Any]], choice: str, prefix_tokens: int) -> list[list[Any]]:
     """The logprob entries that cover `choice`. Scoring starts one token before the choice;
     that token is dropped unless tokenization merged it with the choice's first characters."""
@@ -124,18 +137,17 @@ class NativeBackend:
             body["image_data"] = [images] * len(choices)
         outputs = _as_list(self.transport.request(body))
         inputs = [
-            _choice_entries(
-                [list(e) for e in o["meta_info"]["input_token_logprobs"]], c, prefix_tokens
-            )
+            _choice_entries(_input_entries(o, start), c, prefix_tokens)
             for c, o in zip(choices, outputs, strict=True)
         ]
         generated = [list(o["meta_info"].get("output_token_logprobs") or []) for o in outputs]
         unconditional = None
         if method.requires_unconditional_logprobs:
+            ids = [[e[1] for e in entries] for entries in inputs]
             alone = _as_list(
                 self.transport.request(
                     {
-                        "input_ids": [[e[1] for e in entries] for entries in inputs],
+                        "input_ids": ids,
                         "sampling_params": {"max_new_tokens": 0},
                         "return_logprob": True,
                         "return_text_in_logprobs": True,
@@ -144,7 +156,8 @@ class NativeBackend:
                 )
             )
             unconditional = [
-                [list(e) for e in o["meta_info"]["input_token_logprobs"]] for o in alone
+                _input_entries(o, 0, first[0] if first else None)
+                for o, first in zip(alone, ids, strict=True)
             ]
         return method(
             choices=list(choices),
