@@ -401,3 +401,11 @@ def test_chat_template_flag_replaces_the_tokenizers(make_server: Any) -> None:
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0)
     client.chat.completions.create(model="toy/fake-model", messages=USER, max_tokens=1)
     assert engine.tokenizer.decode(engine.received[-1].input_ids) == "[user] Hello\n>"
+
+
+def test_parallel_tool_calls_false_keeps_one_call(client: openai.OpenAI) -> None:
+    call = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    result = client.chat.completions.create(
+        model="toy", messages=say(call * 2), tools=[TIME_TOOL], parallel_tool_calls=False
+    )
+    assert len(result.choices[0].message.tool_calls or []) == 1

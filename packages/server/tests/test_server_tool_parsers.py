@@ -171,3 +171,9 @@ def test_named_constraint_is_the_function_parameters() -> None:
 def test_auto_and_none_need_no_constraint() -> None:
     assert tool_call_constraint(TOOLS, "auto", parallel=True) is None
     assert tool_call_constraint(TOOLS, "none", parallel=True) is None
+
+
+def test_max_calls_keeps_only_the_first_call() -> None:
+    text = f"<tool_call>{WEATHER}</tool_call><tool_call>{WEATHER}</tool_call>"
+    _, calls = ToolCallReader("hermes", max_calls=1).result(text)
+    assert len(calls) == 1

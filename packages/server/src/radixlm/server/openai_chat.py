@@ -171,7 +171,8 @@ class _Chat:
         if self.reader_mode is None:
             return None
         if index not in self.readers:
-            self.readers[index] = ToolCallReader(self.reader_mode, self.function_name)
+            limit = None if self.request.parallel_tool_calls else 1
+            self.readers[index] = ToolCallReader(self.reader_mode, self.function_name, limit)
         return self.readers[index]
 
     def logprobs(self, meta: dict[str, Any], start: int, end: int) -> Any:

@@ -270,14 +270,18 @@ class ToolCallReader:
     """Reads one choice's growing output in one format; gives OpenAI deltas or the final answer.
 
     `mode` is a parser name (`hermes`, `qwen`, `qwen25`, `llama3`), `required`, or `named`
-    (with `function_name`).
+    (with `function_name`). `max_calls` keeps only the first calls (1 for
+    `parallel_tool_calls: false`).
     """
 
-    def __init__(self, mode: str, function_name: str | None = None) -> None:
+    def __init__(
+        self, mode: str, function_name: str | None = None, max_calls: int | None = None
+    ) -> None:
         if mode not in PARSERS and mode not in ("required", "named"):
             raise ValueError(f"unknown tool-call format {mode!r}")
         self.mode = mode
         self.function_name = function_name
+        self.max_calls = max_calls
         self._content_sent = 0
         self._ids: list[str] = []
         self._names_sent: list[bool] = []
@@ -285,10 +289,14 @@ class ToolCallReader:
 
     def view(self, text: str, final: bool) -> OutputView:
         if self.mode == "named":
-            return named_view(str(self.function_name), text, final)
-        if self.mode == "required":
-            return required_view(text, final)
-        return PARSERS[self.mode](text, final)
+            view = named_view(str(self.function_name), text, final)
+        elif self.mode == "required":
+            view = required_view(text, final)
+        else:
+            view = PARSERS[self.mode](text, final)
+        if self.max_calls is not None:
+            del view.calls[self.max_calls :]  # parallel_tool_calls: false keeps the first
+        return view
 
     def _call_id(self, index: int) -> str:
         while len(self._ids) <= index:
