@@ -219,3 +219,23 @@ def test_loading_shows_a_progress_bar_over_shards(
     err = capsys.readouterr().err
     assert "Loading safetensors shards" in err
     assert f"{shards}/{shards}" in err
+
+
+def test_cpu_weights_are_packed_at_the_first_forward_then_frozen(
+    hf_checkpoints: dict[str, tuple[Path, Any]],
+) -> None:
+    from radixlm.runtime.models.linear import PackedMergedColumnLinear, cpu_packing_available
+
+    if not cpu_packing_available():
+        pytest.skip("this torch build has no oneDNN")
+    path, _ = hf_checkpoints["qwen2"]
+    model, _ = load_model(ModelConfig(str(path), show_progress=False))
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, PackedMergedColumnLinear)
+    before = logits_of(model)
+    assert qkv.weight.numel() == 0  # the plain copy is released once packed
+    with pytest.raises(RuntimeError, match="load weights before running"):
+        model.load_weights([("model.norm.weight", torch.ones(64))])
+    plain, _ = load_model(ModelConfig(str(path), show_progress=False, cpu_weight_packing=False))
+    assert not isinstance(plain.model.layers[0].self_attn.qkv_proj, PackedMergedColumnLinear)
+    assert torch.allclose(logits_of(plain), before, atol=1e-5)

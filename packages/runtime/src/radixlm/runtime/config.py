@@ -29,6 +29,8 @@ class ModelConfig:
     local Hugging Face cache; nothing is ever downloaded). `dtype="auto"` keeps the checkpoint's
     dtype (float32 checkpoints stay float32). `device="auto"` picks CUDA when available.
     `load_format="dummy"` builds random weights with the real shapes (benchmarks).
+    `cpu_weight_packing` lets models on CPU keep their linear weights in oneDNN's packed layout
+    (packed at the first forward; 1.3-2x faster GEMV/GEMM than F.linear there).
     """
 
     model_path: str
@@ -38,6 +40,7 @@ class ModelConfig:
     context_length: int | None = None
     seed: int = 0
     show_progress: bool = True
+    cpu_weight_packing: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))

@@ -17,6 +17,12 @@ import torch
 
 from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.models import ArchConfig, DecoderForCausalLM, resolve
+from radixlm.runtime.models.linear import (
+    LinearFactory,
+    PackedCPULinears,
+    ReplicatedLinears,
+    cpu_packing_available,
+)
 from radixlm.runtime.models.registry import ModelFamily, UnsupportedArchitecture
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -219,16 +225,22 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) 
             param.copy_(values.mul_(std if param.dim() > 1 else std / 2))
 
 
-def build_model(info: ModelInfo) -> DecoderForCausalLM:
-    """An uninitialised model for the checkpoint, on its device, in its dtype."""
+def build_model(info: ModelInfo, cpu_weight_packing: bool = True) -> DecoderForCausalLM:
+    """An uninitialised model for the checkpoint, on its device, in its dtype.
+
+    On CPU the linear layers pack their weights for oneDNN at the first forward (unless `cpu_weight_packing` is False): load weights before running it.
+    """
+    linears: LinearFactory = ReplicatedLinears(info.dtype)
+    if cpu_weight_packing and info.device.type == "cpu" and cpu_packing_available():
+        linears = PackedCPULinears(info.dtype)
     with info.device:
-        return info.family.model_class(info.arch, info.dtype)
+        return info.family.model_class(info.arch, info.dtype, linears)
 
 
 def load_model(config: ModelConfig) -> tuple[DecoderForCausalLM, ModelInfo]:
     """Read the config, build the model and fill its weights (from files, or dummy)."""
     info = read_model_info(config)
-    model = build_model(info)
+    model = build_model(info, config.cpu_weight_packing)
     use_dummy = config.load_format == "dummy"
     if use_dummy:
         init_dummy_weights(model, config.seed)

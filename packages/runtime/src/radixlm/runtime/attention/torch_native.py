@@ -1,7 +1,10 @@
 """torch_native: scaled_dot_product_attention over K/V gathered from the pool (CPU and CUDA).
 
-Decode-like requests (one new token) are attended in one padded SDPA call; requests that add
-several tokens are attended one by one (their cost is dominated by the projections anyway).
+Decode-like requests (one new token) are grouped by context length and each group is attended
+in one SDPA call without a mask (a sliding window just trims the gathered keys), which is the
+fast path of SDPA on CPU. Requests that add several tokens are attended one by one with an
+additive mask (their cost is dominated by the projections anyway). On CPU, half-precision
+attention is computed in float32: SDPA's reduced-precision CPU kernels are much slower there.
 """
 
 from __future__ import annotations
@@ -15,6 +18,16 @@ from radixlm.runtime.attention.base import AttentionLayer
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.memory import KVPool
 
+# Beyond this many query x key positions an extend uses SDPA's is_causal instead of a mask.
+_MAX_MASK_ELEMENTS = 1 << 22
+
+
+@dataclass
+class _DecodeGroup:
+    tokens: torch.Tensor  # [G] positions of the group's tokens in the batch
+    slots: torch.Tensor  # [G, L] slots of the whole context of each request
+    length: int
+
 
 @dataclass
 class _Extend:
@@ -27,12 +40,11 @@ class _Extend:
 @dataclass
 class _Metadata:
     out_cache_loc: torch.Tensor
-    decode_tokens: torch.Tensor | None = None  # [Bd] positions of decode tokens in the batch
-    decode_slots: torch.Tensor | None = None  # [Bd, Lmax] slots (padding -> 0)
-    decode_lens: torch.Tensor | None = None  # [Bd]
-    decode_positions: torch.Tensor | None = None  # [Lmax]
+    decode_groups: list[_DecodeGroup] = field(default_factory=list)
     extends: list[_Extend] = field(default_factory=list)
-    masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
+    masks: dict[tuple[int, int | None, torch.dtype], torch.Tensor | None] = field(
+        default_factory=dict
+    )
 
 
 class TorchNativeBackend:
@@ -49,62 +61,50 @@ class TorchNativeBackend:
         meta = _Metadata(out_cache_loc=batch.out_cache_loc)
         device = batch.device
         table = batch.req_to_token
-        rows = batch.req_pool_indices
-        rows_cpu = batch.req_pool_indices_cpu
-        decode_index: list[int] = []
+        by_length: dict[int, tuple[list[int], list[int]]] = {}
         token_start = 0
         for index, (prefix, extend) in enumerate(
             zip(batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True)
         ):
+            row = batch.req_pool_indices_cpu[index]
             if extend == 1:
-                decode_index.append(index)
+                tokens, rows = by_length.setdefault(prefix + 1, ([], []))
+                tokens.append(token_start)
+                rows.append(row)
             else:
-                total = prefix + extend
-                slots = table[rows_cpu[index], :total].long()
+                slots = table[row, : prefix + extend].long()
                 meta.extends.append(_Extend(token_start, extend, prefix, slots))
             token_start += extend
-        if decode_index:
-            starts = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
-            chosen = torch.tensor(decode_index, dtype=torch.int64, device=device)
-            lens = batch.seq_lens.index_select(0, chosen)
-            max_len = max(batch.prefix_lens_cpu[i] + 1 for i in decode_index)
-            positions = torch.arange(max_len, device=device)
-            slots = table[rows.index_select(0, chosen), :max_len].long()
-            meta.decode_tokens = starts.index_select(0, chosen)
-            meta.decode_slots = slots.masked_fill(positions[None, :] >= lens[:, None], 0)
-            meta.decode_lens = lens
-            meta.decode_positions = positions
+        for length, (tokens, rows) in by_length.items():
+            row_index = torch.tensor(rows, dtype=torch.int64, device=device)
+            meta.decode_groups.append(
+                _DecodeGroup(
+                    tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
+                    slots=table[row_index, :length].long(),
+                    length=length,
+                )
+            )
         self._meta = meta
 
-    def _decode_mask(self, meta: _Metadata, window: int | None) -> torch.Tensor:
-        key = ("decode", 0, window)
-        mask = meta.masks.get(key)
-        if mask is None:
-            assert meta.decode_positions is not None and meta.decode_lens is not None
-            positions, lens = meta.decode_positions, meta.decode_lens
-            mask = positions[None, :] < lens[:, None]
-            if window is not None:
-                mask &= positions[None, :] >= lens[:, None] - window
-            mask = mask[:, None, None, :]
-            meta.masks[key] = mask
-        return mask
-
     def _extend_mask(
-        self, meta: _Metadata, index: int, item: _Extend, window: int | None
+        self, meta: _Metadata, index: int, item: _Extend, window: int | None, dtype: torch.dtype
     ) -> torch.Tensor | None:
-        if item.prefix_len == 0 and window is None:
-            return None  # plain causal: SDPA's is_causal
-        key = ("extend", index, window)
-        mask = meta.masks.get(key)
-        if mask is None:
+        """Additive mask [E, L], or None for a plain causal extend too big to mask."""
+        key = (index, window, dtype)
+        if key in meta.masks:
+            return meta.masks[key]
+        total = item.prefix_len + item.extend_len
+        mask: torch.Tensor | None = None
+        if item.prefix_len or window is not None or item.extend_len * total <= _MAX_MASK_ELEMENTS:
             device = item.slots.device
-            total = item.prefix_len + item.extend_len
             q_pos = torch.arange(item.prefix_len, total, device=device)[:, None]
             k_pos = torch.arange(total, device=device)[None, :]
-            mask = k_pos <= q_pos
+            allowed = k_pos <= q_pos
             if window is not None:
-                mask &= k_pos > q_pos - window
-            meta.masks[key] = mask
+                allowed &= k_pos > q_pos - window
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+            mask.masked_fill_(~allowed, float("-inf"))
+        meta.masks[key] = mask
         return mask
 
     def forward(
@@ -116,28 +116,27 @@ class TorchNativeBackend:
         self.kv_pool.store(layer.layer_id, meta.out_cache_loc, k, v)
         k_pool = self.kv_pool.k_buffers[layer.layer_id]
         v_pool = self.kv_pool.v_buffers[layer.layer_id]
-        out = torch.empty_like(q)
+        compute = q.dtype
+        if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+            compute = torch.float32
+        out = torch.empty(q.shape, dtype=compute, device=q.device)
         window = layer.sliding_window
         gqa = layer.num_heads != layer.num_kv_heads
-        if meta.decode_tokens is not None and meta.decode_slots is not None:
-            qd = q.index_select(0, meta.decode_tokens)[:, :, None, :]  # [Bd, H, 1, D]
-            kd = k_pool[meta.decode_slots].transpose(1, 2).to(q.dtype)  # [Bd, Hkv, L, D]
-            vd = v_pool[meta.decode_slots].transpose(1, 2).to(q.dtype)
-            od = F.scaled_dot_product_attention(
-                qd,
-                kd,
-                vd,
-                attn_mask=self._decode_mask(meta, window),
-                scale=layer.scaling,
-                enable_gqa=gqa,
-            )
-            out.index_copy_(0, meta.decode_tokens, od[:, :, 0, :])
+        for group in meta.decode_groups:
+            slots = group.slots
+            if window is not None and group.length > window:
+                slots = slots[:, group.length - window :]
+            qd = q.index_select(0, group.tokens).to(compute)[:, :, None, :]  # [G, H, 1, D]
+            kd = k_pool[slots].to(compute).transpose(1, 2)  # [G, Hkv, L, D]
+            vd = v_pool[slots].to(compute).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, scale=layer.scaling, enable_gqa=gqa)
+            out.index_copy_(0, group.tokens, od[:, :, 0, :])
         for index, item in enumerate(meta.extends):
             end = item.token_start + item.extend_len
-            qe = q[item.token_start : end].transpose(0, 1)[None]  # [1, H, E, D]
-            ke = k_pool[item.slots].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, L, D]
-            ve = v_pool[item.slots].transpose(0, 1)[None].to(q.dtype)
-            mask = self._extend_mask(meta, index, item, window)
+            qe = q[item.token_start : end].to(compute).transpose(0, 1)[None]  # [1, H, E, D]
+            ke = k_pool[item.slots].to(compute).transpose(0, 1)[None]  # [1, Hkv, L, D]
+            ve = v_pool[item.slots].to(compute).transpose(0, 1)[None]
+            mask = self._extend_mask(meta, index, item, window, compute)
             oe = F.scaled_dot_product_attention(
                 qe,
                 ke,
@@ -148,4 +147,4 @@ class TorchNativeBackend:
                 enable_gqa=gqa,
             )
             out[item.token_start : end] = oe[0].transpose(0, 1)
-        return out.reshape(q.shape[0], -1)
+        return out.to(q.dtype).reshape(q.shape[0], -1)

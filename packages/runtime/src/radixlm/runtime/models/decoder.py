@@ -11,7 +11,12 @@ from torch import nn
 
 from radixlm.runtime.attention.base import AttentionBackend, AttentionLayer
 from radixlm.runtime.models.arch import ArchConfig
-from radixlm.runtime.models.linear import LinearFactory, ReplicatedLinears
+from radixlm.runtime.models.linear import (
+    LinearFactory,
+    PackedCPULinears,
+    PackedWeight,
+    ReplicatedLinears,
+)
 from radixlm.runtime.models.rope import RotaryEmbedding, apply_rotary
 
 # Checkpoint projection name -> (merged module name, shard).
@@ -160,11 +165,18 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.dtype = dtype
-        self.model = DecoderModel(arch, linears or ReplicatedLinears(dtype), dtype)
+        linears = linears or ReplicatedLinears(dtype)
+        self.model = DecoderModel(arch, linears, dtype)
         self.lm_head: nn.Embedding | None = None
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
+        # A tied head shares its weight with the embedding lookup, so the plain copy stays.
+        self.head_packing = (
+            PackedWeight(keep_plain=arch.tie_word_embeddings)
+            if isinstance(linears, PackedCPULinears)
+            else None
+        )
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -180,6 +192,9 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] of the given hidden rows."""
+        if self.head_packing is not None:
+            head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+            return self.head_packing.linear(hidden, head.weight, None).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     # Weights -------------------------------------------------------------------------------
@@ -206,6 +221,8 @@ class DecoderForCausalLM(nn.Module):
 
         Unknown names raise ValueError; `lm_head.weight` of a tied model is skipped.
         """
+        if self.head_packing is not None:
+            self.head_packing.check_loadable()
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:

@@ -11,7 +11,7 @@ checkpoint tensor's slice in `load_weight` — the models would not change.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -144,3 +144,76 @@ class ReplicatedLinears:
 
     def row(self, in_features: int, out_features: int, bias: bool) -> Linear:
         return RowLinear(in_features, out_features, bias, self.dtype, self.device)
+
+
+def cpu_packing_available() -> bool:
+    """Whether oneDNN can pre-pack linear weights here (CPU builds of torch with mkldnn)."""
+    available = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    return bool(available) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedWeight:
+    """A weight re-laid out by oneDNN for fast CPU GEMM/GEMV (1.5-2x over F.linear in bf16 on
+    AVX512-BF16 machines). Packing happens at the first call, after the weights are loaded; the
+    plain weight is then released unless `keep_plain` (a tied embedding still needs it)."""
+
+    def __init__(self, keep_plain: bool = False) -> None:
+        self.keep_plain = keep_plain
+        self.packed: torch.Tensor | None = None
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+            if not self.keep_plain:
+                weight.data = weight.data.new_empty(0)
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return out
+
+    def check_loadable(self) -> None:
+        if self.packed is not None and not self.keep_plain:
+            raise RuntimeError(
+                "the weights were packed for CPU inference at the first forward; load weights "
+                "before running the model"
+            )
+
+
+class PackedMergedColumnLinear(MergedColumnLinear):
+    """MergedColumnLinear computed with oneDNN-packed weights (CPU)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.packing = PackedWeight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packing.linear(x, self.weight, self.bias)
+
+    def load_weight(self, shard: str | None, name: str, tensor: torch.Tensor) -> None:
+        self.packing.check_loadable()
+        super().load_weight(shard, name, tensor)
+
+
+class PackedRowLinear(RowLinear):
+    """RowLinear computed with oneDNN-packed weights (CPU)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.packing = PackedWeight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packing.linear(x, self.weight, self.bias)
+
+    def load_weight(self, shard: str | None, name: str, tensor: torch.Tensor) -> None:
+        self.packing.check_loadable()
+        super().load_weight(shard, name, tensor)
+
+
+class PackedCPULinears(ReplicatedLinears):
+    """The single-device factory for CPU inference: weights pre-packed for oneDNN."""
+
+    def merged_column(self, in_features: int, shards: Mapping[str, int], bias: bool) -> Linear:
+        return PackedMergedColumnLinear(in_features, shards, bias, self.dtype, self.device)
+
+    def row(self, in_features: int, out_features: int, bias: bool) -> Linear:
+        return PackedRowLinear(in_features, out_features, bias, self.dtype, self.device)
