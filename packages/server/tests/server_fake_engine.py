@@ -256,8 +256,13 @@ class FakeEngine:
 
     def _top(self, token: int, k: int, with_text: bool) -> list[list[Any]]:
         chosen = self._triple(token, self.logprob(token), with_text)
+        # The third alternative is ruled out (-inf), as grammar masks do in real engines.
         others = [
-            self._triple((token + j) % self.vocab_size, self.logprob(token) - j, with_text)
+            self._triple(
+                (token + j) % self.vocab_size,
+                float("-inf") if j == 2 else self.logprob(token) - j,
+                with_text,
+            )
             for j in range(1, k)
         ]
         return [chosen, *others]

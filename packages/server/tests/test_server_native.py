@@ -286,3 +286,12 @@ def test_metrics_route_is_absent_unless_enabled(make_server: Any) -> None:
 def test_metrics_count_refused_requests(http: httpx.Client) -> None:
     http.post("/generate", json={"text": "a", "sampling_params": {"top_p": 0}})
     assert 'radixlm_request_errors_total{status="400"}' in http.get("/metrics").text
+
+
+def test_infinite_logprobs_become_a_finite_floor(http: httpx.Client) -> None:
+    request = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
+               "top_logprobs_num": 3}  # fmt: skip
+    for stream in (False, True):
+        response = http.post("/generate", json={**request, "stream": stream})
+        assert response.status_code == 200 and "Infinity" not in response.text
+        assert "-9999.0" in response.text

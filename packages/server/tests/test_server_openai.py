@@ -409,3 +409,12 @@ def test_parallel_tool_calls_false_keeps_one_call(client: openai.OpenAI) -> None
         model="toy", messages=say(call * 2), tools=[TIME_TOOL], parallel_tool_calls=False
     )
     assert len(result.choices[0].message.tool_calls or []) == 1
+
+
+def test_ruled_out_alternatives_have_a_finite_logprob(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(
+        model="toy", messages=USER, max_tokens=1, logprobs=True, top_logprobs=3
+    )
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert logprobs.content[0].top_logprobs[2].logprob == -9999.0

@@ -18,6 +18,7 @@ from radixlm.server.metrics import CONTENT_TYPE
 from radixlm.server.state import ServerState, finish_type, read_json, read_object
 from radixlm.server.streams import (
     DONE_EVENT,
+    EngineJSONResponse,
     EngineStreams,
     EventStreamResponse,
     cancel_on_disconnect,
@@ -92,7 +93,7 @@ def native_router(state: ServerState) -> APIRouter:
         if request.stream:
             await cancel_on_disconnect(http, streams.start())
             return EventStreamResponse(call.events(streams))
-        return JSONResponse(await cancel_on_disconnect(http, call.collect(streams)))
+        return EngineJSONResponse(await cancel_on_disconnect(http, call.collect(streams)))
 
     @router.get("/health", tags=["native"])
     async def health() -> Response:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from radixlm.sampling import GenerateRequest, InvalidRequest
 from radixlm.server.errors import APIError, as_api_error
@@ -27,6 +27,7 @@ from radixlm.server.openai_models import ChatCompletionRequest, ChatMessage, Nam
 from radixlm.server.state import ServerState, read_json, read_object, renamed_prompt_errors
 from radixlm.server.streams import (
     DONE_EVENT,
+    EngineJSONResponse,
     EngineStreams,
     EventStreamResponse,
     cancel_on_disconnect,
@@ -303,4 +304,4 @@ async def create_chat_completion(state: ServerState, http: Request) -> Response:
         if request.stream:
             await cancel_on_disconnect(http, streams.start())
             return EventStreamResponse(call.events(streams))
-        return JSONResponse(await cancel_on_disconnect(http, call.collect(streams)))
+        return EngineJSONResponse(await cancel_on_disconnect(http, call.collect(streams)))

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from radixlm.sampling import GenerateRequest
 from radixlm.server.errors import APIError, as_api_error
@@ -24,6 +24,7 @@ from radixlm.server.openai_models import CompletionRequest
 from radixlm.server.state import ServerState, read_json, read_object, renamed_prompt_errors
 from radixlm.server.streams import (
     DONE_EVENT,
+    EngineJSONResponse,
     EngineStreams,
     EventStreamResponse,
     cancel_on_disconnect,
@@ -191,4 +192,4 @@ async def create_completion(state: ServerState, http: Request) -> Response:
         if request.stream:
             await cancel_on_disconnect(http, streams.start())
             return EventStreamResponse(call.events(streams))
-        return JSONResponse(await cancel_on_disconnect(http, call.collect(streams)))
+        return EngineJSONResponse(await cancel_on_disconnect(http, call.collect(streams)))

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
@@ -20,9 +21,39 @@ _END = object()
 DONE_EVENT = "data: [DONE]\n\n"
 
 
+# A logprob of -inf (a token the grammar or a bias rules out) is sent as this, as vLLM does:
+# JSON has no infinities.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else (LOGPROB_FLOOR if value < 0 else -LOGPROB_FLOOR)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def to_json(payload: Any) -> str:
+    """Compact, strict JSON: non-finite floats become LOGPROB_FLOOR (or null for NaN)."""
+    try:
+        return json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(payload), ensure_ascii=False, separators=(",", ":"))
+
+
+class EngineJSONResponse(JSONResponse):
+    """JSONResponse that survives the infinities engines put in logprobs."""
+
+    def render(self, content: Any) -> bytes:
+        return to_json(content).encode("utf-8")
+
+
 def sse(payload: Any) -> str:
     """One server-sent event carrying `payload` as compact JSON."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {to_json(payload)}\n\n"
 
 
 async def close_iterator(iterator: object) -> None:
