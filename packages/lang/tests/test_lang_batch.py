@@ -103,8 +103,13 @@ def test_run_batch_with_one_thread_runs_one_at_a_time(backend):
 
 
 def test_run_batch_shows_a_progress_bar(backend, capsys):
-    qa.run_batch([{"question": "a?"}, {"question": "b?"}], backend=backend, progress_bar=True)
+    qa.run_batch([{"question": "a?"}, {"question": "b?"}], backend=backend)
     assert "2/2" in capsys.readouterr().err
+
+
+def test_run_batch_progress_bar_can_be_turned_off(backend, capsys):
+    qa.run_batch([{"question": "a?"}, {"question": "b?"}], backend=backend, progress_bar=False)
+    assert "2/2" not in capsys.readouterr().err
 
 
 def test_a_failing_item_does_not_stop_the_batch(backend):

@@ -188,10 +188,11 @@ class Program:
         return_text_in_logprobs: bool | None = None,
         backend: Any = None,
         num_threads: int | str = "auto",
-        progress_bar: bool = False,
+        progress_bar: bool = True,
     ) -> list[ProgramState]:
         """Run once per item (a dict of arguments, or a tuple of them in order), concurrently
-        on `num_threads` threads, with a tqdm progress bar if asked. The text all items start
+        on `num_threads` threads, with a tqdm progress bar (on stderr; `progress_bar=False`
+        turns it off; SGLang's default is off). The text all items start
         with is sent to the backend's cache first. A program that fails does not stop the
         others: its state carries the error (`state.error()`; reads raise it)."""
         items = [self._arguments(item) for item in batch_kwargs]
