@@ -193,7 +193,7 @@ class EngineBackend(NativeBackend):
         if engine is None:
             if model_path is None:
                 raise ValueError("EngineBackend needs an engine or a model_path")
-            from radixlm.runtime import Engine  # type: ignore[attr-defined, unused-ignore]
+            from radixlm.runtime.engine import Engine
 
             engine = Engine(model_path=model_path, **engine_kwargs)
         elif engine_kwargs or model_path is not None:
