@@ -317,3 +317,14 @@ def test_gen_n_returns_a_list_and_appends_the_first(backend):
 def test_flush_cache_reaches_the_server(backend):
     assert sgl.flush_cache(backend) is True
     assert backend.fake.core.flushes == 1
+
+
+def test_an_object_with_an_endpoint_is_used_through_it(backend):
+    class Runtime:  # SGLang's Runtime exposes its RuntimeEndpoint as .endpoint
+        endpoint = backend
+
+    @sgl.function
+    def capital(s):
+        s += "The capital of France is" + sgl.gen("city", stop=".")
+
+    assert capital.run(backend=Runtime())["city"] == " Paris"
