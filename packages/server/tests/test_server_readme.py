@@ -38,3 +38,10 @@ def test_readme_engine_streams_and_serves_its_own_route(readme_app: Any) -> None
         assert client.get("/hello").json() == {"hello": "world"}
         completion = client.post("/v1/completions", json={"model": "echo", "prompt": "xy"})
         assert completion.json()["choices"][0]["text"] == "yx"
+
+
+def test_an_engine_without_tokenizer_refuses_chat_clearly(readme_app: Any) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    with TestClient(readme_app) as client:
+        answer = client.post("/v1/chat/completions", json={"model": "echo", "messages": messages})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"

@@ -74,6 +74,10 @@ def render_chat(
     template_kwargs: dict[str, Any] | None,
 ) -> str:
     """The prompt text of a conversation; InvalidRequest when the template cannot render it."""
+    if tokenizer is None:
+        raise InvalidRequest(
+            "messages", "this engine has no tokenizer to render chats; use /v1/completions"
+        )
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest(
             "messages",
@@ -166,7 +170,7 @@ class _Chat:
                 found[1][0],
                 f"only one constraint may shape the output; got {', '.join(n for n, _ in found)}",
             )
-        return found[0][1] or None if found else None
+        return found[0][1] or None if found else None  # extras travel in their own fields
 
     def reader(self, index: int) -> ToolCallReader | None:
         if self.reader_mode is None:
