@@ -45,3 +45,40 @@ def test_a_forbidden_import_breaks_the_contract(tmp_path: Path) -> None:
     result = _lint(tmp_path)
     assert result.returncode != 0
     assert "radixlm.sampling._forbidden -> radixlm.cache" in result.stdout
+
+
+# import-linter cannot tell a lazy import from a module-level one; the two modules allowed to
+# reach the runtime must do so only inside functions, so importing them never pulls torch in.
+LAZY_RUNTIME_IMPORTERS = [
+    ROOT / "packages/server/src/radixlm/server/launcher.py",
+    ROOT / "packages/lang/src/radixlm/lang/backends/engine.py",
+]
+
+
+def _module_level_runtime_imports(path: Path) -> list[int]:
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    inside_functions = {
+        id(node)
+        for fn in ast.walk(tree)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(fn)
+    }
+    lines = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        if any(n.startswith("radixlm.runtime") for n in names) and id(node) not in inside_functions:
+            lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("path", LAZY_RUNTIME_IMPORTERS, ids=lambda p: p.name)
+def test_runtime_is_imported_only_lazily(path: Path) -> None:
+    if not path.exists():
+        pytest.skip(f"{path.name} not written yet")
+    assert _module_level_runtime_imports(path) == []
