@@ -382,3 +382,27 @@ def test_retracted_request_is_not_readmitted_in_the_same_step() -> None:
     assert seen_retracted
     assert all(r.finished for r in reqs)
     assert_clean(sched, 120)
+
+
+def test_random_policy_is_reproducible_from_its_seed() -> None:
+    reqs = [Req(f"r{i}", [i + 1], 1) for i in range(10)]
+    orders = [
+        [
+            r.rid
+            for r in make(schedule_policy="random", random_seed=3).policy.order(reqs, lambda r: 0)
+        ]
+        for _ in range(2)
+    ]
+    assert orders[0] == orders[1] and orders[0] != [r.rid for r in reqs]
+
+
+def test_dfs_weight_engine_run_keeps_outputs_and_memory_right() -> None:
+    sched, model = make(schedule_policy="dfs-weight", pool=600), FakeModel()
+    groups = prompts(6, 40, 8, seed=20) + prompts(6, 40, 8, seed=21)
+    reqs = [Req(f"r{i}", p, 6) for i, p in enumerate(groups)]
+    for r in reqs:
+        sched.add(r)
+    run(sched, model)
+    assert all(r.output_ids == solo(r.prompt_ids, 6) for r in reqs)
+    assert sum(r.cached_tokens or 0 for r in reqs) >= 10 * 39
+    assert_clean(sched, 600)

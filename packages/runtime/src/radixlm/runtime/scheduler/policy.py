@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 from array import array
 from collections.abc import Callable, Sequence
@@ -33,6 +32,25 @@ def _packed(req: Req) -> bytes:
     return array("q", req.tokens()).tobytes()
 
 
+def common_prefix_bytes(a: bytes, b: bytes) -> int:
+    """Length of the common prefix of two byte strings (binary search over C comparisons)."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while low < high:  # a[:low] == b[:low] and a[:high] != b[:high]
+        middle = (low + high + 1) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def common_prefix_tokens(a: bytes, b: bytes) -> int:
+    """Common prefix, in int64 tokens, of two packed token sequences."""
+    return common_prefix_bytes(a, b) // 8
+
+
 def dfs_weight(queue: Sequence[Req]) -> list[Req]:
     """Depth-first over the prefix tree of the queued sequences, heavier subtrees first.
 
@@ -50,7 +68,8 @@ def _dfs(items: list[tuple[bytes, Req]], depth: int, out: list[Req]) -> None:
         if len(items) == 1:
             out.append(items[0][1])
             return
-        common = len(os.path.commonprefix([key for key, _ in items]))  # noqa: RUF071 (bytes)
+        keys = [key for key, _ in items]
+        common = common_prefix_bytes(min(keys), max(keys))
         depth = max(depth, common - common % 8)
         ended = [req for key, req in items if len(key) <= depth]
         groups: dict[bytes, list[tuple[bytes, Req]]] = {}

@@ -10,7 +10,6 @@ Not thread-safe: one thread (the engine loop) calls it.
 
 from __future__ import annotations
 
-import os
 from array import array
 from collections.abc import Sequence
 from typing import Protocol
@@ -18,7 +17,7 @@ from typing import Protocol
 from radixlm.cache import RadixCache
 from radixlm.runtime.engine_config import SchedulerConfig
 from radixlm.runtime.scheduler.batch import ScheduledBatch, StepEntry
-from radixlm.runtime.scheduler.policy import Policy
+from radixlm.runtime.scheduler.policy import Policy, common_prefix_tokens
 from radixlm.runtime.scheduler.request import Req, ReqStatus
 from radixlm.sampling import EngineOverloaded
 
@@ -416,7 +415,7 @@ class Scheduler:
         if not self.caching or threshold <= 0:
             return False
         for other in in_flight:
-            common = len(os.path.commonprefix([packed, other])) // 8  # noqa: RUF071 (bytes)
+            common = common_prefix_tokens(packed, other)
             if common - prefix >= threshold:
                 return True
         return False

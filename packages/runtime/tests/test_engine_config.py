@@ -1,0 +1,73 @@
+"""EngineConfig from SGLang-style keyword arguments, and the Reply both sync and async code use."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+
+import pytest
+
+from radixlm.runtime import EngineConfig, Reply
+
+
+def test_sglang_kwargs_land_in_the_composed_config() -> None:
+    config = EngineConfig.from_kwargs(
+        "/models/m",
+        mem_fraction_static=0.5,
+        max_running_requests=12,
+        chunked_prefill_size=-1,
+        schedule_policy="dfs-weight",
+        disable_radix_cache=True,
+        disable_jump_forward=True,
+        grammar_backend=None,
+        json_whitespace="any",
+        disable_cuda_graph=True,
+        sampling_defaults="openai",
+    )
+    assert config.model_path == "/models/m"
+    assert config.runner.memory.kv_cache_fraction == 0.5
+    assert config.runner.memory.max_running_requests == config.scheduler.max_running_requests == 12
+    assert config.scheduler.chunked_prefill_size is None  # -1 disables chunking
+    assert config.scheduler.schedule_policy == "dfs-weight"
+    assert config.cache.disable_radix_cache
+    assert not config.grammar.jump_forward and config.grammar.backend == "none"
+    assert config.grammar.json_whitespace == "flexible"
+    assert not config.runner.attention.cuda_graph
+    assert config.sampling_defaults == "openai"
+
+
+def test_unknown_argument_names_the_closest_known_one() -> None:
+    with pytest.raises(TypeError, match="did you mean 'chunked_prefill_size'"):
+        EngineConfig.from_kwargs("/m", chunked_prefil_size=8)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"schedule_policy": "sjf"}, "schedule_policy"),
+        ({"grammar_backend": "llguidance"}, "grammar_backend"),
+        ({"radix_eviction_policy": "fifo"}, "eviction_policy"),
+        ({"max_queued_requests": -1}, "max_queued_requests"),
+    ],
+)
+def test_invalid_values_are_refused_with_the_field_name(
+    kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs("/m", **kwargs)
+
+
+def test_reply_is_a_bool_in_sync_code_and_awaitable_in_async_code() -> None:
+    future: Future[bool] = Future()
+    reply = Reply(future)
+    future.set_result(True)
+    assert reply and reply.result() is True and reply == True  # noqa: E712
+
+    async def main() -> bool:
+        pending: Future[bool] = Future()
+        later = Reply(pending)
+        asyncio.get_running_loop().call_later(0.01, pending.set_result, False)
+        return await later
+
+    assert asyncio.run(main()) is False
+    assert asyncio.run(asyncio.wait_for(Reply.of(True), 1)) is True  # a coroutine for asyncio
