@@ -157,3 +157,17 @@ def test_compiled_grammars_are_shared_by_many_matchers(backend: Any, info: Any) 
         next(i for i in range(info.vocab_size) if info.token_bytes[i] == b"t")
     )
     assert allowed(second, info.vocab_size) != allowed(first, info.vocab_size)
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "outlines"])
+def test_every_stop_token_ends_the_output(name: str, hf_tokenizer: Any) -> None:
+    from radixlm.constrained import TokenizerInfo, create_backend
+
+    two_stops = TokenizerInfo.from_hf(hf_tokenizer, vocab_size=1024, stop_token_ids=[0, 1])
+    backend = create_backend(name, two_stops)
+    compiled = backend.compile(GrammarSpec("choice", ["7"]))
+    for stop in (0, 1):
+        grammar = backend.matcher(compiled)
+        assert grammar.accept_token(ids(hf_tokenizer, "7")[0])
+        assert {0, 1} <= allowed(grammar, two_stops.vocab_size)
+        assert grammar.accept_token(stop) and grammar.is_terminated()

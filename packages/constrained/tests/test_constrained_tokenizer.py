@@ -75,8 +75,8 @@ def test_encode_exact_spells_running_text_without_a_prefix_space(
 
 
 def test_encode_exact_refuses_text_that_would_become_a_special_token(info: Any) -> None:
-    ids = info.encode_exact("a<|endoftext|>b")
-    assert ids is not None and info.decode_bytes(ids) == b"a<|endoftext|>b"
+    # No exact ordinary tokenization: jump-forward then leaves this text to the model.
+    assert info.encode_exact("a<|endoftext|>b") is None
 
 
 def test_extensions_are_the_longer_tokens_with_that_prefix(info: Any) -> None:

@@ -118,7 +118,7 @@ def _replay(
             tail += len(info.token_bytes[token] or b"")
             host.rollback(1)
             accepted -= 1
-            longer = [t for t in info.extensions(token) if len(info.token_bytes[t] or b"") > tail]
+            longer = info.extensions(token, longer_than=tail)
             if not (longer and host.allows_any(longer)):
                 host.accept_token(token)
                 accepted += 1

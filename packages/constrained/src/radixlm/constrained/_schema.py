@@ -482,6 +482,8 @@ class _Normalizer:
         if not isinstance(values, list) or not values:
             raise self.reject(path, "enum", "enum must be a non-empty list")
         rest = {k: v for k, v in schema.items() if k not in ("const", "enum")}
+        if not rest:
+            return {"const": values[0]} if len(values) == 1 else {"enum": values}
         kept = []
         for value in values:
             verdict = value_satisfies(value, rest)

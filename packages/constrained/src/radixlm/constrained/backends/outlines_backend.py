@@ -141,13 +141,19 @@ class OutlinesMatcher:
         self._history: list[int] = []
         self._terminated = False
         self._stops = frozenset(info.stop_token_ids)
+        # The vocabulary's EOS bit comes from outlines-core; other stop tokens are added here.
+        self._extra_stops = info.stop_token_ids[1:]
+        self._size = info.vocab_size
+        self._width = bitmask_width(info.vocab_size)
+        self._advance = self._guide.advance
+        self._write = self._guide.write_mask_into
 
     @property
     def history(self) -> list[int]:
         return self._history
 
     def accept_token(self, token_id: int) -> bool:
-        if self._terminated or not 0 <= token_id < self._info.vocab_size:
+        if self._terminated or not 0 <= token_id < self._size:
             return False
         if token_id in self._stops:
             if not self._guide.is_finished():
@@ -155,21 +161,25 @@ class OutlinesMatcher:
             self._terminated = True
         else:
             try:
-                self._guide.advance(token_id, return_tokens=False)
+                self._advance(token_id, False)
             except ValueError:
                 return False
         self._history.append(token_id)
         return True
 
     def fill_bitmask(self, bitmask: Any, row: int = 0) -> None:
-        bitmask[row] = 0
         if self._terminated:
+            bitmask[row] = 0
             return
-        target = bitmask[row]
-        pointer = target.data_ptr() if hasattr(target, "data_ptr") else target.ctypes.data
-        self._guide.write_mask_into(pointer, bitmask_width(self._info.vocab_size), 4)
-        if self._guide.is_finished():
-            for stop in self._stops:
+        # The row's address without making a view (this runs for every token); int32 rows.
+        if hasattr(bitmask, "data_ptr"):
+            pointer = bitmask.data_ptr() + row * bitmask.stride(0) * 4
+        else:
+            pointer = bitmask.ctypes.data + row * bitmask.strides[0]
+        self._write(pointer, self._width, 4)  # outlines-core writes every word of the row
+        if self._extra_stops and self._guide.is_finished():
+            target = bitmask[row]
+            for stop in self._extra_stops:
                 target[stop // 32] |= _bit(stop % 32)
 
     def is_terminated(self) -> bool:

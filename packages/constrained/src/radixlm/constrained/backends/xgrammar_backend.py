@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy
 import torch
 import xgrammar as xgr
 
@@ -118,12 +119,19 @@ class XGrammarMatcher:
         info: TokenizerInfo,
         options: GrammarOptions,
         history: list[int],
+        terminated: bool = False,
     ) -> None:
         self._matcher = matcher
         self._info = info
         self._options = options
         self._history = history
+        self._terminated = terminated
         self._scratch: Any = None
+        # Bound once: these run for every token of every constrained request.
+        self._accept = matcher.accept_token
+        self._fill = matcher.fill_next_token_bitmask
+        self._size = info.vocab_size
+        self._stops = frozenset(info.stop_token_ids)
 
     @property
     def history(self) -> list[int]:
@@ -131,21 +139,22 @@ class XGrammarMatcher:
         return self._history
 
     def accept_token(self, token_id: int) -> bool:
-        if not 0 <= token_id < self._info.vocab_size:
+        # xgrammar wraps ids past int32 around, so the range is checked here.
+        if not 0 <= token_id < self._size or not self._accept(token_id):
             return False
-        if self._matcher.accept_token(token_id):
-            self._history.append(token_id)
-            return True
-        return False
+        self._history.append(token_id)
+        if token_id in self._stops:
+            self._terminated = True
+        return True
 
     def fill_bitmask(self, bitmask: Any, row: int = 0) -> None:
-        if self._matcher.is_terminated():
+        if self._terminated:
             bitmask[row] = 0
             return
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        self._fill(bitmask, row)
 
     def is_terminated(self) -> bool:
-        return bool(self._matcher.is_terminated())
+        return self._terminated
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens < 0 or num_tokens > len(self._history):
@@ -153,9 +162,10 @@ class XGrammarMatcher:
         if num_tokens:
             self._matcher.rollback(num_tokens)
             del self._history[-num_tokens:]
+            self._terminated = False
 
     def jump_forward(self) -> JumpForward | None:
-        if self._matcher.is_terminated():
+        if self._terminated:
             return None
         forced = self._matcher.find_jump_forward_string().encode("utf-8")
         forced = forced[: self._options.max_jump_forward_bytes]
@@ -166,10 +176,8 @@ class XGrammarMatcher:
 
     def allows_any(self, token_ids: list[int]) -> bool:
         if self._scratch is None:
-            self._scratch = torch.zeros(
-                (1, bitmask_width(self._info.vocab_size)), dtype=torch.int32
-            )
-        self._matcher.fill_next_token_bitmask(self._scratch, 0)
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        words = self._scratch[0, ids // 32]
-        return bool(((words >> (ids % 32).to(torch.int32)) & 1).any())
+            self._scratch = torch.zeros((1, bitmask_width(self._size)), dtype=torch.int32)
+        self._fill(self._scratch, 0)
+        words = self._scratch.numpy()[0]
+        ids = numpy.asarray(token_ids, dtype=numpy.int64)
+        return bool(((words[ids >> 5] >> (ids & 31)) & 1).any())
