@@ -33,7 +33,9 @@ from radixlm.constrained._schema_merge import (
 from radixlm.constrained._schema_support import (
     DEF_CONTAINERS,
     FORMAT_PATTERNS,
+    OUTLINES_SUPPORT,
     VALIDATION_KEYWORDS,
+    XGRAMMAR_SUPPORT,
     SchemaSupport,
 )
 from radixlm.constrained.errors import GrammarError
@@ -104,10 +106,10 @@ class _Normalizer:
         )
 
     def unsupported(self, path: str, keyword: str, detail: str = "") -> GrammarError:
-        other = "outlines" if self.support.backend == "xgrammar" else "xgrammar"
-        hint = (
-            f"remove it, express it with keywords the backend supports, or try the {other} backend"
-        )
+        hint = "remove it or express it with keywords the backend supports"
+        for other in (XGRAMMAR_SUPPORT, OUTLINES_SUPPORT):
+            if other.backend != self.support.backend and keyword in other.keywords and not detail:
+                hint += f", or use the {other.backend} backend, which enforces it"
         return self.reject(
             path,
             keyword,
