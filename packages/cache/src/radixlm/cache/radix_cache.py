@@ -210,6 +210,7 @@ class RadixCache:
             packed = b""
             if type(key) is not list:
                 key = list(key)
+        have = len(packed)
         stop = 8 * n
         at = 0
         ckey = child_key(key, 0, page, extra_key)
@@ -219,12 +220,13 @@ class RadixCache:
                 break
             edge = child.key
             end = at + len(edge)
-            if end > len(packed) < stop:
+            if end > have and have < stop:
                 # Packing past `stop` is harmless (comparisons stop there) and packing the
                 # whole key avoids copying a slice of it first.
-                done = len(packed) >> 3
+                done = have >> 3
                 upto = min(len(key), max(end >> 3, 2 * done, _PACK_CHUNK))
                 packed += pack_tokens(key, done, upto)
+                have = len(packed)
             if end <= stop and packed[at:end] == edge:
                 indices += child.value
                 child.tick = tick
@@ -234,8 +236,7 @@ class RadixCache:
                 at = end
                 if end == stop:
                     break
-                pos = end >> 3
-                ckey = key[pos] if page == 1 else tuple(key[pos : pos + page])
+                ckey = key[end >> 3] if page == 1 else tuple(key[end >> 3 : (end >> 3) + page])
                 continue
             # The match ends inside this edge: split it there.
             same = common_prefix_length(packed, at >> 3, edge, (min(end, stop) - at) >> 3)
@@ -404,7 +405,7 @@ class RadixCache:
     @staticmethod
     def _is_root_handle(node: RadixNode) -> bool:
         # The handle of an empty match, possibly from before a reset: it carries no lock.
-        return node.parent is None and not node.value
+        return node.parent is None and not node.key
 
     def _check_handle(self, node: RadixNode) -> None:
         root = self._root
@@ -444,8 +445,14 @@ class RadixCache:
             parent = node.parent
             del parent.children[node.ckey]
             node.parent = None
-            freed += node.value
-            self._evictable -= len(node.value)
+            # A node owns its value list outright: hand the first one over instead of copying
+            # it (evicting one big leaf is the common case), and drop the node's reference.
+            value, node.value = node.value, []
+            if freed:
+                freed += value
+            else:
+                freed = value
+            self._evictable -= len(value)
             self._nodes -= 1
             if parent is not root and parent.lock_ref == 0 and not parent.children:
                 self._push(parent)
