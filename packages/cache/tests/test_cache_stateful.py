@@ -9,7 +9,8 @@ TokenSlotAllocator, so any slot leaked or returned twice also fails the run.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from array import array
+from collections.abc import Callable, Hashable, Sequence
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -28,6 +29,8 @@ CAPACITY = 40
 NAMESPACES: list[Hashable | None] = [None, "lora-a"]
 
 Prefix = tuple[Hashable | None, tuple[int, ...]]
+# The key types a caller may pass: a list (packed inside), an int64 array (used as is), a tuple.
+FORMS = st.sampled_from([list, tuple, lambda key: array("q", key)])
 
 
 def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedStateMachine]:
@@ -111,9 +114,14 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
 
         # ------------------------------------------------------------------------------ rules
 
-        @rule(key=queries, ns=namespaces)
-        def match(self, key: tuple[int, ...], ns: Hashable | None) -> None:
-            result = self.cache.match_prefix(list(key), extra_key=ns)
+        @rule(key=queries, ns=namespaces, form=FORMS)
+        def match(
+            self,
+            key: tuple[int, ...],
+            ns: Hashable | None,
+            form: Callable[[tuple[int, ...]], Sequence[int]],
+        ) -> None:
+            result = self.cache.match_prefix(form(key), extra_key=ns)
             expected = self.cached_length(ns, key, len(key))
             assert result.length == expected == len(result.indices)
             assert result.indices == self.slots_of(ns, key, expected)
@@ -160,14 +168,19 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
             self.held.remove(entry)
             return key
 
-        @rule(target=seen, key=queries, ns=namespaces)
-        def insert_blind(self, key: tuple[int, ...], ns: Hashable | None) -> tuple[int, ...]:
+        @rule(target=seen, key=queries, ns=namespaces, form=FORMS)
+        def insert_blind(
+            self,
+            key: tuple[int, ...],
+            ns: Hashable | None,
+            form: Callable[[tuple[int, ...]], Sequence[int]],
+        ) -> tuple[int, ...]:
             """Insert with the caller's own slots for every token: the cache keeps its own."""
             indices = self.alloc(len(key))
             if indices is None:
                 return key
             expected = self.cached_length(ns, key, len(key))  # the alloc may have evicted
-            cached = self.cache.insert(list(key), indices, extra_key=ns)
+            cached = self.cache.insert(form(key), indices, extra_key=ns)
             assert cached == expected
             self.pool.free(indices[:cached] + indices[self.aligned(len(key)) :])
             self.store(ns, key, indices, cached)

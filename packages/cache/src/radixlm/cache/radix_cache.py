@@ -30,7 +30,7 @@ class MatchResult:
 
     - `indices`: the KV slot ids of the matched tokens, a new plain `list[int]` the caller
       may keep or convert (e.g. `torch.tensor(result.indices)`); the slots still belong to
-      the cache.
+      the cache and stay valid while `node` is locked.
     - `node`: an opaque handle to the end of the match, for `lock` / `unlock`.
     - `length`: the number of matched tokens (== `len(indices)`).
     """
@@ -76,9 +76,10 @@ class RadixCache:
     - `disable`: a cache that matches nothing and stores nothing (same interface), for
       comparisons with prefix caching turned off.
 
-    Keys are lists of ints (other sequences are copied into a list); token ids may be any
-    ints, e.g. negative pseudo-tokens for images (see `pseudo_token_ids`). `extra_key` is a
-    namespace (LoRA adapter, cache salt, ...): keys in different namespaces never share a node.
+    Keys are lists of ints in the int64 range, or `array("q")` (used without conversion, the
+    fastest); other int sequences are copied into a list. Token ids may be negative, e.g. the
+    pseudo-tokens of images (see `pseudo_token_ids`). `extra_key` is a namespace (LoRA
+    adapter, cache salt, ...): keys in different namespaces never share a node.
 
     Not thread-safe: call it from one thread (the scheduler's).
     """
@@ -170,9 +171,9 @@ class RadixCache:
         returned node ends exactly at the match. Mutates: the split, the access time (and use
         count) of every node on the path, the stats; frees nothing.
 
-        The result's `indices` stay valid as long as its `node` is locked (or until the next
-        `evict` / `reset`, whichever comes first, if it is not). Lock the node before the
-        next `evict` if you will use the slots; the handle itself survives later splits.
+        Validity: the result's `indices` name slots the cache owns. They stay valid while
+        `node` is locked, until a `reset`; unlocked, only until the next `evict`. So lock the
+        node before anything can evict; the handle itself survives later splits of its edge.
         A full-prompt hit leaves nothing to compute logits from: for prompts use
         `match_prompt`, which never matches the last token.
         """
