@@ -73,9 +73,10 @@ def create_backend(
     missing = [module for module in entry.requires if not _installed(module)]
     if missing:
         hint = f"pip install 'radixlm-constrained[{entry.extra}]'" if entry.extra else "install it"
+        verb = "is" if len(missing) == 1 else "are"
         raise BackendUnavailable(
-            f"the {name} grammar backend needs {', '.join(missing)}, which is not installed: "
-            f"{hint} (available backends: {', '.join(available_backends()) or 'none'})"
+            f"the {name} grammar backend needs {' and '.join(missing)}, which {verb} not "
+            f"installed: {hint} (available backends: {', '.join(available_backends()) or 'none'})"
         )
     factory: BackendFactory
     if isinstance(entry.target, str):
