@@ -162,10 +162,13 @@ def _schema_content(
             keyword=error.keyword,
             path=error.path,
         ) from None
-    content: dict[str, Any] = {"type": "json_schema", "json_schema": json.loads(normalized)}
-    if options.json_whitespace == "flexible":
-        content["max_whitespace_cnt"] = options.max_whitespace
-    return content
+    # xgrammar's tags allow unbounded whitespace in JSON unless bounded, and no bound below 1.
+    bound = options.max_whitespace if options.json_whitespace == "flexible" else 1
+    return {
+        "type": "json_schema",
+        "json_schema": json.loads(normalized),
+        "max_whitespace_cnt": bound,
+    }
 
 
 def _normalize_formats(

@@ -49,9 +49,10 @@ class Grammar(Protocol):
         ...
 
     def fill_bitmask(self, bitmask: Any, row: int = 0) -> None:
-        """Write the allowed next tokens into `bitmask[row]` (int32, packed: bit `i % 32` of word
-        `i // 32` is token `i`; see `allocate_bitmask`). Reads the state, changes nothing. A
-        terminated grammar allows nothing."""
+        """Write the allowed next tokens into `bitmask[row]`: a CPU int32 tensor (or numpy
+        array) with contiguous rows, packed: bit `i % 32` of word `i // 32` is token `i` (see
+        `allocate_bitmask`; copy it to the device after filling). Reads the state, changes
+        nothing. A terminated grammar allows nothing."""
         ...
 
     def is_terminated(self) -> bool:
