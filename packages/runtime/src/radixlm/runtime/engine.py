@@ -198,17 +198,15 @@ class Engine:
         """Prepare every item (raises InvalidRequest / EngineOverloaded before queueing any)."""
         if self._closed:
             raise RuntimeError("the engine is shut down")
-        limit = self.config.scheduler.max_queued_requests
-        if (
-            limit is not None
-            and len(self.scheduler.waiting) + self._core.inbox.qsize() + len(items) > limit
-        ):
-            raise EngineOverloaded(
-                f"the engine's queue is full ({limit} requests waiting); retry later"
-            )
         handles = [
             self._preparer.prepare(item, sink) for item, sink in zip(items, sinks, strict=True)
         ]
+        limit = self.config.scheduler.max_queued_requests
+        incoming = sum(len(h.seqs) for h in handles)
+        if limit is not None and self._core.queued() + incoming > limit:
+            raise EngineOverloaded(
+                f"the engine's queue is full ({limit} requests waiting); retry later"
+            )
         with self._live_lock:
             rids = [h.rid for h in handles]
             clash = [r for r in rids if r in self._live] or [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -48,6 +49,8 @@ class EngineCore:
         self.jump_forward = jump_forward
         self.on_close = on_close
         self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._pending_adds = 0  # requests posted but not queued yet (read by front ends)
+        self._pending_lock = threading.Lock()
         self.handles: dict[str, RequestHandle] = {}
         self._compiling: list[SequenceState] = []
         self._stopped = False
@@ -61,7 +64,15 @@ class EngineCore:
 
     def post(self, command: str, payload: Any = None) -> None:
         """Hand a command to the loop (thread-safe): add, abort, flush, call, stop."""
+        if command == "add":
+            with self._pending_lock:
+                self._pending_adds += len(payload.seqs)
         self.inbox.put((command, payload))
+
+    def queued(self) -> int:
+        """Sequences waiting: in the scheduler's queue or posted and not queued yet."""
+        with self._pending_lock:
+            return len(self.scheduler.waiting) + self._pending_adds
 
     def serve(self) -> None:
         """Run until a `stop` command; every request still open then ends with an error."""
@@ -97,6 +108,8 @@ class EngineCore:
 
     def _handle(self, command: str, payload: Any) -> None:
         if command == "add":
+            with self._pending_lock:
+                self._pending_adds -= len(payload.seqs)
             self.add(payload)
         elif command == "abort":
             self.abort(payload)
