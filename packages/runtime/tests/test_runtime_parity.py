@@ -78,3 +78,45 @@ def test_sliding_window_changes_logits_beyond_the_window(
     changed = all_position_logits(runner, driver_for(runner), [PROMPT[1] + 1, *PROMPT[1:]])
     assert torch.equal(base[-1], changed[-1])
     assert not torch.equal(base[3], changed[3])
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 500000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        {
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32768,
+        },
+    ],
+    ids=lambda r: r["rope_type"],
+)
+def test_rope_frequencies_match_transformers(rope: dict[str, Any]) -> None:
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from radixlm.runtime.models import RopeConfig
+    from radixlm.runtime.models.rope import rope_frequencies
+
+    config = transformers.LlamaConfig(
+        hidden_size=256, num_attention_heads=2, max_position_embeddings=131072, rope_parameters=rope
+    )
+    ours, scale = rope_frequencies(128, RopeConfig.from_hf(config), 131072)
+    if rope["rope_type"] == "default":
+        theirs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, 128, 2).float() / 128))
+        their_scale = 1.0
+    else:
+        theirs, their_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+    assert torch.allclose(ours, theirs.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(their_scale)

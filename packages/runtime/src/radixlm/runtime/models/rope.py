@@ -94,16 +94,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos and sin of shape [tokens, 1, head_dim] for positions [tokens], in `dtype`."""
+        """cos and *signed* sin ([-sin, sin] halves) of shape [tokens, 1, head_dim] for
+        positions [tokens], in `dtype` — the form `apply_rotary` takes."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        cos = (angles.cos() * self.scale).to(dtype)[:, None, :]
-        sin = (angles.sin() * self.scale).to(dtype)[:, None, :]
-        return cos, sin
+        cos = (freqs.cos() * self.scale).to(dtype)
+        sin = (freqs.sin() * self.scale).to(dtype)
+        return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [tokens, heads, head_dim] by the angles whose cos/sin are given."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [tokens, heads, head_dim] (rotate-half layout): x * cos + swap(x) * signed_sin,
+    the same numbers as x * cos + cat(-x2, x1) * sin without negating x."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin
