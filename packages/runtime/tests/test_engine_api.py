@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from radixlm.runtime import Engine
-from radixlm.runtime.fixtures import build_tiny_model
+from radixlm.runtime.fixtures import ForceTokenProcessor, build_tiny_model
 from radixlm.sampling import EngineOverloaded, GenerateRequest, InvalidRequest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -242,15 +242,53 @@ def test_bad_input_raises_invalid_request_naming_the_field(engine: Engine) -> No
     assert grammar.value.field == "json_schema"
 
 
-def test_grammar_error_reaches_an_async_caller_before_any_chunk(engine: Engine) -> None:
-    request = GenerateRequest(text="x", sampling_params={"regex": "(unclosed"}, stream=True)
+def test_grammar_error_fails_only_its_request_before_any_chunk(engine: Engine) -> None:
+    bad = GenerateRequest(text="x", sampling_params={"regex": "(unclosed"}, stream=True)
+    good = GenerateRequest(text="y", sampling_params=GREEDY)
 
-    async def main() -> None:
-        async for _chunk in engine.generate(request):
+    async def failing() -> None:
+        async for _chunk in engine.generate(bad):
             raise AssertionError("no chunk expected")
 
-    with pytest.raises(InvalidRequest):
-        asyncio.run(main())
+    async def fine() -> list[Any]:
+        return [chunk async for chunk in engine.generate(good)]
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(failing(), fine(), return_exceptions=True)
+
+    error, chunks = asyncio.run(main())
+    assert isinstance(error, InvalidRequest) and error.field == "regex"
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_custom_logit_processor_runs_when_enabled(model_dir: Path) -> None:
+    processor = ForceTokenProcessor.to_str()
+    with Engine(
+        str(model_dir),
+        show_progress=False,
+        max_total_tokens=1024,
+        enable_custom_logit_processor=True,
+    ) as eng:
+        out = eng.generate(
+            "x",
+            {"max_new_tokens": 4, "ignore_eos": True, "custom_params": {"token_id": 42}},
+            custom_logit_processor=processor,
+        )
+    assert out["output_ids"] == [42] * 4
+
+
+def test_unenforced_parameters_are_refused(engine: Engine) -> None:
+    with pytest.raises(InvalidRequest) as error:
+        engine.generate("x", {"thinking_token_budget": 8})
+    assert error.value.field == "thinking_token_budget"
+
+    async def with_image() -> None:
+        async for _chunk in engine.generate(GenerateRequest(text="x", image_data="img.png")):
+            pass
+
+    with pytest.raises(InvalidRequest) as error:
+        asyncio.run(with_image())
+    assert error.value.field == "image_data"
 
 
 def test_queue_beyond_max_queued_requests_is_refused(model_dir: Path) -> None:

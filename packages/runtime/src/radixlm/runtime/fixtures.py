@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from radixlm.sampling import CustomLogitProcessor
+
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>", "<|pad|>")
 CHAT_TEMPLATE = (
@@ -212,3 +214,16 @@ def shared_prefix_prompts(
         prefix + " " + " ".join(rng.choice(_WORDS) for _ in range(suffix_words))
         for _ in range(count)
     ]
+
+
+class ForceTokenProcessor(CustomLogitProcessor):
+    """A deterministic custom logit processor for tests: every row samples
+    `custom_params["token_id"]` (rows without it are left alone)."""
+
+    def __call__(self, logits: Any, custom_param_list: list[dict[str, Any] | None]) -> Any:
+        for row, params in enumerate(custom_param_list):
+            if params and "token_id" in params:
+                token = int(params["token_id"])
+                logits[row, :] = float("-inf")
+                logits[row, token] = 0.0
+        return logits

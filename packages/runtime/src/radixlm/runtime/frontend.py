@@ -69,6 +69,10 @@ class RequestPreparer:
         prompt_ids = self._prompt_ids(item)
         params = self.defaults.apply(item.sampling_params)  # type: ignore[arg-type]
         params.check(self.limits.vocab_size)
+        if params.thinking_token_budget is not None:
+            raise InvalidRequest(
+                "thinking_token_budget", "is not enforced by this engine; remove it"
+            )
         custom = _one(item.custom_logit_processor, str)
         if custom:
             self._check_custom(custom)
