@@ -254,7 +254,7 @@ def test_grammar_error_fails_only_its_request_before_any_chunk(engine: Engine) -
         return [chunk async for chunk in engine.generate(good)]
 
     async def main() -> list[Any]:
-        return await asyncio.gather(failing(), fine(), return_exceptions=True)
+        return list(await asyncio.gather(failing(), fine(), return_exceptions=True))
 
     error, chunks = asyncio.run(main())
     assert isinstance(error, InvalidRequest) and error.field == "regex"
