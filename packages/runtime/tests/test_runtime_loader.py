@@ -122,7 +122,9 @@ def test_missing_directory_is_reported() -> None:
 def test_hub_id_without_local_copy_says_how_to_get_one(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelNotFoundError, match=r"never downloads.*hf download some-org/tiny"):
         read_model_info(ModelConfig("some-org/tiny"))
@@ -239,3 +241,21 @@ def test_cpu_weights_are_packed_at_the_first_forward_then_frozen(
     plain, _ = load_model(ModelConfig(str(path), show_progress=False, cpu_weight_packing=False))
     assert not isinstance(plain.model.layers[0].self_attn.qkv_proj, PackedMergedColumnLinear)
     assert torch.allclose(logits_of(plain), before, atol=1e-5)
+
+
+def test_hub_id_resolves_to_a_copy_in_the_local_hf_cache(
+    hf_checkpoints: dict[str, tuple[Path, Any]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path, _ = hf_checkpoints["qwen3"]
+    repo = tmp_path / "models--some-org--tiny"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    shutil.copytree(path, repo / "snapshots" / revision)
+    monkeypatch.chdir(tmp_path)
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    info = read_model_info(ModelConfig("some-org/tiny"))
+    assert info.path == repo / "snapshots" / revision
+    assert info.arch.architecture == "Qwen3ForCausalLM"
