@@ -75,3 +75,21 @@ def test_outputs_with_and_without_the_cache_agree(model_dir: Path) -> None:
                 ]
             )
     assert outs[0] == outs[1]
+
+
+def test_paged_pool_gives_the_same_outputs(model_dir: Path) -> None:
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    outs = []
+    for page_size in (1, 4):
+        with Engine(
+            str(model_dir), show_progress=False, max_total_tokens=4096, page_size=page_size
+        ) as engine:
+            first, second = _prompts(engine.runner.vocab_size)
+            results = [
+                engine.generate(input_ids=p, sampling_params=params) for p in (first, second)
+            ]
+            outs.append([r["output_ids"] for r in results])
+            if page_size == 4:  # whole pages only: 500 shared tokens -> 500 cached
+                assert results[1]["meta_info"]["cached_tokens"] == 500
+            engine.check_invariants()
+    assert outs[0] == outs[1]
