@@ -209,6 +209,16 @@ def test_prompt_scoring_returns_input_logprobs_like_transformers(
     assert len(meta["input_top_logprobs"][1]) == 2
 
 
+def test_scoring_a_one_token_prompt_gives_its_none_entry(engine: Engine) -> None:
+    out = engine.generate(
+        input_ids=[42],
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    assert out["meta_info"]["input_token_logprobs"] == [[None, 42, None]]
+
+
 def test_output_logprobs_with_top_and_text(engine: Engine) -> None:
     out = engine.generate(
         "logprobs",

@@ -406,3 +406,26 @@ def test_dfs_weight_engine_run_keeps_outputs_and_memory_right() -> None:
     assert all(r.output_ids == solo(r.prompt_ids, 6) for r in reqs)
     assert sum(r.cached_tokens or 0 for r in reqs) >= 10 * 39
     assert_clean(sched, 600)
+
+
+def test_input_logprobs_resume_after_a_retraction_without_repeats() -> None:
+    sched, model = make(chunked_prefill_size=16), FakeModel()
+    prompt = prompts(1, 0, 40, seed=22)[0]
+    req = Req("score", prompt, 1, input_logprob_start=0)
+    sched.add(req)
+    scored: list[int] = []
+    for step in range(10):
+        if req.finished:
+            break
+        batch = sched.schedule()
+        tokens = model.forward(batch)
+        sched.after_forward(batch)
+        for entry, token in zip(batch.entries, tokens, strict=True):
+            scored += entry.logprob_targets or []
+            if entry.sample:
+                req.output_ids.append(token)
+                sched.finish(req)
+        if step == 0:
+            sched._retract(req)  # as decode pressure would
+    assert scored == prompt[1:]
+    assert_clean(sched, 4096)

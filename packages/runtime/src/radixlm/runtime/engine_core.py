@@ -198,8 +198,8 @@ class EngineCore:
             seq = req.payload
             if req.status is not ReqStatus.RUNNING:
                 continue
-            if scored is not None:
-                seq.record_input_logprobs(scored)
+            if entry.logprob_targets is not None:
+                seq.record_input_logprobs(scored or [])
             if not entry.sample or token is None:
                 continue
             touched[seq.handle.rid] = seq.handle

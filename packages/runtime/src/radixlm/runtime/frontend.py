@@ -119,6 +119,7 @@ class RequestPreparer:
                 bad_words_ids=bad_words,
             )
             req.payload = seq
+            seq.record_input_logprobs([])  # the first prompt token's entry has no logprob
             req.grammar_pending = future is not None
             handle.seqs.append(seq)
             first = first or req

@@ -50,9 +50,13 @@ class Req:
         self.output_ids: list[int] = []
         self.max_new_tokens = max_new_tokens
         self.extra_key = extra_key
-        #: Prompt positions from which the runner returns input logprobs (None: none asked).
+        #: The first prompt token whose logprob is asked (None: none). Position p's logits
+        #: score token p + 1, so scoring starts at position `input_logprob_start - 1`.
         self.input_logprob_start = input_logprob_start
-        self.input_logprobs_done = input_logprob_start is None
+        #: The next position to score (scored positions survive retraction).
+        self.input_logprob_next: int | None = (
+            None if input_logprob_start is None else max(input_logprob_start - 1, 0)
+        )
         self.wait_for = wait_for
         self.payload = payload
         self.arrival = next(_ARRIVALS)
@@ -90,6 +94,12 @@ class Req:
         if start >= prompt:
             return self.output_ids[start - prompt : end - prompt]
         return self.prompt_ids[start:] + self.output_ids[: end - prompt]
+
+    @property
+    def input_logprobs_done(self) -> bool:
+        """No prompt position is left to score."""
+        nxt = self.input_logprob_next
+        return nxt is None or nxt >= len(self.prompt_ids) - 1
 
     @property
     def pending(self) -> int:

@@ -312,9 +312,9 @@ class Scheduler:
         end = start + len(slots)
         targets: list[int] | None = None
         logprob_start = 0
-        if is_prefill and not req.input_logprobs_done and req.input_logprob_start is not None:
+        if is_prefill and req.input_logprob_next is not None and not req.input_logprobs_done:
             prompt = len(req.prompt_ids)
-            first = max(req.input_logprob_start - 1, 0, start)
+            first = max(req.input_logprob_next, start)
             last = min(prompt - 1, end)
             if last > first:
                 targets = req.prompt_ids[first + 1 : last + 1]
@@ -373,8 +373,8 @@ class Scheduler:
                 break
             match = self.cache.match_prompt(req.tokens(), req.extra_key)
             prefix = match.length
-            if not req.input_logprobs_done and req.input_logprob_start is not None:
-                limit = max(req.input_logprob_start - 1, 0)
+            if req.input_logprob_next is not None and not req.input_logprobs_done:
+                limit = req.input_logprob_next  # its logits must be computed
                 prefix = min(prefix, limit - limit % self.page)
             packed = _packed(req.tokens()) if prefix_aware else b""
             if prefix_aware and self._shares_in_flight(packed, prefix, in_flight):
@@ -444,10 +444,13 @@ class Scheduler:
                 continue
             req.forward_passes += 1
             req.row_synced = entry.prefix_len + len(entry.input_ids)
+            if entry.logprob_targets:
+                req.input_logprob_next = (
+                    entry.prefix_len + entry.logprob_start + len(entry.logprob_targets)
+                )
             if entry.is_prefill:
                 if entry.sample:
                     req.in_prefill = False
-                    req.input_logprobs_done = True
                 self._cache_computed(req)
 
     # ------------------------------------------------------------------------- inspection
