@@ -173,3 +173,22 @@ def test_cuda_graph_decode_equals_eager_decode(
             assert runner.stats.graph_replays == 6
         results.append(tokens)
     assert results[0] == results[1]
+
+
+def test_a_bfloat16_kv_cache_under_a_float32_model_stays_close(
+    hf_checkpoints: dict[str, Any], runners: dict[str, ModelRunner], driver_for: Any
+) -> None:
+    from radixlm.runtime import ModelConfig, RunnerConfig
+
+    path, _ = hf_checkpoints["qwen2"]
+    runner = ModelRunner(
+        RunnerConfig(
+            model=ModelConfig(str(path), show_progress=False),
+            memory=MemoryConfig(max_total_tokens=256, kv_cache_dtype="bf16"),
+        )
+    )
+    assert runner.kv_pool.k_buffers[0].dtype == torch.bfloat16
+    prompt = [5, 17, 99, 3, 250, 42, 7, 7]
+    ours = driver_for(runner).prompt_logits(prompt)
+    reference = driver_for(runners["qwen2"]).prompt_logits(prompt)
+    assert (ours - reference).abs().max().item() < 0.05 * reference.abs().max().item()

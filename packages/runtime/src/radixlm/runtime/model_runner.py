@@ -90,6 +90,11 @@ class ModelRunner:
             memory.max_running_requests, self.context_length, self.device
         )
         self.attention: AttentionBackend = create_backend(config.attention.backend, self.kv_pool)
+        if self.attention.name == "triton" and kv_dtype != self.dtype:
+            raise ValueError(
+                f"the triton attention backend needs the KV cache in the model's dtype "
+                f"({self.dtype}); set kv_cache_dtype='auto' or use the torch_native backend"
+            )
         self.sampler = Sampler(config.sampler)
         self.stats = RunnerStats()
         self.graph_runner: CudaGraphRunner | None = None
