@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
@@ -117,6 +118,8 @@ class Engine:
             config = EngineConfig.from_kwargs(path, **kwargs)
         elif kwargs:
             raise TypeError("pass either config= or keyword arguments, not both")
+        if runner is not None:
+            config = dataclasses.replace(config, runner=runner.config)
         self.config = config
         self.runner = runner if runner is not None else ModelRunner(config.runner)
         self._tokenizer = tokenizer or load_tokenizer(config.tokenizer_path or config.model_path)

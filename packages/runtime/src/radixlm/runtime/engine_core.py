@@ -77,11 +77,10 @@ class EngineCore:
     def serve(self) -> None:
         """Run until a `stop` command; every request still open then ends with an error."""
         while not self._stopped:
-            self._drain(block=not self._has_work())
-            if self._stopped:
-                break
             try:
-                self.step()
+                self._drain(block=not self._has_work())
+                if not self._stopped:
+                    self.step()
             except Exception as error:  # a bug must not leave clients hanging forever
                 logger.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_running(error)
