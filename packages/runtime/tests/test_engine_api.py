@@ -287,6 +287,24 @@ def test_custom_logit_processor_runs_when_enabled(model_dir: Path) -> None:
     assert out["output_ids"] == [42] * 4
 
 
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(model_dir: Path) -> None:
+    processor = ForceTokenProcessor.to_str()
+    with Engine(
+        str(model_dir),
+        show_progress=False,
+        max_total_tokens=1024,
+        enable_custom_logit_processor=True,
+    ) as eng:
+        with pytest.raises(RuntimeError, match="step failed"):
+            eng.generate(
+                "x",
+                {"max_new_tokens": 4, "custom_params": {"token_id": "not a number"}},
+                custom_logit_processor=processor,
+            )
+        assert eng.generate("x", GREEDY)["meta_info"]["finish_reason"]["type"] == "length"
+        eng.check_invariants()
+
+
 def test_unenforced_parameters_are_refused(engine: Engine) -> None:
     with pytest.raises(InvalidRequest) as error:
         engine.generate("x", {"thinking_token_budget": 8})
