@@ -238,7 +238,7 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     # grammar
     "grammar_backend": ("grammar", "backend", lambda v: "none" if v is None else v),
     "disable_jump_forward": ("grammar", "jump_forward", _negate),
-    "json_whitespace": ("grammar", "json_whitespace", None),
+    "json_whitespace": ("grammar", "json_whitespace", lambda v: "flexible" if v == "any" else v),
     "grammar_compile_timeout": ("grammar", "compile_timeout", None),
     # engine
     "sampling_defaults": ("engine", "sampling_defaults", None),
