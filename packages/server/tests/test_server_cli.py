@@ -15,10 +15,35 @@ from radixlm.server import ServerConfig, create_app, launcher
 from radixlm.server.cli import build_parser, engine_kwargs, main, serve_main, server_config
 
 
-def test_serve_without_a_model_path_says_what_to_pass(capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_without_a_model_path_or_builtin_model_says_what_to_pass(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    install_runtime(monkeypatch, types.ModuleType("radixlm.runtime"))
     assert serve_main([]) == 2
     message = capsys.readouterr().err
     assert "--model-path" in message and "built-in default model" in message
+
+
+def test_serve_without_a_model_path_serves_the_builtin_model(
+    monkeypatch: pytest.MonkeyPatch, tokenizer: Any
+) -> None:
+    built: dict[str, Any] = {}
+
+    def engine_factory(model_path: str, **kwargs: Any) -> Any:
+        built.update(model_path=model_path)
+        return fake.FakeEngine(tokenizer)
+
+    runtime = types.ModuleType("radixlm.runtime")
+    runtime.Engine = engine_factory  # type: ignore[attr-defined]
+    runtime.builtin_model_path = lambda: "/builtin/demo"  # type: ignore[attr-defined]
+    runtime.BUILTIN_MODEL_NAME = "radixlm-demo"  # type: ignore[attr-defined]
+    install_runtime(monkeypatch, runtime)
+    served: dict[str, Any] = {}
+    uvicorn = pytest.importorskip("uvicorn")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
+    assert serve_main([]) == 0
+    assert built == {"model_path": "/builtin/demo"}
+    assert served["app"].state.radixlm.served_model_name == "radixlm-demo"
 
 
 def test_radixlm_without_a_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:

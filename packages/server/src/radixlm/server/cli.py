@@ -4,6 +4,7 @@ named as SGLang names them)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,9 +63,10 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
 }
 
 NO_MODEL_MESSAGE = """\
-radixlm serve: no --model-path given.
-The built-in default model is not part of this release yet (it arrives with a later one).
-Pass a Hugging Face model directory, for example:
+radixlm serve: no --model-path given, and the built-in default model cannot be loaded
+({reason}).
+Install the full reference server (`pip install radixlm`) for the built-in model, or pass a
+Hugging Face model directory, for example:
 
     radixlm serve --model-path /path/to/Qwen2.5-0.5B-Instruct
     radixlm serve --model-path /path/to/model --load-format dummy   # random weights, for testing
@@ -149,13 +151,21 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm serve") -> int:
     """Parse the serve flags and run the server until interrupted; returns the exit status."""
     args = build_parser(prog).parse_args(argv)
-    if args.model_path is None:
-        print(NO_MODEL_MESSAGE, file=sys.stderr, end="")
-        return 2
-    from radixlm.server.launcher import LaunchError, launch
+    from radixlm.server.launcher import LaunchError, builtin_model, launch
 
+    config = server_config(args)
+    model_path = args.model_path
+    if model_path is None:
+        try:
+            model_path, name = builtin_model()
+        except LaunchError as error:
+            print(NO_MODEL_MESSAGE.format(reason=error), file=sys.stderr, end="")
+            return 2
+        print(f"radixlm serve: no --model-path given; serving the built-in model {name!r}")
+        if config.served_model_name is None:
+            config = dataclasses.replace(config, served_model_name=name)
     try:
-        launch(args.model_path, server_config(args), engine_kwargs(args))
+        launch(model_path, config, engine_kwargs(args))
     except LaunchError as error:
         print(f"radixlm serve: {error}", file=sys.stderr)
         return 1

@@ -42,6 +42,15 @@ def build_engine(model_path: str, engine_kwargs: dict[str, Any]) -> EngineClient
     return engine
 
 
+def builtin_model() -> tuple[str, str]:
+    """(path, name) of the runtime's built-in demo model, served when no model path is given."""
+    try:
+        runtime = importlib.import_module("radixlm.runtime")
+        return str(runtime.builtin_model_path()), str(runtime.BUILTIN_MODEL_NAME)
+    except (ImportError, AttributeError, FileNotFoundError) as error:
+        raise LaunchError(f"the built-in model is not available: {error}") from None
+
+
 def usage_banner(config: ServerConfig, model: str) -> str:
     """How to call the server, printed once it starts."""
     base = f"http://{config.host}:{config.port}"
