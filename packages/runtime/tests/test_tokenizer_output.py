@@ -115,6 +115,36 @@ def test_stop_token_id_finishes_without_its_text(tok: Any) -> None:
     assert out.text == "hello"
 
 
+def test_a_special_token_stop_string_stops_though_the_text_skips_it(tok: Any) -> None:
+    # A chat template's end of turn, sent as a stop string (SGLang matches it on the raw text).
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    out = _output(tok, stop="<|im_end|>")
+    for token in _encode(tok, "hello"):
+        assert out.append(token) is None
+    reason = out.append(end)
+    assert reason is not None and reason.type == "stop" and reason.matched == "<|im_end|>"
+    assert out.text == "hello"
+
+
+def test_a_stop_string_spanning_a_special_token_and_text_stops(tok: Any) -> None:
+    out = _output(tok, stop="<|im_end|>\n")
+    assert out.append(tok.convert_tokens_to_ids("<|im_end|>")) is None
+    reason = out.append(_encode(tok, "\n")[0])
+    assert reason is not None and reason.matched == "<|im_end|>\n"
+
+
+def test_a_kept_special_token_stop_string_is_trimmed_from_the_text(tok: Any) -> None:
+    out = SequenceOutput(
+        SamplingParams(stop="<|im_end|>", skip_special_tokens=False),
+        TextDecoder(tok, skip_special_tokens=False),
+        eos_token_ids=[0],
+    )
+    out.append(_encode(tok, "hi")[0])
+    reason = out.append(tok.convert_tokens_to_ids("<|im_end|>"))
+    assert reason is not None and reason.matched == "<|im_end|>"
+    assert "<|im_end|>" not in out.text
+
+
 def test_eos_finishes_unless_ignore_eos(tok: Any) -> None:
     assert _output(tok).append(0) is not None
     assert _output(tok, ignore_eos=True).append(0) is None

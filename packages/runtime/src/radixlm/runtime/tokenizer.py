@@ -57,6 +57,18 @@ class TextDecoder:
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
+    def hidden_special_texts(self) -> tuple[str, ...]:
+        """The texts of the special tokens this decoder leaves out of the text (none when it
+        keeps them)."""
+        if not self.skip_special_tokens:
+            return ()
+        tokens = getattr(self.tokenizer, "all_special_tokens", ()) or ()
+        return tuple(str(t) for t in tokens if t)
+
+    def raw(self, ids: Sequence[int]) -> str:
+        """The text of `ids` with every special token written out."""
+        return self._plain(ids)
+
     def _plain(self, ids: Sequence[int]) -> str:
         if not ids:
             return ""
@@ -206,6 +218,13 @@ class SequenceOutput:
         self.stop_strings = params.stop_strings
         self._max_stop = max((len(s) for s in self.stop_strings), default=0)
         self.stop_regexes = [re.compile(p) for p in params.stop_regexes]
+        # Stop strings holding a special token's text (a chat template's "<|im_end|>") never
+        # appear in a text that skips special tokens: like SGLang, match them on the raw text
+        # of the last tokens instead (the output text is not trimmed: they are not in it).
+        specials = decoder.hidden_special_texts() if self.stop_strings else ()
+        self._special_stops = [s for s in self.stop_strings if any(t in s for t in specials)]
+        # Enough tokens to spell the longest of them, even one byte per token.
+        self._special_window = 4 * max((len(s) for s in self._special_stops), default=0) + 1
         self.finish: FinishReason | None = None
         self._text_end: int | None = None  # where the final text is cut (stop string or regex)
 
@@ -235,7 +254,7 @@ class SequenceOutput:
             return self._finished(FinishReason("stop", matched=token_id))
         before = len(self.detokenizer.text)
         self.detokenizer.append([token_id])
-        if past_min and self._check_text(before):
+        if past_min and (self._check_text(before) or self._check_special_stops()):
             return self.finish
         detection = self.params.repetition_detection
         if detection is not None and _repeats(
@@ -271,6 +290,21 @@ class SequenceOutput:
     def _finished(self, reason: FinishReason) -> FinishReason:
         self.finish = reason
         return reason
+
+    def _check_special_stops(self) -> bool:
+        if not self._special_stops:
+            return False
+        decoder = self.detokenizer.decoder
+        tail = self.output_ids[-self._special_window :]
+        if decoder.special_ids.isdisjoint(tail):
+            return False
+        raw = decoder.raw(tail)
+        for stop in self._special_stops:
+            if stop in raw:
+                self.detokenizer.flush()
+                self._finished(FinishReason("stop", matched=stop))
+                return True
+        return False
 
     def _check_text(self, before: int) -> bool:
         text = self.detokenizer.text
