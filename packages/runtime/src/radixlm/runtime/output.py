@@ -93,7 +93,9 @@ class SequenceState:
         return self.output.finish
 
     def _text(self, token_id: int) -> str | None:
-        return self.decoder([token_id]) if self.handle.logprobs.with_text else None
+        # A token's own text, special tokens written out (SGLang's logprob texts), so texts
+        # of a prompt's tokens line up with the prompt (OpenAI echo's text_offset).
+        return self.decoder.raw([token_id]) if self.handle.logprobs.with_text else None
 
     def _triples(self, pairs: Sequence[tuple[int, float]]) -> list[Triple]:
         return [[lp, tid, self._text(tid)] for tid, lp in pairs]
