@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 
 import radixlm.lang as sgl
+from radixlm.lang.backends.native import _choice_entries
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -164,7 +165,9 @@ def test_select_scores_all_choices_in_one_request(backend):
 
     prog.run(backend=backend).sync()
     scoring = backend.fake.core.requests[-1]
-    assert scoring["text"] == [f"Is Paris in France? Answer:{c}" for c in (" no", " yes", " maybe")]
+    prompt = "Is Paris in France? Answer:"
+    # The prompt alone rides last: its entry is the token each choice's scoring starts on.
+    assert scoring["text"] == [f"{prompt}{c}" for c in (" no", " yes", " maybe")] + [prompt]
     assert scoring["sampling_params"]["max_new_tokens"] == 0
     assert scoring["return_logprob"] is True and scoring["logprob_start_len"] >= 0
 
@@ -179,6 +182,15 @@ def test_select_handles_a_choice_merged_with_the_prompt_end(backend):
     assert state["answer"] == "yes"
     entries = state.get_meta_info("answer")["input_token_logprobs"][1]
     assert [e[2] for e in entries] == [" yes"]
+
+
+def test_a_boundary_token_is_dropped_only_when_it_is_the_prompts_own():
+    # "Answer: " + "🙂": the prompt's last token " " merges with the emoji's first byte; texts
+    # of byte tokens are all "\ufffd", so only the token ids tell the merge apart.
+    merged = [[-1.0, 77, " \ufffd"], [-2.0, 78, "\ufffd"], [-3.0, 79, "\ufffd"]]
+    assert _choice_entries(merged, "🙂", prefix_tokens=5, prompt_last_id=12) == merged
+    clean = [[-1.0, 12, " "], [-2.0, 80, "\ufffd"], [-3.0, 81, "\ufffd"]]
+    assert _choice_entries(clean, "🙂", prefix_tokens=5, prompt_last_id=12) == clean[1:]
 
 
 def test_gen_with_choices_is_select(backend):

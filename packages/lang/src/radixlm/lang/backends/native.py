@@ -71,11 +71,17 @@ def _input_entries(
     return entries
 
 
-def _choice_entries(entries: list[list[Any]], choice: str, prefix_tokens: int) -> list[list[Any]]:
+def _choice_entries(
+    entries: list[list[Any]], choice: str, prefix_tokens: int, prompt_last_id: int | None
+) -> list[list[Any]]:
     """The logprob entries that cover `choice`. Scoring starts one token before the choice;
-    that token is dropped unless tokenization merged it with the choice's first characters."""
+    that token is dropped unless tokenization merged it with the choice's first characters.
+    With the id of the prompt's own last token, that is exact (same id: not merged); without
+    it, the token texts decide (which fails for tokens holding part of a UTF-8 character)."""
     if prefix_tokens == 0 or not entries:
         return entries
+    if prompt_last_id is not None:
+        return entries[1:] if entries[0][1] == prompt_last_id else entries
     rest = entries[1:]
     texts = [e[2] if len(e) > 2 else None for e in rest]
     if all(isinstance(t, str) for t in texts):
@@ -117,8 +123,9 @@ class NativeBackend:
         self, prompt: Prompt, choices: Sequence[str], temperature: float, method: ChoicesMethod
     ) -> ChoicesDecision:
         """Score all choices in one batched request (max_new_tokens=0, prompt logprobs from the
-        token before the choice). A first call on the prompt alone tells where the choice
-        starts and puts the prompt in the cache for the batch."""
+        token before the choice; the prompt alone rides along to give that token's id). A first
+        call on the prompt alone tells where the choice starts and puts the prompt in the cache
+        for the batch."""
         images = _image_field(prompt.images)
         head_body: Body = {"text": prompt.text, "sampling_params": {"max_new_tokens": 0}}
         if images is not None:
@@ -126,18 +133,27 @@ class NativeBackend:
         head = _as_list(self.transport.request(head_body))[0]
         prefix_tokens = int(head["meta_info"]["prompt_tokens"])
         start = max(prefix_tokens - 1, 0)
+        texts = [prompt.text + c for c in choices]
+        if prefix_tokens > 0:
+            # The prompt alone, last in the batch: its one entry is the prompt's own last token,
+            # which tells each choice whether tokenization merged into it.
+            texts.append(prompt.text)
         body: Body = {
-            "text": [prompt.text + c for c in choices],
+            "text": texts,
             "sampling_params": {"max_new_tokens": 0, "temperature": 0},
             "return_logprob": True,
             "return_text_in_logprobs": True,
             "logprob_start_len": start,
         }
         if images is not None:
-            body["image_data"] = [images] * len(choices)
+            body["image_data"] = [images] * len(texts)
         outputs = _as_list(self.transport.request(body))
+        prompt_last_id = None
+        if prefix_tokens > 0:
+            own = _input_entries(outputs.pop(), start)
+            prompt_last_id = own[-1][1] if own else None
         inputs = [
-            _choice_entries(_input_entries(o, start), c, prefix_tokens)
+            _choice_entries(_input_entries(o, start), c, prefix_tokens, prompt_last_id)
             for c, o in zip(choices, outputs, strict=True)
         ]
         generated = [list(o["meta_info"].get("output_token_logprobs") or []) for o in outputs]
