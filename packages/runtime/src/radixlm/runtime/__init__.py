@@ -1,6 +1,7 @@
 """radixlm.runtime: the model runner — HF checkpoints, models, KV pool, attention, sampler."""
 
 from radixlm.runtime._version import __version__
+from radixlm.runtime.builtin import BUILTIN_MODEL_NAME, builtin_model_path
 from radixlm.runtime.config import (
     AttentionConfig,
     MemoryConfig,
@@ -26,6 +27,7 @@ from radixlm.runtime.sampler import CustomProcessorsDisabled, SampleOutput, Samp
 from radixlm.runtime.sampling_batch import SamplingBatch, SamplingRequest
 
 __all__ = [
+    "BUILTIN_MODEL_NAME",
     "AttentionConfig",
     "BatchEntry",
     "CacheConfig",
@@ -55,6 +57,7 @@ __all__ = [
     "SchedulerConfig",
     "TokenLogprob",
     "__version__",
+    "builtin_model_path",
     "load_model",
     "read_model_info",
     "supported_architectures",
