@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Developer entry point: set up the dev venv, run the tests, the quality gates and the builds.
 
+    python3 tools/dev.py serve [FLAGS]    set up if needed, then `radixlm serve` (built-in model)
     python3 tools/dev.py setup            create/refresh .venv (every package editable + dev tools)
     python3 tools/dev.py test [PKG ...]   set up if needed, then run each package's tests
     python3 tools/dev.py check            ruff (lint + format), mypy, import contracts
@@ -186,6 +187,14 @@ def cmd_isolate(names: list[str], keep: bool) -> int:
     return 1 if failed else 0
 
 
+def cmd_serve(flags: list[str]) -> int:
+    """The reference server (`radixlm serve FLAGS`) from the dev venv; blocks until stopped."""
+    cmd_setup()
+    radixlm = venv_python().parent / "radixlm"
+    os.execv(radixlm, [str(radixlm), "serve", *flags])
+    return 1  # not reached: execv replaces this process
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -195,6 +204,7 @@ def main() -> int:
     setup.add_argument("--force", action="store_true")
     test = sub.add_parser("test")
     test.add_argument("packages", nargs="*", help=f"some of: {', '.join(PACKAGES)}, integration")
+    sub.add_parser("serve", help="radixlm serve with the given flags (default: built-in model)")
     sub.add_parser("check")
     build = sub.add_parser("build")
     build.add_argument("packages", nargs="*")
@@ -205,6 +215,8 @@ def main() -> int:
     if args.command == "setup":
         cmd_setup(force=args.force)
         return 0
+    if args.command == "serve":
+        return cmd_serve(extra)
     if args.command == "test":
         return cmd_test(args.packages, extra)
     if args.command == "check":
