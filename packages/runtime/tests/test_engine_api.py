@@ -321,17 +321,40 @@ def test_unenforced_parameters_are_refused(engine: Engine) -> None:
 
 def test_queue_beyond_max_queued_requests_is_refused(model_dir: Path) -> None:
     with Engine(
-        str(model_dir), show_progress=False, max_total_tokens=1024, max_queued_requests=2
+        str(model_dir),
+        show_progress=False,
+        max_total_tokens=1024,
+        max_queued_requests=2,
+        max_running_requests=1,
     ) as eng:
         release = threading.Event()
         # Hold the engine loop so that submitted requests stay queued.
         eng._core.post("call", (lambda core: release.wait(30), Future()))
-        streams = [eng.generate(f"p{i}", GREEDY, stream=True) for i in range(2)]
+        # One will run, two wait.
+        streams = [eng.generate(f"p{i}", GREEDY, stream=True) for i in range(3)]
         with pytest.raises(EngineOverloaded):
             eng.generate("one too many", GREEDY)
         release.set()
         for stream in streams:
             assert list(stream)[-1]["meta_info"]["finish_reason"] is not None
+
+
+def test_burst_that_free_running_slots_take_is_not_refused(model_dir: Path) -> None:
+    with Engine(
+        str(model_dir),
+        show_progress=False,
+        max_total_tokens=2048,
+        max_queued_requests=2,
+        max_running_requests=16,
+    ) as eng:
+        release = threading.Event()
+        eng._core.post("call", (lambda core: release.wait(30), Future()))
+        # Twelve arrive before the loop admits any: they fit in the running slots.
+        streams = [eng.generate(f"burst {i}", GREEDY, stream=True) for i in range(12)]
+        release.set()
+        for stream in streams:
+            assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        eng.check_invariants()
 
 
 def test_sampling_defaults_come_from_generation_config(tmp_path: Path) -> None:

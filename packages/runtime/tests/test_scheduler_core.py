@@ -235,11 +235,38 @@ def test_max_running_requests_caps_the_running_set() -> None:
 
 
 def test_full_queue_refuses_with_engine_overloaded() -> None:
-    sched = make(max_queued_requests=2)
-    sched.add(Req("a", [1, 2], 1))
-    sched.add(Req("b", [1, 2], 1))
+    sched = make(max_queued_requests=2, max_running_requests=1)
+    for name in "abc":  # a runs at the next step; b and c wait
+        sched.add(Req(name, [1, 2], 1))
     with pytest.raises(EngineOverloaded, match="queue is full"):
-        sched.add(Req("c", [1, 2], 1))
+        sched.add(Req("d", [1, 2], 1))
+
+
+def test_requests_that_free_running_slots_can_take_are_not_queued() -> None:
+    sched, model = make(max_queued_requests=2, max_running_requests=8), FakeModel()
+    for i in range(10):  # a burst before any step: 8 will run, 2 wait
+        sched.add(Req(f"r{i}", [1, 2, i], 3))
+    with pytest.raises(EngineOverloaded):
+        sched.add(Req("over", [1, 2], 3))
+    seen: list[tuple[int, int]] = []
+
+    def after_step(_step: int, s: Scheduler) -> None:
+        seen.append((len(s.running), s.backlog()))
+
+    run(sched, model, on_step=after_step)
+    assert seen[0] == (8, 2)  # after the first step: 8 running, 2 waiting
+    assert_clean(sched, 4096)
+
+
+def test_queue_limit_counts_every_waiting_request_while_memory_holds_them_back() -> None:
+    sched = make(pool=64, max_queued_requests=1, max_running_requests=8)
+    sched.add(Req("big", list(range(40)), 20))
+    sched.add(Req("next", list(range(100, 140)), 20))  # no room for it beside big
+    sched.schedule()
+    assert len(sched.running) == 1 and sched.memory_bound
+    assert sched.backlog() == 1
+    with pytest.raises(EngineOverloaded):
+        sched.add(Req("over", [1, 2], 1))
 
 
 def test_cache_is_evicted_before_a_request_is_refused() -> None:

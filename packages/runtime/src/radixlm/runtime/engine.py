@@ -206,7 +206,7 @@ class Engine:
         ]
         limit = self.config.scheduler.max_queued_requests
         incoming = sum(len(h.seqs) for h in handles)
-        if limit is not None and self._core.queued() + incoming > limit:
+        if limit is not None and self._core.backlog(incoming) > limit:
             raise EngineOverloaded(
                 f"the engine's queue is full ({limit} requests waiting); retry later"
             )

@@ -69,10 +69,12 @@ class EngineCore:
                 self._pending_adds += len(payload.seqs)
         self.inbox.put((command, payload))
 
-    def queued(self) -> int:
-        """Sequences waiting: in the scheduler's queue or posted and not queued yet."""
+    def backlog(self, incoming: int = 0) -> int:
+        """Sequences that would have to wait if `incoming` more arrived: those queued or
+        posted and not queued yet, beyond what the next step can admit (read by front ends
+        on other threads: an estimate; the loop's `Scheduler.add` decides)."""
         with self._pending_lock:
-            return len(self.scheduler.waiting) + self._pending_adds
+            return self.scheduler.backlog(self._pending_adds + incoming)
 
     def serve(self) -> None:
         """Run until a `stop` command; every request still open then ends with an error."""

@@ -78,6 +78,8 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.new_token_ratio = config.init_new_token_ratio
+        # The last step left requests waiting for memory (KV slots or table rows), not slots.
+        self.memory_bound = False
         # Statistics (cumulative).
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -89,10 +91,21 @@ class Scheduler:
     def caching(self) -> bool:
         return not self.cache.disabled
 
+    def headroom(self) -> int:
+        """Requests that could join the running batch at the next step: the free running
+        slots, or none while memory holds waiting requests back."""
+        return 0 if self.memory_bound else max(0, self.max_running - len(self.running))
+
+    def backlog(self, incoming: int = 0) -> int:
+        """Requests that must wait (`max_queued_requests` bounds it): the waiting ones plus
+        `incoming`, less those the next step can admit. A burst that fits in free running
+        slots is not a queue, even before the loop has admitted it."""
+        return max(0, len(self.waiting) + incoming - self.headroom())
+
     def add(self, req: Req) -> None:
-        """Queue a request; raises EngineOverloaded beyond `max_queued_requests`."""
+        """Queue a request; raises EngineOverloaded beyond `max_queued_requests` waiting."""
         limit = self.config.max_queued_requests
-        if limit is not None and len(self.waiting) >= limit:
+        if limit is not None and self.backlog(1) > limit:
             raise EngineOverloaded(
                 f"the engine's queue is full ({limit} requests waiting); retry later"
             )
@@ -270,6 +283,7 @@ class Scheduler:
         self.waiting.append(req)
         self.num_retractions += 1
         self.new_token_ratio = self.config.init_new_token_ratio
+        self.memory_bound = True
         return req
 
     def _drop(self, req: Req) -> Req:
@@ -356,12 +370,15 @@ class Scheduler:
                 return entries
             entries.append(self._entry(req, start, slots, is_prefill=True))
             budget -= count
+        if not self.waiting:
+            self.memory_bound = False
         if budget <= 0 or not self.waiting or len(self.running) >= self.max_running:
             return entries
         # Requests retracted in this step wait for the next one (no thrashing).
         candidates = [r for r in self.waiting if not r.blocked() and r not in retracted]
         if not candidates:
             return entries
+        self.memory_bound = bool(retracted)  # set again below if memory stops admission
         order = self.policy.order(candidates, self._prefix_length)
         prefix_aware = self.policy.name in ("lpm", "dfs-weight") and (
             len(candidates) <= self.config.policy_fallback_queue_len
@@ -390,10 +407,12 @@ class Scheduler:
             free = self.pool.available + (self.cache.evictable_size if self.caching else 0)
             if (not idle and free < needed + reserve + future) or not self._make_room(needed):
                 self.cache.unlock(match.node)
+                self.memory_bound = True
                 break
             row = self.rows.alloc()
             if row is None:
                 self.cache.unlock(match.node)
+                self.memory_bound = True
                 break
             self._admit(req, match.node, match.indices[:prefix], row)
             slots = self._alloc(req, count)
