@@ -1,0 +1,138 @@
+"""`radixlm serve --model-path` in a subprocess: the flags reach the engine, the banner says how
+to call it, the official client works against it, and each request is logged."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from radixlm.runtime.fixtures import ForceTokenProcessor
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _command() -> list[str]:
+    script = shutil.which("radixlm", path=str(Path(sys.executable).parent))
+    return [script, "serve"] if script else [sys.executable, "-m", "radixlm.server"]
+
+
+@pytest.fixture(scope="module")
+def cli_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve-log") / "serve.log"
+    args = [
+        *_command(),
+        "--model-path", str(tiny_llama),
+        "--port", str(port),
+        "--served-model-name", "tiny",
+        "--api-key", "k3y",
+        "--dtype", "float32",
+        "--device", "cpu",
+        "--context-length", "512",
+        "--max-total-tokens", "4096",
+        "--max-running-requests", "8",
+        "--max-queued-requests", "16",
+        "--chunked-prefill-size", "64",
+        "--schedule-policy", "lpm",
+        "--grammar-backend", "xgrammar",
+        "--json-whitespace", "any",
+        "--sampling-defaults", "openai",
+        "--random-seed", "1",
+        "--enable-metrics",
+        "--enable-custom-logit-processor",
+        "--log-level", "info",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log.open("w") as out:
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    try:
+        while True:
+            if process.poll() is not None:
+                raise AssertionError(f"radixlm serve exited:\n{log.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"radixlm serve did not start:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield url, log
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_serve_prints_how_to_call_it(cli_server: Any) -> None:
+    url, log = cli_server
+    text = log.read_text()
+    assert f"radixlm serving 'tiny' at {url}" in text
+    assert f"curl {url}/generate" in text and "Authorization: Bearer k3y" in text
+
+
+def test_serve_answers_the_openai_client_and_logs_the_request(cli_server: Any) -> None:
+    url, log = cli_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="k3y", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    messages: Any = [{"role": "user", "content": "Hello"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert (again.usage.prompt_tokens_details.cached_tokens or 0) > 0
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+    deadline = time.monotonic() + 5
+    while not re.search(r"/v1/chat/completions rid=\S+ prompt_tokens=\d+ cached_tokens=[1-9]",
+                        log.read_text()):  # fmt: skip
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+
+
+def test_serve_passes_engine_flags_to_the_engine(cli_server: Any) -> None:
+    url, _ = cli_server
+    headers = {"Authorization": "Bearer k3y"}
+    info = httpx.get(f"{url}/get_server_info", headers=headers).json()
+    config = info["config"]
+    assert info["max_total_num_tokens"] == 4096
+    assert info["model"]["max_context_length"] == 512
+    assert config["scheduler"]["max_running_requests"] == 8
+    assert config["scheduler"]["max_queued_requests"] == 16
+    assert config["scheduler"]["chunked_prefill_size"] == 64
+    assert config["grammar"]["json_whitespace"] == "flexible"
+    assert config["runner"]["sampler"]["enable_custom_logit_processor"] is True
+    assert info["server_config"]["api_key"] == "***"
+    forced = httpx.post(
+        f"{url}/generate",
+        headers=headers,
+        json={
+            "text": "x",
+            "custom_logit_processor": ForceTokenProcessor.to_str(),
+            "sampling_params": {"max_new_tokens": 3, "custom_params": {"token_id": 7}},
+        },
+    ).json()
+    assert forced["output_ids"] == [7, 7, 7]
+    assert "radixlm" in httpx.get(f"{url}/metrics", headers=headers).text
