@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-CONTEXT_LENGTH = 512
+CONTEXT_LENGTH = 1024
 POOL_TOKENS = 16384
 
 

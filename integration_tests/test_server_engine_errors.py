@@ -12,7 +12,7 @@ import openai
 import pytest
 
 MODEL = "tiny-llama"
-TOO_LONG = 2048  # tokens; the servers' engines hold a context of 512 (conftest.CONTEXT_LENGTH)
+TOO_LONG = 2048  # tokens; the servers' engines hold 1024 (conftest.CONTEXT_LENGTH)
 LONG_TEXT = "the radix tree " * TOO_LONG
 SCHEMA_NOT_JSON = "{not json"
 
@@ -168,7 +168,7 @@ def test_a_rid_in_use_is_refused(http: httpx.Client, server: Any) -> None:
     body = {
         "text": "a long one",
         "rid": "dup",
-        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
         "stream": True,
     }
     with http.stream("POST", "/generate", json=body) as running:

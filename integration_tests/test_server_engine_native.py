@@ -305,7 +305,7 @@ def test_flush_cache_drops_cached_prefixes(http: httpx.Client, server: Any) -> N
 def test_flush_cache_is_refused_while_a_request_runs(http: httpx.Client, server: Any) -> None:
     body = {
         "text": "keep running",
-        "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True},
+        "sampling_params": {"temperature": 0, "max_new_tokens": 1000, "ignore_eos": True},
         "stream": True,
     }
     with http.stream("POST", "/generate", json=body) as response:
@@ -323,7 +323,7 @@ def test_abort_request_ends_a_running_stream_with_abort(http: httpx.Client, serv
     body = {
         "text": "a long answer",
         "rid": "to-abort",
-        "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True},
+        "sampling_params": {"temperature": 0, "max_new_tokens": 1000, "ignore_eos": True},
         "stream": True,
     }
     last: dict[str, Any] = {}
@@ -337,7 +337,7 @@ def test_abort_request_ends_a_running_stream_with_abort(http: httpx.Client, serv
                     answer = other.post("/abort_request", json={"rid": "to-abort"}).json()
                 assert answer["success"] is True
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
-    assert len(last["output_ids"]) < 400
+    assert len(last["output_ids"]) < 1000
     server.assert_no_leaks()
 
 
