@@ -144,3 +144,15 @@ def test_a_prompt_longer_than_the_context_is_refused_naming_the_gen(endpoint, li
     error = prog.run(backend=endpoint).error()
     assert isinstance(error, sgl.ProgramError) and error.primitive == "gen('x')"
     assert isinstance(error.cause, sgl.BackendError) and error.cause.status == 400
+
+
+def test_an_image_for_a_text_only_model_fails_naming_the_gen(endpoint):
+    @sgl.function
+    def prog(s):
+        s += sgl.user(sgl.image(b"\x89PNG\r\n\x1a\nnot really") + "What is this?")
+        s += sgl.assistant(sgl.gen("answer", max_tokens=2))
+
+    error = prog.run(backend=endpoint).error()
+    assert isinstance(error, sgl.ProgramError) and error.primitive == "gen('answer')"
+    assert isinstance(error.cause, sgl.BackendError) and error.cause.status == 400
+    assert "image_data" in str(error)
