@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import random
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,25 +33,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
+from _common import QWEN25_05B_SHAPE, random_hf_model, write_config
 
-QWEN25_05B: dict[str, Any] = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "vocab_size": 151936,
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": True,
-    "use_sliding_window": False,
-    "hidden_act": "silu",
-    "bos_token_id": 0,
-    "eos_token_id": 0,
-}
+QWEN25_05B: dict[str, Any] = {**QWEN25_05B_SHAPE, "bos_token_id": 0, "eos_token_id": 0}
 # --quick: the same family and vocabulary, a small trunk.
 QUICK = {**QWEN25_05B, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4}
 QUICK.update(num_attention_heads=4, num_key_value_heads=2)
@@ -268,7 +251,6 @@ def _request_order(request_id: str) -> tuple[int, ...]:
 
 def build(args: Any) -> tuple[Any, Any, Any, Path]:
     """The transformers model with random weights, and a radixlm runner holding the same."""
-    import transformers
 
     from radixlm.runtime import (
         AttentionConfig,
@@ -281,15 +263,9 @@ def build(args: Any) -> tuple[Any, Any, Any, Path]:
     from radixlm.runtime.loader import build_model, read_model_info
 
     shape = QUICK if args.quick else QWEN25_05B
-    workdir = Path(tempfile.mkdtemp(prefix="engine_bench_"))
-    (workdir / "config.json").write_text(json.dumps({**shape, "torch_dtype": args.dtype}))
+    workdir = write_config(shape, args.dtype, "engine_bench_")
     tokenizer = build_tiny_tokenizer(workdir)
-    torch.manual_seed(0)
-    dtype = getattr(torch, args.dtype)
-    hf_config = transformers.AutoConfig.from_pretrained(str(workdir))
-    hf_model = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-        hf_config, dtype=dtype
-    ).eval()
+    hf_model = random_hf_model(workdir, args.dtype)
     config = RunnerConfig(
         model=ModelConfig(str(workdir), dtype=args.dtype, load_format="dummy", show_progress=False),
         memory=MemoryConfig(max_total_tokens=args.max_total_tokens, max_running_requests=128),

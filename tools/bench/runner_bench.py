@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,24 +26,12 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from _common import QWEN25_05B_SHAPE, random_hf_model, write_config
 
 QWEN25_05B: dict[str, Any] = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "vocab_size": 151936,
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": True,
-    "use_sliding_window": False,
+    **QWEN25_05B_SHAPE,
     "sliding_window": 32768,
     "max_window_layers": 21,
-    "hidden_act": "silu",
     "bos_token_id": 151643,
     "eos_token_id": 151643,
 }
@@ -188,14 +175,9 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     dtype = getattr(torch, args.dtype)
 
-    import transformers
-
-    workdir = Path(tempfile.mkdtemp(prefix="runner_bench_"))
-    (workdir / "config.json").write_text(json.dumps({**QWEN25_05B, "torch_dtype": args.dtype}))
+    workdir = write_config(QWEN25_05B, args.dtype, "runner_bench_")
     print(f"building a dummy Qwen2.5-0.5B-shaped model ({args.dtype}) ...", flush=True)
-    torch.manual_seed(0)
-    hf_config = transformers.AutoConfig.from_pretrained(str(workdir))
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+    hf_model = random_hf_model(workdir, args.dtype)
     params = sum(p.numel() for p in hf_model.parameters())
     max_tokens = max(batch_sizes) * (args.prompt_len + args.decode_steps) + 64
     sides: list[Any] = [RadixSide(workdir, args.dtype, hf_model, max_tokens)]
