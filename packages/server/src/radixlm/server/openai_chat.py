@@ -12,7 +12,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixlm.sampling import GenerateRequest, InvalidRequest
-from radixlm.server.errors import APIError, as_api_error
 from radixlm.server.openai_common import (
     StreamUsage,
     chat_logprobs,
@@ -21,17 +20,16 @@ from radixlm.server.openai_common import (
     now,
     parse_body,
     sampling_params,
+    stream_events,
     usage,
 )
 from radixlm.server.openai_models import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from radixlm.server.state import ServerState, read_json, read_object, renamed_prompt_errors
 from radixlm.server.streams import (
-    DONE_EVENT,
     EngineJSONResponse,
     EngineStreams,
     EventStreamResponse,
     cancel_on_disconnect,
-    sse,
 )
 from radixlm.server.tool_calls import ToolCallReader, tool_call_constraint
 
@@ -238,11 +236,13 @@ class _Chat:
         body["object"] = "chat.completion"
         return body
 
-    def _choice_deltas(
-        self, index: int, chunk: dict[str, Any], progress: Any
+    def choice_deltas(
+        self, stream: int, chunk: dict[str, Any], tally: StreamUsage
     ) -> list[dict[str, Any]]:
         """The chunks' choices for one engine chunk of one choice."""
         meta = chunk.get("meta_info", {})
+        index = int(chunk.get("index", 0))
+        progress = tally.update(stream, index, meta)
         text = str(chunk.get("text", ""))
         output_len = len(chunk.get("output_ids") or [])
         reason = finish_reason(meta)
@@ -276,27 +276,8 @@ class _Chat:
             out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return out
 
-    async def events(self, streams: EngineStreams) -> AsyncIterator[str]:
-        options = self.request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = bool(options and options.continuous_usage_stats)
-        tally = StreamUsage()
-        try:
-            async for stream, chunk in streams:
-                index = int(chunk.get("index", 0))
-                progress = tally.update(stream, index, chunk.get("meta_info", {}))
-                for choice in self._choice_deltas(index, chunk, progress):
-                    stats: Any = tally.summary() if continuous else None
-                    yield sse(
-                        self.chunk([choice], stats) if include_usage else self.chunk([choice])
-                    )
-            if include_usage:
-                yield sse(self.chunk([], tally.summary()))
-        except Exception as error:
-            yield sse((as_api_error(error) or APIError(500, f"engine error: {error}")).body())
-        finally:
-            await streams.aclose()
-        yield DONE_EVENT
+    def events(self, streams: EngineStreams) -> AsyncIterator[str]:
+        return stream_events(streams, self.request.stream_options, self.chunk, self.choice_deltas)
 
 
 async def create_chat_completion(state: ServerState, http: Request) -> Response:

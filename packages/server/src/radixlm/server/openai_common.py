@@ -1,18 +1,20 @@
 """What the two OpenAI routes share: request fields to SamplingParams, engine chunks to OpenAI
-logprobs, usage and finish reasons, and the per-choice bookkeeping of a stream."""
+logprobs, usage and finish reasons, the per-choice bookkeeping of a stream and its SSE events."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from radixlm.sampling import InvalidRequest, SamplingParams
-from radixlm.server.openai_models import SamplingFields
+from radixlm.server.errors import APIError, as_api_error
+from radixlm.server.openai_models import SamplingFields, StreamOptions
+from radixlm.server.streams import DONE_EVENT, EngineStreams, sse
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -195,3 +197,33 @@ class StreamUsage:
 
 def now() -> int:
     return int(time.time())
+
+
+#: The choices to send for one engine chunk: (stream, chunk, usage so far) -> choice dicts.
+ChoiceDeltas = Callable[[int, dict[str, Any], StreamUsage], list[dict[str, Any]]]
+
+
+async def stream_events(
+    streams: EngineStreams,
+    options: StreamOptions | None,
+    chunk: Callable[..., dict[str, Any]],
+    choice_deltas: ChoiceDeltas,
+) -> AsyncIterator[str]:
+    """The SSE events of a streamed OpenAI call: an event per choice delta (`chunk([choice])`,
+    with the usage so far under `continuous_usage_stats`), the usage when `include_usage`, an
+    error event if the engine fails, then `[DONE]`. Closes `streams` when done."""
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
+    tally = StreamUsage()
+    try:
+        async for stream, engine_chunk in streams:
+            for choice in choice_deltas(stream, engine_chunk, tally):
+                stats: Any = tally.summary() if continuous else None
+                yield sse(chunk([choice], stats) if include_usage else chunk([choice]))
+        if include_usage:
+            yield sse(chunk([], tally.summary()))
+    except Exception as error:
+        yield sse((as_api_error(error) or APIError(500, f"engine error: {error}")).body())
+    finally:
+        await streams.aclose()
+    yield DONE_EVENT

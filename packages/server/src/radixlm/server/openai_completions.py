@@ -9,7 +9,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixlm.sampling import GenerateRequest
-from radixlm.server.errors import APIError, as_api_error
 from radixlm.server.openai_common import (
     StreamUsage,
     completion_logprobs,
@@ -18,17 +17,16 @@ from radixlm.server.openai_common import (
     now,
     parse_body,
     sampling_params,
+    stream_events,
     usage,
 )
 from radixlm.server.openai_models import CompletionRequest
 from radixlm.server.state import ServerState, read_json, read_object, renamed_prompt_errors
 from radixlm.server.streams import (
-    DONE_EVENT,
     EngineJSONResponse,
     EngineStreams,
     EventStreamResponse,
     cancel_on_disconnect,
-    sse,
 )
 
 _about_prompt = renamed_prompt_errors("prompt")
@@ -140,47 +138,35 @@ class _Completion:
         total = usage(sum(prompt_tokens.values()), completion, sum(cached.values()))
         return self.chunk(choices, total)
 
-    async def events(self, streams: EngineStreams) -> AsyncIterator[str]:
-        options = self.request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = bool(options and options.continuous_usage_stats)
-        tally = StreamUsage()
-        try:
-            async for stream, chunk in streams:
-                meta = chunk.get("meta_info", {})
-                index = self.choice_index(stream, chunk)
-                progress = tally.update(stream, index, meta)
-                text = str(chunk.get("text", ""))
-                output_len = len(chunk.get("output_ids") or [])
-                delta = text[progress.chars :]
-                offset = progress.chars
-                if not progress.started and self.request.echo:
-                    delta = self.prompt_text(stream) + delta
-                    offset = 0
-                count = output_len - progress.tokens
-                logprobs = self.logprobs(meta, progress.tokens, count, offset)
-                reason = finish_reason(meta)
-                if delta or count > 0 or reason is not None or not progress.started:
-                    choice = {
-                        "index": index,
-                        "text": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": reason,
-                    }
-                    stats: Any = tally.summary() if continuous else None
-                    yield sse(
-                        self.chunk([choice], stats) if include_usage else self.chunk([choice])
-                    )
-                progress.started = True
-                progress.chars = max(progress.chars, len(text))
-                progress.tokens = max(progress.tokens, output_len)
-            if include_usage:
-                yield sse(self.chunk([], tally.summary()))
-        except Exception as error:
-            yield sse((as_api_error(error) or APIError(500, f"engine error: {error}")).body())
-        finally:
-            await streams.aclose()
-        yield DONE_EVENT
+    def choice_deltas(
+        self, stream: int, chunk: dict[str, Any], tally: StreamUsage
+    ) -> list[dict[str, Any]]:
+        """The choice to send for one engine chunk of one prompt (none when nothing is new)."""
+        meta = chunk.get("meta_info", {})
+        index = self.choice_index(stream, chunk)
+        progress = tally.update(stream, index, meta)
+        text = str(chunk.get("text", ""))
+        output_len = len(chunk.get("output_ids") or [])
+        delta = text[progress.chars :]
+        offset = progress.chars
+        if not progress.started and self.request.echo:
+            delta = self.prompt_text(stream) + delta
+            offset = 0
+        count = output_len - progress.tokens
+        logprobs = self.logprobs(meta, progress.tokens, count, offset)
+        reason = finish_reason(meta)
+        out: list[dict[str, Any]] = []
+        if delta or count > 0 or reason is not None or not progress.started:
+            out.append(
+                {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
+            )
+        progress.started = True
+        progress.chars = max(progress.chars, len(text))
+        progress.tokens = max(progress.tokens, output_len)
+        return out
+
+    def events(self, streams: EngineStreams) -> AsyncIterator[str]:
+        return stream_events(streams, self.request.stream_options, self.chunk, self.choice_deltas)
 
 
 async def create_completion(state: ServerState, http: Request) -> Response:
