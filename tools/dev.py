@@ -7,6 +7,7 @@
     python3 tools/dev.py check            ruff (lint + format), mypy, import contracts
     python3 tools/dev.py isolate [PKG ..] each package alone in a fresh venv, its tests there
     python3 tools/dev.py build [PKG ...]  wheel + sdist for every package into dist/
+    python3 tools/dev.py docs [--out DIR] the mkdocs site into site/ (warnings are errors)
 
 Only the standard library is used here, so the script runs on a bare Python 3.10+ with pip.
 """
@@ -187,6 +188,14 @@ def cmd_isolate(names: list[str], keep: bool) -> int:
     return 1 if failed else 0
 
 
+def cmd_docs(out: Path) -> int:
+    """The documentation site (mkdocs.yml, docs/) built with warnings as errors, as CI does."""
+    cmd_setup()
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    mkdocs = [venv_python(), "-m", "mkdocs", "build", "--strict", "--clean", "-d", out]
+    return run(mkdocs, cwd=ROOT, env=env)
+
+
 def cmd_serve(flags: list[str]) -> int:
     """The reference server (`radixlm serve FLAGS`) from the dev venv; blocks until stopped."""
     cmd_setup()
@@ -211,6 +220,8 @@ def main() -> int:
     isolate = sub.add_parser("isolate")
     isolate.add_argument("packages", nargs="*")
     isolate.add_argument("--keep", action="store_true", help="keep the venvs in .isolation/")
+    docs = sub.add_parser("docs", help="build the documentation site (mkdocs --strict)")
+    docs.add_argument("--out", type=Path, default=ROOT / "site", help="output folder (site/)")
     args, extra = parser.parse_known_args()
     if args.command == "setup":
         cmd_setup(force=args.force)
@@ -223,6 +234,8 @@ def main() -> int:
         return cmd_check()
     if args.command == "build":
         return cmd_build(args.packages, ROOT / "dist")
+    if args.command == "docs":
+        return cmd_docs(args.out.resolve())
     return cmd_isolate(args.packages, args.keep)
 
 
