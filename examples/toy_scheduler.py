@@ -19,7 +19,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from radixlm.cache import RadixCache, TokenSlotAllocator
+from radixlm.cache import RadixCache, RadixNode, TokenSlotAllocator
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     cached: int = 0
     slots: list[int] = field(default_factory=list)  # one KV slot per prompt + output token
-    node: object = None  # the cache handle locked while the request runs
+    node: RadixNode | None = None  # the cache handle locked while the request runs
 
 
 def toy_next_token(tokens: list[int]) -> int:
@@ -79,6 +79,7 @@ def simulate(pool_size: int, num_chats: int = 12, max_running: int = 4) -> dict[
         used, unused = req.slots[: len(sequence)], req.slots[len(sequence) :]
         already = cache.insert(sequence, used)  # the cache keeps used[already:]
         pool.free(used[req.cached : already] + unused)  # our duplicates and the spare slots
+        assert req.node is not None
         cache.unlock(req.node)
         chat = chats[req.chat]
         if req.turn + 1 < len(chat):  # the next turn repeats the whole history
