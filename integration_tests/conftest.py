@@ -12,8 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import socket
-import threading
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,47 +21,18 @@ from typing import Any
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from uvicorn_thread import ThreadedServer  # this folder is not a package
+
 CONTEXT_LENGTH = 1024
 POOL_TOKENS = 16384
-
-
-class LiveServer:
-    """A uvicorn server in a thread, on a socket bound to a free port."""
-
-    def __init__(self, app: Any) -> None:
-        import uvicorn
-
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind(("127.0.0.1", 0))
-        self.port = self.socket.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
-        )
-
-    def start(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.socket.close()
 
 
 @dataclass
 class Served:
     """A live server and the engine behind it."""
 
-    live: LiveServer
+    live: ThreadedServer
     engine: Any
     model_name: str
 
@@ -136,7 +106,9 @@ def serve(tiny_llama: Path) -> Iterator[Callable[..., Served]]:
             engine_kwargs.setdefault("enable_custom_logit_processor", True)
         engine = _engine(tiny_llama, **engine_kwargs)
         app = create_app(engine, ServerConfig(**options))
-        served = Served(LiveServer(app).start(), engine, str(options["served_model_name"]))
+        served = Served(
+            ThreadedServer(app, lifespan="off").start(), engine, str(options["served_model_name"])
+        )
         started.append(served)
         return served
 

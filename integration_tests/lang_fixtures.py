@@ -18,7 +18,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import socket
 import tempfile
 import threading
 import time
@@ -30,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import uvicorn
+from uvicorn_thread import ThreadedServer
 
 import radixlm.lang as sgl
 from radixlm.runtime import Engine
@@ -53,9 +52,7 @@ class LiveServer:
     url: str
     engine: Engine
     model_dir: Path
-    _server: uvicorn.Server
-    _thread: threading.Thread
-    _socket: socket.socket
+    _server: ThreadedServer
     _stopped: bool = field(default=False)
 
     def server_info(self) -> dict[str, Any]:
@@ -95,9 +92,7 @@ class LiveServer:
         if self._stopped:
             return
         self._stopped = True
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._socket.close()
+        self._server.stop()
         self.engine.shutdown()
 
 
@@ -105,24 +100,13 @@ def start_live_server(model_dir: Path, config: ServerConfig | None = None) -> Li
     """An Engine on `model_dir` behind create_app, served by uvicorn on a free port."""
     engine = Engine(str(model_dir), **ENGINE_KWARGS)
     app = create_app(engine, config or ServerConfig(served_model_name=SERVED_MODEL_NAME))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", timeout_keep_alive=5, access_log=False)
-    )
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [sock]}, name="lang-live-server", daemon=True
-    )
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            engine.shutdown()
-            raise RuntimeError("the live reference server did not start")
-        time.sleep(0.01)
-    return LiveServer(f"http://127.0.0.1:{port}", engine, model_dir, server, thread, sock)
+    server = ThreadedServer(app, "lang-live-server", access_log=False)
+    try:
+        server.start(timeout=30)
+    except RuntimeError:
+        engine.shutdown()
+        raise
+    return LiveServer(server.url, engine, model_dir, server)
 
 
 _LIVE: LiveServer | None = None
