@@ -145,7 +145,7 @@ def cmd_check() -> int:
     cmd_setup()
     bin_dir = venv_python().parent
     dirs = [str(p.relative_to(ROOT)) for p in PACKAGES.values()]
-    dirs += ["tools", "integration_tests"]
+    dirs += ["tools", "integration_tests", "examples"]
     mypy_targets: list[str] = []
     for name in PACKAGES:
         if not is_skeleton(name):

@@ -21,13 +21,13 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "dtype": {"choices": ["auto", "float32", "float16", "bfloat16"], "help": "weight dtype"},
     "device": {"help": "cpu, cuda, cuda:N or auto"},
     "load_format": {
-        "choices": ["auto", "safetensors", "pt", "dummy"],
+        "choices": ["auto", "safetensors", "dummy"],
         "help": "how weights are read; dummy: random weights of the model's shape",
     },
     "context_length": {"type": int, "help": "override the model's maximum context length"},
     "mem_fraction_static": {
         "type": float,
-        "help": "fraction of device memory for weights and the KV cache",
+        "help": "CUDA: fraction of the memory left after loading the weights given to the KV cache",
     },
     "max_total_tokens": {"type": int, "help": "KV cache budget in tokens (overrides the fraction)"},
     "max_running_requests": {"type": int, "help": "most requests decoded at once"},
