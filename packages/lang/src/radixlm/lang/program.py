@@ -87,6 +87,15 @@ def run_defaults(
     return RunDefaults(sampling, logprobs)
 
 
+#: The keyword arguments of `run` / `run_batch` that make their RunDefaults.
+_RUN_DEFAULT_NAMES = tuple(inspect.signature(run_defaults).parameters)
+
+
+def _run_defaults_from(arguments: Mapping[str, Any]) -> RunDefaults:
+    """run_defaults of the run-level values among a method's `locals()`."""
+    return run_defaults(**{name: arguments[name] for name in _RUN_DEFAULT_NAMES})
+
+
 class Program:
     """An LM program: `def prog(s, ...)` decorated with `@function`.
 
@@ -150,22 +159,7 @@ class Program:
         thread and this returns at once; follow it with `state.text_iter()`."""
         if is_tracing():
             raise StopTrace
-        defaults = run_defaults(
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            ignore_eos=ignore_eos,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs,
-        )
+        defaults = _run_defaults_from(locals())
         return run_program(self, _resolve_backend(backend), args, kwargs, defaults, stream)
 
     def run_batch(
@@ -198,22 +192,7 @@ class Program:
         items = [self._arguments(item) for item in batch_kwargs]
         if not items:
             return []
-        defaults = run_defaults(
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            ignore_eos=ignore_eos,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs,
-        )
+        defaults = _run_defaults_from(locals())
         chosen = _resolve_backend(backend)
         if len(items) > 1:
             self._hint_prefix(chosen, items)
