@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -163,12 +163,6 @@ def jinja_renderer(source: str) -> Renderer | None:
 
 
 _S, _U, _A = "PROBESYSTEM7", "PROBEUSER7", "PROBEASSISTANT7"
-
-
-@dataclass
-class _Pieces:
-    roles: dict[str, tuple[str, str]] = field(default_factory=dict)
-    default_system: str | None = None
 
 
 def _strip_bos(text: str) -> str:
