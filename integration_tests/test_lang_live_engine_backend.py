@@ -83,7 +83,9 @@ def test_regex_holds_on_the_engine(in_process):
 def test_streaming_runs_on_the_engine(in_process):
     @sgl.function
     def prog(s):
-        s += "Tell me" + sgl.gen("rest", max_tokens=12, ignore_eos=True)
+        # Long enough that the reader below starts long before the generation ends (with 12
+        # tokens a loaded machine sometimes read the whole text as one piece).
+        s += "Tell me" + sgl.gen("rest", max_tokens=64, ignore_eos=True)
 
     state = prog.run(backend=in_process, stream=True, temperature=0)
     pieces = list(state.text_iter("rest"))
