@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Engine throughput on the SGLang paper's workloads: radixlm, radixlm without its cache, and
-transformers' continuous batching (`generate_batch`), on the same dummy weights, on CPU.
+"""Engine throughput on the SGLang paper's workloads: radixlm, radixlm without its cache,
+radixlm without jump-forward, and transformers' continuous batching (`generate_batch`), on the
+same dummy weights, on CPU.
 
 Workloads (synthetic token ids, generated from a seed):
   few_shot          a shared ~1,500-token few-shot prefix, then 64 different questions
@@ -15,6 +16,11 @@ For each: requests/s, output tokens/s, radixlm's prefix-cache hit rate beside th
     .venv/bin/python tools/bench/engine_bench.py --quick        # small shapes, a few minutes
     .venv/bin/python tools/bench/engine_bench.py                # Qwen2.5-0.5B shapes (long)
     .venv/bin/python tools/bench/engine_bench.py --workloads few_shot --skip-transformers
+    .venv/bin/python tools/bench/engine_bench.py --quick --json results/engine.json
+
+Systems: radixlm, radixlm-nocache (--skip-no-cache), radixlm-nojf: radixlm with jump-forward
+off (--skip-no-jump-forward; it differs from radixlm only on `json`), transformers
+(--skip-transformers).
 """
 
 from __future__ import annotations
@@ -151,7 +157,15 @@ def optimal_hit_rate(calls: Sequence[Call]) -> float:
 
 
 class RadixSystem:
-    def __init__(self, name: str, runner: Any, tokenizer: Any, cache: bool, args: Any) -> None:
+    def __init__(
+        self,
+        name: str,
+        runner: Any,
+        tokenizer: Any,
+        cache: bool,
+        args: Any,
+        jump_forward: bool = True,
+    ) -> None:
         from radixlm.runtime import Engine
 
         runner.reset()
@@ -162,6 +176,7 @@ class RadixSystem:
             tokenizer=tokenizer,
             show_progress=False,
             disable_radix_cache=not cache,
+            disable_jump_forward=not jump_forward,
             max_running_requests=runner.req_to_token_pool.max_requests,
             chunked_prefill_size=args.chunked_prefill_size,
             schedule_policy=args.schedule_policy,
@@ -308,6 +323,7 @@ def main() -> None:
     parser.add_argument("--schedule-policy", default="lpm")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-no-cache", action="store_true")
+    parser.add_argument("--skip-no-jump-forward", action="store_true")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the figures to this file")
@@ -324,6 +340,10 @@ def main() -> None:
         ]
         if not args.skip_no_cache:
             systems.append(lambda: RadixSystem("radixlm-nocache", runner, tokenizer, False, args))
+        if not args.skip_no_jump_forward:
+            systems.append(
+                lambda: RadixSystem("radixlm-nojf", runner, tokenizer, True, args, False)
+            )
         if not args.skip_transformers:
             systems.append(lambda: TransformersSystem(hf_model, args))
         for make in systems:
@@ -347,9 +367,9 @@ def main() -> None:
 def report(rows: list[dict[str, Any]]) -> None:
     print()
     header = (
-        f"{'workload':17s} {'req/s radix':>11s} {'nocache':>8s} {'transf.':>8s} "
-        f"{'tok/s radix':>11s} {'x nocache':>9s} {'x transf.':>9s} {'hit':>6s} {'optimal':>7s} "
-        f"{'hit/opt':>7s}"
+        f"{'workload':17s} {'req/s radix':>11s} {'nocache':>8s} {'no-jf':>8s} {'transf.':>8s} "
+        f"{'tok/s radix':>11s} {'x nocache':>9s} {'x no-jf':>9s} {'x transf.':>9s} {'hit':>6s} "
+        f"{'optimal':>7s} {'hit/opt':>7s}"
     )
     print(header)
     print("-" * len(header))
@@ -357,6 +377,7 @@ def report(rows: list[dict[str, Any]]) -> None:
     for workload in dict.fromkeys(r["workload"] for r in rows):
         radix = by[(workload, "radixlm")]
         nocache = by.get((workload, "radixlm-nocache"))
+        nojf = by.get((workload, "radixlm-nojf"))
         hf = by.get((workload, "transformers"))
 
         def rate(row: dict[str, Any] | None) -> str:
@@ -370,8 +391,9 @@ def report(rows: list[dict[str, Any]]) -> None:
         optimal = radix["optimal_hit_rate"]
         share = radix["hit_rate"] / optimal if optimal else float("nan")
         print(
-            f"{workload:17s} {rate(radix):>11s} {rate(nocache):>8s} {rate(hf):>8s} "
-            f"{radix['output_tokens_per_s']:11.1f} {ratio(nocache):>9s} {ratio(hf):>9s} "
+            f"{workload:17s} {rate(radix):>11s} {rate(nocache):>8s} {rate(nojf):>8s} "
+            f"{rate(hf):>8s} {radix['output_tokens_per_s']:11.1f} {ratio(nocache):>9s} "
+            f"{ratio(nojf):>9s} {ratio(hf):>9s} "
             f"{radix['hit_rate']:6.1%} {optimal:7.1%} {share:7.1%}"
         )
 
