@@ -1,0 +1,405 @@
+#!/usr/bin/env python3
+"""The benchmark report: run the paper's workloads, draw the plots, rewrite docs/benchmarks.md.
+
+One command runs `engine_bench.py` (radixlm, radixlm without its cache, radixlm without
+jump-forward, transformers `generate_batch`) and, with --with-serve, `serve_bench.py --compare`
+(radixlm serve vs transformers serve over HTTP); it keeps the raw figures in a results folder,
+draws PNG plots into docs/img/bench/ and rewrites the part of docs/benchmarks.md between
+`<!-- report:start -->` and `<!-- report:end -->` (the rest of the page is kept).
+
+    .venv/bin/python tools/bench/report.py --quick --workloads few_shot,json   # a smoke run
+    .venv/bin/python tools/bench/report.py --with-serve                        # full size (long)
+    .venv/bin/python tools/bench/report.py --from-json build/bench-report      # re-render only
+
+The results folder (default build/bench-report, git-ignored) holds engine.json, serve.json
+(with --with-serve), the logs, and meta.json (the command, the shapes, the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+START, END = "<!-- report:start -->", "<!-- report:end -->"
+
+SYSTEMS = {
+    "radixlm": "radixlm",
+    "radixlm-nocache": "radixlm, no cache",
+    "radixlm-nojf": "radixlm, no jump-forward",
+    "transformers": "transformers generate_batch",
+}
+COLORS = {
+    "radixlm": "#1f77b4",
+    "radixlm-nocache": "#9ecae1",
+    "radixlm-nojf": "#6baed6",
+    "transformers": "#ff7f0e",
+}
+SHAPES = {
+    True: "quick: the Qwen2 family with its 151,936-token vocabulary, 4 layers, hidden size 256, "
+    "4 heads / 2 KV heads, 8 output tokens per call",
+    False: "Qwen2.5-0.5B: 24 layers, hidden size 896, 14 heads / 2 KV heads, vocabulary 151,936, "
+    "tied embeddings, 16 output tokens per call",
+}
+# serve_bench --compare: radixlm serve and transformers serve, one after the other.
+SERVE_ARGS = {
+    True: "--dummy-model tiny --num-prompts 32 --max-concurrency 8 --prefix-len 128 "
+    "--input-len 16 --output-len 16",
+    False: "--dummy-model qwen2.5-0.5b --num-prompts 64 --max-concurrency 16 --prefix-len 512 "
+    "--input-len 32 --output-len 32",
+}
+
+
+# --------------------------------------------------------------------------------- running
+
+
+def run_logged(cmd: list[str], log: Path) -> int:
+    """Run `cmd`, echoing its output and keeping it in `log`; its exit status."""
+    print(f"+ {shlex.join(cmd)}", flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with (
+        log.open("w") as sink,
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
+        ) as process,
+    ):
+        assert process.stdout is not None
+        for line in process.stdout:
+            sys.stdout.write(line)
+            sink.write(line)
+        return process.wait()
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["memory_gb"] = round(int(line.split()[1]) / 1024**2, 1)
+    except OSError:
+        pass
+    info["cores"] = os.cpu_count()
+    if hasattr(os, "sched_getaffinity"):
+        info["usable_cores"] = len(os.sched_getaffinity(0))
+    info["load_average"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    import torch
+
+    info["torch"] = torch.__version__
+    info["torch_threads"] = torch.get_num_threads()
+    info["gpus"] = [
+        torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
+    ] if torch.cuda.is_available() else []  # fmt: skip
+    info["platform"] = platform.platform()
+    info["python"] = platform.python_version()
+    info["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    git = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    )
+    info["commit"] = git.stdout.strip() or None
+    return info
+
+
+def run_benchmarks(args: argparse.Namespace, results: Path) -> int:
+    results.mkdir(parents=True, exist_ok=True)
+    for stale in ("engine.json", "serve.json"):
+        (results / stale).unlink(missing_ok=True)
+    meta = {
+        "command": shlex.join(["python", "tools/bench/report.py", *sys.argv[1:]]),
+        "quick": args.quick,
+        "workloads": args.workloads,
+        "with_serve": args.with_serve,
+        "machine": machine(),
+    }
+    engine = [sys.executable, str(HERE / "engine_bench.py"), "--json", str(results / "engine.json")]
+    engine += ["--quick"] * args.quick + ["--workloads", args.workloads]
+    engine += shlex.split(args.engine_args)
+    started = dt.datetime.now()
+    status = run_logged(engine, results / "engine.log")
+    meta["engine_minutes"] = round((dt.datetime.now() - started).total_seconds() / 60, 1)
+    meta["engine_command"] = shlex.join(["python", *engine[1:]])
+    if status != 0:
+        print(f"engine_bench failed (exit {status}); see {results / 'engine.log'}", file=sys.stderr)
+        return status
+    if args.with_serve:
+        serve = [sys.executable, str(HERE / "serve_bench.py"), "--compare"]
+        serve += ["--output-json", str(results / "serve.json")]
+        serve += shlex.split(args.serve_args or SERVE_ARGS[args.quick])
+        started = dt.datetime.now()
+        status = run_logged(serve, results / "serve.log")
+        meta["serve_minutes"] = round((dt.datetime.now() - started).total_seconds() / 60, 1)
+        meta["serve_command"] = shlex.join(["python", *serve[1:]])
+        if status != 0:
+            print(f"serve_bench exited {status}: rendering what it measured", file=sys.stderr)
+    (results / "meta.json").write_text(json.dumps(meta, indent=2))
+    return 0
+
+
+# ----------------------------------------------------------------------------------- plots
+
+
+def _rows(engine: list[dict[str, Any]]) -> tuple[list[str], list[str], dict[Any, Any]]:
+    workloads = list(dict.fromkeys(r["workload"] for r in engine))
+    present = {r["system"] for r in engine}
+    systems = [s for s in SYSTEMS if s in present]
+    return workloads, systems, {(r["workload"], r["system"]): r for r in engine}
+
+
+def _grouped(ax: Any, workloads: list[str], series: dict[str, list[float]], fmt: str) -> None:
+    """Grouped bars: one group per workload, one bar per series, each bar labelled."""
+    width = 0.8 / max(len(series), 1)
+    for i, (name, values) in enumerate(series.items()):
+        xs = [k + (i - (len(series) - 1) / 2) * width for k in range(len(workloads))]
+        bars = ax.bar(xs, values, width, label=SYSTEMS.get(name, name), color=COLORS.get(name))
+        ax.bar_label(bars, labels=[fmt.format(v) if v == v else "" for v in values], fontsize=7)
+    ax.set_xticks(range(len(workloads)), [w.replace("_", " ") for w in workloads])
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+
+
+def plot(engine: list[dict[str, Any]], serve: dict[str, Any] | None, img: Path) -> list[str]:
+    """Draw the PNGs into `img`; their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img.mkdir(parents=True, exist_ok=True)
+    workloads, systems, by = _rows(engine)
+    drawn: list[str] = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(img / name, dpi=110)
+        plt.close(fig)
+        drawn.append(name)
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    series = {s: [_get(by, w, s, "output_tokens_per_s") for w in workloads] for s in systems}
+    _grouped(ax, workloads, series, "{:.0f}")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Throughput per workload")
+    save(fig, "throughput.png")
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    hits = {
+        "radixlm": [_get(by, w, "radixlm", "hit_rate") * 100 for w in workloads],
+        "optimal": [_get(by, w, "radixlm", "optimal_hit_rate") * 100 for w in workloads],
+    }
+    _grouped(ax, workloads, hits, "{:.0f}%")
+    ax.set_ylim(0, 110)
+    ax.set_ylabel("prefix-cache hit rate (%)")
+    ax.set_title("radixlm's cache hit rate against the optimal one")
+    save(fig, "hit_rate.png")
+
+    if "transformers" in systems:
+        fig, ax = plt.subplots(figsize=(9, 4))
+        ratios = {
+            s: [_ratio(by, w, s, "transformers") for w in workloads]
+            for s in systems
+            if s != "transformers"
+        }
+        _grouped(ax, workloads, ratios, "{:.1f}x")
+        ax.axhline(1, color="black", linewidth=0.8)
+        ax.set_ylabel("output tokens / s ÷ transformers")
+        ax.set_title("Speed-up over transformers generate_batch")
+        save(fig, "ratio_vs_transformers.png")
+
+    columns = {k: v for k, v in (serve or {}).items() if v}
+    if columns:
+        metrics = [
+            ("request_throughput", "requests / s"),
+            ("mean_ttft_ms", "mean TTFT (ms)"),
+            ("p99_e2e_ms", "p99 latency (ms)"),
+        ]
+        fig, axes = plt.subplots(1, len(metrics), figsize=(10, 3.6))
+        for ax, (key, label) in zip(axes, metrics, strict=True):
+            names = list(columns)
+            values = [_value(columns[n], key) for n in names]
+            bars = ax.bar(names, values, color=["#1f77b4", "#ff7f0e"][: len(names)])
+            ax.bar_label(bars, fmt="%.1f", fontsize=8)
+            ax.set_title(label, fontsize=10)
+            ax.grid(axis="y", alpha=0.3)
+            ax.set_axisbelow(True)
+        fig.suptitle("radixlm serve against transformers serve (HTTP, chat API)")
+        save(fig, "serve.png")
+    return drawn
+
+
+def _get(by: dict[Any, Any], workload: str, system: str, key: str) -> float:
+    row = by.get((workload, system))
+    return float(row[key]) if row else math.nan
+
+
+def _value(column: dict[str, Any], key: str) -> float:
+    value = column.get(key)
+    return math.nan if value is None else float(value)
+
+
+def _ratio(by: dict[Any, Any], workload: str, system: str, peer: str) -> float:
+    peer_value = _get(by, workload, peer, "output_tokens_per_s")
+    return _get(by, workload, system, "output_tokens_per_s") / peer_value
+
+
+# -------------------------------------------------------------------------------- markdown
+
+
+def _num(value: float, fmt: str = "{:.2f}") -> str:
+    return "–" if math.isnan(value) else fmt.format(value)
+
+
+def render(
+    engine: list[dict[str, Any]],
+    serve: dict[str, Any] | None,
+    meta: dict[str, Any],
+    plots: list[str],
+) -> str:
+    workloads, systems, by = _rows(engine)
+    m = meta["machine"]
+    lines = [
+        f"Measured {m['date']} at commit `{m.get('commit') or '?'}` with:",
+        "",
+        "```bash",
+        meta["command"],
+        "```",
+        "",
+        f"**Model shapes.** {SHAPES[bool(meta['quick'])]}; dummy (random) weights, float32, "
+        "shared by every system; synthetic token ids from a fixed seed.",
+        "",
+        f"**Machine.** {m['cpu']}, {m['cores']} cores ({m.get('usable_cores', '?')} usable), "
+        f"{m.get('memory_gb', '?')} GB memory, "
+        + (f"GPUs: {', '.join(m['gpus'])}" if m["gpus"] else "no GPU")
+        + f"; torch {m['torch']} with {m['torch_threads']} threads, Python {m['python']}, "
+        f"{m['platform']}; load average {m.get('load_average')} at the start. The engine run "
+        f"took {meta.get('engine_minutes', '?')} min.",
+        "",
+        "### Engine throughput {#report-engine}",
+        "",
+        "Output tokens per second (requests per second in brackets); × columns: radixlm's "
+        "output tokens per second over the other system's.",
+        "",
+    ]
+    head = [SYSTEMS[s] for s in systems] + [f"× {SYSTEMS[s]}" for s in systems[1:]]
+    lines += ["| workload | " + " | ".join(head) + " |", "|---" + "|---:" * len(head) + "|"]
+    for w in workloads:
+        cells = [
+            f"{_num(_get(by, w, s, 'output_tokens_per_s'), '{:.1f}')} "
+            f"({_num(_get(by, w, s, 'requests_per_s'))})"
+            for s in systems
+        ]
+        cells += [_num(_ratio(by, w, "radixlm", s), "{:.2f}×") for s in systems[1:]]
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "### Cache hit rate against optimal {#report-hit-rate}",
+        "",
+        "Optimal: every reusable prefix computed once, with an unbounded cache.",
+        "",
+        "| workload | radixlm hit rate | optimal | share of optimal |",
+        "|---|---:|---:|---:|",
+    ]
+    for w in workloads:
+        hit, best = _get(by, w, "radixlm", "hit_rate"), _get(by, w, "radixlm", "optimal_hit_rate")
+        share = hit / best if best else math.nan
+        lines.append(
+            f"| {w} | {_num(hit * 100, '{:.1f} %')} | {_num(best * 100, '{:.1f} %')} | "
+            f"{_num(share * 100, '{:.1f} %')} |"
+        )
+    lines.append("")
+    for name in plots:
+        if name != "serve.png":
+            title = name.removesuffix(".png").replace("_", " ")
+            lines += [f"![{title}](img/bench/{name})", ""]
+    columns = serve or {}
+    if columns:
+        lines += ["### Server under load {#report-serve}", ""]
+        if meta.get("serve_command"):
+            lines += ["```bash", meta["serve_command"], "```", ""]
+        names = list(columns)
+        lines += ["| | " + " | ".join(names) + " |", "|---" + "|---:" * len(names) + "|"]
+        for key, label in [
+            ("request_throughput", "requests/s"),
+            ("output_tok_s", "output tok/s"),
+            ("mean_ttft_ms", "mean TTFT (ms)"),
+            ("p99_ttft_ms", "p99 TTFT (ms)"),
+            ("mean_itl_ms", "mean ITL (ms)"),
+            ("p99_e2e_ms", "p99 end-to-end (ms)"),
+        ]:
+            cells = [
+                _num(_value(columns[n], key), "{:.1f}") if columns[n] else "failed" for n in names
+            ]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+        if "serve.png" in plots:
+            lines += ["![serve](img/bench/serve.png)", ""]
+    return "\n".join(lines)
+
+
+def rewrite(page: Path, body: str) -> None:
+    text = page.read_text()
+    block = f"{START}\n{body.rstrip()}\n{END}"
+    if START in text and END in text:
+        before, rest = text.split(START, 1)
+        after = rest.split(END, 1)[1]
+        text = before + block + after
+    else:
+        text = text.rstrip() + "\n\n## Report {#report}\n\n" + block + "\n"
+    page.write_text(text)
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small shapes (minutes, not hours)")
+    parser.add_argument(
+        "--workloads",
+        default="few_shot,multi_turn,tree_of_thought,json,self_consistency",
+        help="comma-separated, passed to engine_bench",
+    )
+    parser.add_argument("--with-serve", action="store_true", help="also serve_bench --compare")
+    parser.add_argument("--engine-args", default="", help="more engine_bench arguments")
+    parser.add_argument("--serve-args", default="", help="serve_bench arguments (replace ours)")
+    parser.add_argument("--results", type=Path, default=ROOT / "build" / "bench-report")
+    parser.add_argument("--from-json", type=Path, metavar="DIR", help="re-render DIR, run nothing")
+    parser.add_argument("--page", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--img", type=Path, default=ROOT / "docs" / "img" / "bench")
+    args = parser.parse_args()
+
+    results = args.from_json or args.results
+    if args.from_json is None:
+        status = run_benchmarks(args, results)
+        if status != 0:
+            return status
+    engine = json.loads((results / "engine.json").read_text())
+    serve_file = results / "serve.json"
+    serve = json.loads(serve_file.read_text()) if serve_file.exists() else None
+    meta = json.loads((results / "meta.json").read_text())
+    for stale in args.img.glob("*.png") if args.img.exists() else []:
+        stale.unlink()
+    plots = plot(engine, serve, args.img)
+    rewrite(args.page, render(engine, serve, meta, plots))
+    print(f"wrote {', '.join(plots)} into {args.img} and rewrote {args.page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
