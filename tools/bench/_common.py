@@ -29,6 +29,31 @@ QWEN25_05B_SHAPE: dict[str, Any] = {
     "hidden_act": "silu",
 }
 
+#: Llama-3.1-8B's architecture (32 layers, hidden 4096, 32 heads / 8 KV heads, vocab 128256,
+#: llama3 RoPE scaling): the larger shape the benchmarks use on a GPU.
+LLAMA31_8B_SHAPE: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+
 
 def write_config(config: dict[str, Any], dtype: str, prefix: str) -> Path:
     """A new temporary model directory holding `config` (with `torch_dtype`) as config.json."""
@@ -37,12 +62,15 @@ def write_config(config: dict[str, Any], dtype: str, prefix: str) -> Path:
     return workdir
 
 
-def random_hf_model(workdir: Path, dtype: str) -> Any:
-    """The transformers model of `workdir`'s config with random weights (seed 0), in eval mode."""
+def random_hf_model(workdir: Path, dtype: str, device: str = "cpu") -> Any:
+    """The transformers model of `workdir`'s config with random weights (seed 0), in eval mode,
+    built directly on `device`."""
     import transformers
 
     torch.manual_seed(0)
     hf_config = transformers.AutoConfig.from_pretrained(str(workdir))
-    return transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-        hf_config, dtype=getattr(torch, dtype)
-    ).eval()
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            hf_config, dtype=getattr(torch, dtype)
+        )
+    return model.eval()

@@ -20,15 +20,25 @@ For each: requests/s, output tokens/s, radixlm's prefix-cache hit rate beside th
 
 Systems: radixlm, radixlm-nocache (--skip-no-cache), radixlm-nojf: radixlm with jump-forward
 off (--skip-no-jump-forward; it differs from radixlm only on `json`), transformers
-(--skip-transformers).
+(--skip-transformers), and the peers vLLM and SGLang (--peers; by default those installed, on a
+GPU only). Each peer runs in its own subprocess on its own dummy weights (`load_format="dummy"`),
+with its own defaults apart from prefix caching (on) and its memory share (--peer-memory).
+
+On a GPU (--device auto picks CUDA when there is one) the same command uses larger shapes:
+Llama-3.1-8B in bfloat16, with every workload's request count times --scale (default 4 there).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import json
 import os
 import random
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,12 +49,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-from _common import QWEN25_05B_SHAPE, random_hf_model, write_config
+from _common import LLAMA31_8B_SHAPE, QWEN25_05B_SHAPE, random_hf_model, write_config
 
 QWEN25_05B: dict[str, Any] = {**QWEN25_05B_SHAPE, "bos_token_id": 0, "eos_token_id": 0}
 # --quick: the same family and vocabulary, a small trunk.
 QUICK = {**QWEN25_05B, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4}
 QUICK.update(num_attention_heads=4, num_key_value_heads=2)
+LLAMA31_8B: dict[str, Any] = {**LLAMA31_8B_SHAPE, "bos_token_id": 0, "eos_token_id": 0}
+SHAPES = {"quick": QUICK, "qwen2.5-0.5b": QWEN25_05B, "llama-3.1-8b": LLAMA31_8B}
+PEERS = ("vllm", "sglang")
 
 CITY_SCHEMA = {
     "type": "object",
@@ -77,10 +90,11 @@ Generate = Callable[[list[Call]], None]
 class Workloads:
     """The paper's workloads as stages of calls; a stage may depend on earlier outputs."""
 
-    def __init__(self, vocab: int, quick: bool, seed: int = 0) -> None:
+    def __init__(self, vocab: int, quick: bool, seed: int = 0, scale: int = 1) -> None:
         self.rng = random.Random(seed)
         self.vocab = vocab
         self.quick = quick
+        self.scale = scale  # request counts are multiplied by it (larger runs on a GPU)
         self.out = 8 if quick else 16  # output tokens per call
 
     def ids(self, count: int) -> list[int]:
@@ -91,12 +105,12 @@ class Workloads:
 
     def few_shot(self, run: Generate) -> list[Call]:
         prefix = self.ids(1500)
-        calls = [Call(prefix + self.ids(20), self.greedy()) for _ in range(64)]
+        calls = [Call(prefix + self.ids(20), self.greedy()) for _ in range(64 * self.scale)]
         run(calls)
         return calls
 
     def multi_turn(self, run: Generate) -> list[Call]:
-        sessions = [self.ids(200) for _ in range(8 if self.quick else 16)]
+        sessions = [self.ids(200) for _ in range((8 if self.quick else 16) * self.scale)]
         done: list[Call] = []
         for _turn in range(4):
             calls = [Call(history + self.ids(40), self.greedy(24)) for history in sessions]
@@ -106,7 +120,7 @@ class Workloads:
         return done
 
     def tree_of_thought(self, run: Generate) -> list[Call]:
-        roots = [self.ids(400) for _ in range(4 if self.quick else 8)]
+        roots = [self.ids(400) for _ in range((4 if self.quick else 8) * self.scale)]
         branch = [Call(root + self.ids(12), self.greedy()) for root in roots for _ in range(4)]
         run(branch)
         solve = [Call(c.prompt + c.outputs[0] + self.ids(10), self.greedy()) for c in branch]
@@ -122,14 +136,14 @@ class Workloads:
     def json(self, run: Generate) -> list[Call]:
         instruction = self.ids(300)
         params = {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(CITY_SCHEMA)}
-        calls = [Call(instruction + self.ids(30), dict(params)) for _ in range(32)]
+        calls = [Call(instruction + self.ids(30), dict(params)) for _ in range(32 * self.scale)]
         run(calls)
         return calls
 
     def self_consistency(self, run: Generate) -> list[Call]:
         prefix = self.ids(600)
         params = {"temperature": 0.7, "max_new_tokens": self.out, "n": 8, "ignore_eos": True}
-        calls = [Call(prefix + self.ids(30), {**params, "seed": i}) for i in range(8)]
+        calls = [Call(prefix + self.ids(30), {**params, "seed": i}) for i in range(8 * self.scale)]
         run(calls)
         return calls
 
@@ -256,6 +270,141 @@ class TransformersSystem:
         pass
 
 
+class PeerSystem:
+    """A peer engine (vLLM, SGLang) on the same shapes; hit rate from its per-request cached
+    token counts. Built once per process and reset (cache flushed) between workloads."""
+
+    name = "peer"
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    def reset(self) -> None:
+        self.prompt_tokens = self.cached_tokens = 0
+
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else float("nan")
+
+    def extra(self) -> str:
+        return ""
+
+    def count(self, prompt: int, cached: int | None, sequences: int = 1) -> None:
+        self.prompt_tokens += prompt * sequences
+        self.cached_tokens += (cached or 0) * sequences
+
+
+class VllmSystem(PeerSystem):
+    name = "vllm"
+
+    def __init__(self, workdir: Path, args: Any) -> None:
+        super().__init__()
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=str(workdir),
+            load_format="dummy",
+            dtype=args.dtype,
+            enable_prefix_caching=True,
+            gpu_memory_utilization=args.peer_memory,
+            seed=args.seed,
+        )
+
+    def reset(self) -> None:
+        super().reset()
+        self.llm.reset_prefix_cache()
+
+    def generate(self, calls: list[Call]) -> None:
+        params = [self._params(c.params) for c in calls]
+        prompts = [{"prompt_token_ids": c.prompt} for c in calls]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        for call, out in zip(calls, outputs, strict=True):
+            call.outputs = [list(o.token_ids) for o in out.outputs]
+            self.count(len(call.prompt), out.num_cached_tokens, len(out.outputs))
+
+    @staticmethod
+    def _params(p: dict[str, Any]) -> Any:
+        from vllm import SamplingParams
+
+        extra: dict[str, Any] = {}
+        if "json_schema" in p:
+            schema = json.loads(p["json_schema"])
+            try:  # vLLM >= 0.11
+                from vllm.sampling_params import StructuredOutputsParams
+
+                extra["structured_outputs"] = StructuredOutputsParams(json=schema)
+            except ImportError:  # older releases
+                from vllm.sampling_params import GuidedDecodingParams
+
+                extra["guided_decoding"] = GuidedDecodingParams(json=schema)
+        return SamplingParams(
+            n=p.get("n", 1),
+            temperature=p["temperature"],
+            max_tokens=p["max_new_tokens"],
+            ignore_eos=p.get("ignore_eos", False),
+            seed=p.get("seed"),
+            **extra,
+        )
+
+    def close(self) -> None:
+        del self.llm
+        gc.collect()
+
+
+class SglangSystem(PeerSystem):
+    name = "sglang"
+
+    def __init__(self, workdir: Path, args: Any) -> None:
+        super().__init__()
+        import sglang
+
+        self.engine = sglang.Engine(
+            model_path=str(workdir),
+            load_format="dummy",
+            dtype=args.dtype,
+            mem_fraction_static=args.peer_memory,
+            random_seed=args.seed,
+            log_level="error",
+        )
+
+    def reset(self) -> None:
+        super().reset()
+        self.engine.flush_cache()
+
+    def generate(self, calls: list[Call]) -> None:
+        # n > 1 as n requests with their own seeds (what a client of the native API sends).
+        ids: list[list[int]] = []
+        params: list[dict[str, Any]] = []
+        for call in calls:
+            p = call.params
+            for j in range(p.get("n", 1)):
+                one = {k: p[k] for k in ("temperature", "max_new_tokens", "ignore_eos") if k in p}
+                if "json_schema" in p:
+                    one["json_schema"] = p["json_schema"]
+                if p.get("seed") is not None:
+                    one["sampling_seed"] = p["seed"] * 1000 + j
+                ids.append(call.prompt)
+                params.append(one)
+        outs = self.engine.generate(input_ids=ids, sampling_params=params)
+        k = 0
+        for call in calls:
+            n = call.params.get("n", 1)
+            call.outputs = [list(o["output_ids"]) for o in outs[k : k + n]]
+            for o in outs[k : k + n]:
+                self.count(o["meta_info"]["prompt_tokens"], o["meta_info"].get("cached_tokens"))
+            k += n
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def installed_peers(device: str) -> list[str]:
+    """The peers this machine can run: those importable, and only on a GPU."""
+    if device != "cuda":
+        return []
+    return [name for name in PEERS if importlib.util.find_spec(name) is not None]
+
+
 def _request_order(request_id: str) -> tuple[int, ...]:
     digits = "".join(c if c.isdigit() else " " for c in request_id).split()
     return tuple(int(d) for d in digits)
@@ -264,7 +413,28 @@ def _request_order(request_id: str) -> tuple[int, ...]:
 # ------------------------------------------------------------------------------------ main
 
 
-def build(args: Any) -> tuple[Any, Any, Any, Path]:
+def resolve(args: Any) -> None:
+    """Fill in what depends on the machine: device, shape, dtype, scale, token budget."""
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = args.device == "cuda"
+    if args.shape is None:
+        args.shape = "quick" if args.quick else "llama-3.1-8b" if gpu else "qwen2.5-0.5b"
+    args.quick = args.shape == "quick"
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    args.scale = args.scale or (4 if gpu else 1)
+    args.max_total_tokens = args.max_total_tokens or (40000 * args.scale)
+
+
+def model_dir(args: Any) -> tuple[Path, Any]:
+    """A fresh model directory (config.json for args.shape, the test tokenizer)."""
+    from radixlm.runtime.fixtures import build_tiny_tokenizer
+
+    workdir = write_config(SHAPES[args.shape], args.dtype, "engine_bench_")
+    return workdir, build_tiny_tokenizer(workdir)
+
+
+def build(args: Any, workdir: Path) -> tuple[Any, Any]:
     """The transformers model with random weights, and a radixlm runner holding the same."""
 
     from radixlm.runtime import (
@@ -274,26 +444,28 @@ def build(args: Any) -> tuple[Any, Any, Any, Path]:
         ModelRunner,
         RunnerConfig,
     )
-    from radixlm.runtime.fixtures import build_tiny_tokenizer
     from radixlm.runtime.loader import build_model, read_model_info
 
-    shape = QUICK if args.quick else QWEN25_05B
-    workdir = write_config(shape, args.dtype, "engine_bench_")
-    tokenizer = build_tiny_tokenizer(workdir)
-    hf_model = random_hf_model(workdir, args.dtype)
+    hf_model = random_hf_model(workdir, args.dtype, args.device)
     config = RunnerConfig(
-        model=ModelConfig(str(workdir), dtype=args.dtype, load_format="dummy", show_progress=False),
+        model=ModelConfig(
+            str(workdir),
+            dtype=args.dtype,
+            device=args.device,
+            load_format="dummy",
+            show_progress=False,
+        ),
         memory=MemoryConfig(max_total_tokens=args.max_total_tokens, max_running_requests=128),
-        attention=AttentionConfig(backend="torch_native"),
+        attention=AttentionConfig(backend="torch_native" if args.device == "cpu" else "auto"),
     )
     info = read_model_info(config.model)
     runner = ModelRunner(config, model=build_model(info), info=info)
     runner.load_weights(hf_model.state_dict().items())
-    return hf_model, runner, tokenizer, workdir
+    return hf_model, runner
 
 
 def measure(system: Any, workload: str, args: Any) -> dict[str, Any]:
-    source = Workloads(QUICK["vocab_size"], args.quick, seed=args.seed)
+    source = Workloads(SHAPES[args.shape]["vocab_size"], args.quick, args.seed, args.scale)
     start = time.perf_counter()
     calls = getattr(source, workload)(system.generate)
     seconds = time.perf_counter() - start
@@ -308,7 +480,52 @@ def measure(system: Any, workload: str, args: Any) -> dict[str, Any]:
         "hit_rate": system.hit_rate(),
         "optimal_hit_rate": optimal_hit_rate(calls),
         "extra": system.extra(),
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "device": args.device,
+        "scale": args.scale,
     }
+
+
+def show(row: dict[str, Any]) -> None:
+    print(
+        f"  {row['workload']:17s} {row['system']:16s} {row['seconds']:8.1f} s "
+        f"{row['requests_per_s']:8.2f} req/s {row['output_tokens_per_s']:9.1f} tok/s "
+        f"{row['extra']}",
+        flush=True,
+    )
+
+
+def run_peer(name: str, workloads: list[str], args: Any) -> list[dict[str, Any]]:
+    """Every workload on one peer, in this process (the child of `peer_subprocess`)."""
+    workdir, _ = model_dir(args)
+    system: PeerSystem = {"vllm": VllmSystem, "sglang": SglangSystem}[name](workdir, args)
+    rows = []
+    try:
+        for workload in workloads:
+            system.reset()
+            rows.append(measure(system, workload, args))
+            show(rows[-1])
+    finally:
+        system.close()
+    return rows
+
+
+def peer_subprocess(name: str, workloads: list[str], args: Any) -> list[dict[str, Any]]:
+    """Run a peer in a child process (its own CUDA context and memory); its rows, or none if
+    it failed (the failure is printed, the other systems' figures stand)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, __file__, "--only-peer", name, "--json", str(out)]
+        cmd += ["--workloads", ",".join(workloads), "--device", args.device]
+        cmd += ["--shape", args.shape, "--dtype", args.dtype, "--scale", str(args.scale)]
+        cmd += ["--seed", str(args.seed), "--peer-memory", str(args.peer_memory)]
+        status = subprocess.run(cmd, check=False).returncode
+        if status != 0 or not out.exists():
+            print(f"  {name}: failed (exit {status}); left out of the figures", flush=True)
+            return []
+        rows: list[dict[str, Any]] = json.loads(out.read_text())
+        return rows
 
 
 def main() -> None:
@@ -317,23 +534,55 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="small shapes (a few minutes)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--max-total-tokens", type=int, default=40000)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="default: by --quick and device")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: "
+                        "float32 on CPU, bfloat16 on GPU")  # fmt: skip
+    parser.add_argument("--scale", type=int, default=0, help="request counts x N (default: "
+                        "1 on CPU, 4 on GPU)")  # fmt: skip
+    parser.add_argument("--max-total-tokens", type=int, default=0, help="radixlm's KV pool "
+                        "(default 40000 x scale)")  # fmt: skip
     parser.add_argument("--chunked-prefill-size", type=int, default=2048)
     parser.add_argument("--schedule-policy", default="lpm")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-no-cache", action="store_true")
     parser.add_argument("--skip-no-jump-forward", action="store_true")
+    parser.add_argument("--peers", default="auto", help="comma-separated from vllm,sglang; "
+                        "'auto': those installed (GPU only); 'none'")  # fmt: skip
+    parser.add_argument("--peer-memory", type=float, default=0.5,
+                        help="the peers' share of GPU memory")  # fmt: skip
+    parser.add_argument("--only-peer", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    resolve(args)
     workloads = [w for w in args.workloads.split(",") if w]
-    print(f"building a dummy {'small' if args.quick else 'Qwen2.5-0.5B'}-shaped model ...")
-    hf_model, runner, tokenizer, _ = build(args)
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+    if args.only_peer:
+        rows = run_peer(args.only_peer, workloads, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return
+    peers = installed_peers(args.device) if args.peers == "auto" else []
+    if args.peers not in ("auto", "none"):
+        peers = [p for p in args.peers.split(",") if p]
+        if bad := sorted(set(peers) - set(PEERS)):
+            parser.error(f"unknown peers {bad}; choose from {', '.join(PEERS)}")
+    print(
+        f"building a dummy {args.shape}-shaped model ({args.dtype} on {args.device}, "
+        f"scale {args.scale}); peers: {', '.join(peers) or 'none'} ..."
+    )
     rows: list[dict[str, Any]] = []
+    # The peers first, each in its own process, while this one holds no GPU memory yet.
+    for name in peers:
+        rows += peer_subprocess(name, workloads, args)
+    workdir, tokenizer = model_dir(args)
+    hf_model, runner = build(args, workdir)
     for workload in workloads:
         systems: list[Callable[[], Any]] = [
             lambda: RadixSystem("radixlm", runner, tokenizer, True, args)
@@ -353,49 +602,47 @@ def main() -> None:
             finally:
                 system.close()
             rows.append(row)
-            print(
-                f"  {workload:17s} {row['system']:16s} {row['seconds']:8.1f} s "
-                f"{row['requests_per_s']:8.2f} req/s {row['output_tokens_per_s']:9.1f} tok/s "
-                f"{row['extra']}",
-                flush=True,
-            )
+            show(row)
     report(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
 
+ORDER = ("radixlm", "radixlm-nocache", "radixlm-nojf", "transformers", *PEERS)
+
+
 def report(rows: list[dict[str, Any]]) -> None:
+    """Requests/s of every system, radixlm's output tokens/s over each other system's, and
+    radixlm's hit rate beside the optimal one."""
+    present = {r["system"] for r in rows}
+    systems = [s for s in ORDER if s in present]
+    others = systems[1:]
+    head = f"{'workload':17s} " + " ".join(f"{s[:14]:>14s}" for s in systems)
+    head += " " + " ".join(f"{'x ' + s[:12]:>14s}" for s in others)
+    head += f" {'hit':>6s} {'optimal':>7s} {'hit/opt':>7s}"
     print()
-    header = (
-        f"{'workload':17s} {'req/s radix':>11s} {'nocache':>8s} {'no-jf':>8s} {'transf.':>8s} "
-        f"{'tok/s radix':>11s} {'x nocache':>9s} {'x no-jf':>9s} {'x transf.':>9s} {'hit':>6s} "
-        f"{'optimal':>7s} {'hit/opt':>7s}"
-    )
-    print(header)
-    print("-" * len(header))
+    print("requests/s; x: radixlm's output tokens/s over the system's")
+    print(head)
+    print("-" * len(head))
     by = {(r["workload"], r["system"]): r for r in rows}
     for workload in dict.fromkeys(r["workload"] for r in rows):
-        radix = by[(workload, "radixlm")]
-        nocache = by.get((workload, "radixlm-nocache"))
-        nojf = by.get((workload, "radixlm-nojf"))
-        hf = by.get((workload, "transformers"))
-
-        def rate(row: dict[str, Any] | None) -> str:
-            return f"{row['requests_per_s']:.2f}" if row else "-"
-
-        def ratio(row: dict[str, Any] | None, radix: dict[str, Any] = radix) -> str:
-            if not row:
-                return "-"
-            return f"{radix['output_tokens_per_s'] / row['output_tokens_per_s']:.2f}x"
-
-        optimal = radix["optimal_hit_rate"]
-        share = radix["hit_rate"] / optimal if optimal else float("nan")
-        print(
-            f"{workload:17s} {rate(radix):>11s} {rate(nocache):>8s} {rate(nojf):>8s} "
-            f"{rate(hf):>8s} {radix['output_tokens_per_s']:11.1f} {ratio(nocache):>9s} "
-            f"{ratio(nojf):>9s} {ratio(hf):>9s} "
-            f"{radix['hit_rate']:6.1%} {optimal:7.1%} {share:7.1%}"
-        )
+        radix = by.get((workload, "radixlm"))
+        cells = []
+        for s in systems:
+            row = by.get((workload, s))
+            cells.append(f"{row['requests_per_s']:14.2f}" if row else f"{'-':>14s}")
+        for s in others:
+            row = by.get((workload, s))
+            if radix and row:
+                cells.append(f"{radix['output_tokens_per_s'] / row['output_tokens_per_s']:13.2f}x")
+            else:
+                cells.append(f"{'-':>14s}")
+        line = f"{workload:17s} " + " ".join(cells)
+        if radix:
+            optimal = radix["optimal_hit_rate"]
+            share = radix["hit_rate"] / optimal if optimal else float("nan")
+            line += f" {radix['hit_rate']:6.1%} {optimal:7.1%} {share:7.1%}"
+        print(line)
 
 
 if __name__ == "__main__":

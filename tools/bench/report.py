@@ -11,6 +11,10 @@ draws PNG plots into docs/img/bench/ and rewrites the part of docs/benchmarks.md
     .venv/bin/python tools/bench/report.py --with-serve                        # full size (long)
     .venv/bin/python tools/bench/report.py --from-json build/bench-report      # re-render only
 
+On a machine with a GPU the same command measures larger shapes (Llama-3.1-8B, bfloat16, four
+times the requests) and adds vLLM and SGLang as peers where they are installed; engine_bench.py
+decides (--engine-args "--device cpu" or "--peers none" to override).
+
 The results folder (default build/bench-report, git-ignored) holds engine.json, serve.json
 (with --with-serve), the logs, and meta.json (the command, the shapes, the machine).
 """
@@ -38,19 +42,39 @@ SYSTEMS = {
     "radixlm-nocache": "radixlm, no cache",
     "radixlm-nojf": "radixlm, no jump-forward",
     "transformers": "transformers generate_batch",
+    "vllm": "vLLM",
+    "sglang": "SGLang",
 }
 COLORS = {
     "radixlm": "#1f77b4",
     "radixlm-nocache": "#9ecae1",
     "radixlm-nojf": "#6baed6",
     "transformers": "#ff7f0e",
+    "vllm": "#2ca02c",
+    "sglang": "#d62728",
 }
+PEERS = ("vllm", "sglang")
 SHAPES = {
-    True: "quick: the Qwen2 family with its 151,936-token vocabulary, 4 layers, hidden size 256, "
-    "4 heads / 2 KV heads, 8 output tokens per call",
-    False: "Qwen2.5-0.5B: 24 layers, hidden size 896, 14 heads / 2 KV heads, vocabulary 151,936, "
-    "tied embeddings, 16 output tokens per call",
+    "quick": "quick: the Qwen2 family with its 151,936-token vocabulary, 4 layers, hidden size "
+    "256, 4 heads / 2 KV heads, 8 output tokens per call",
+    "qwen2.5-0.5b": "Qwen2.5-0.5B: 24 layers, hidden size 896, 14 heads / 2 KV heads, vocabulary "
+    "151,936, tied embeddings, 16 output tokens per call",
+    "llama-3.1-8b": "Llama-3.1-8B: 32 layers, hidden size 4096, 32 heads / 8 KV heads, "
+    "vocabulary 128,256, 16 output tokens per call",
 }
+
+
+def setup_of(engine: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """Shape, dtype, device and scale of the run (older results only knew `quick`)."""
+    first = engine[0] if engine else {}
+    return {
+        "shape": first.get("shape", "quick" if meta.get("quick") else "qwen2.5-0.5b"),
+        "dtype": first.get("dtype", "float32"),
+        "device": first.get("device", "cpu"),
+        "scale": first.get("scale", 1),
+    }
+
+
 # serve_bench --compare: radixlm serve and transformers serve, one after the other.
 SERVE_ARGS = {
     True: "--dummy-model tiny --num-prompts 32 --max-concurrency 8 --prefix-len 128 "
@@ -199,12 +223,13 @@ def plot(engine: list[dict[str, Any]], serve: dict[str, Any] | None, img: Path) 
     fig, ax = plt.subplots(figsize=(9, 4))
     hits = {
         "radixlm": [_get(by, w, "radixlm", "hit_rate") * 100 for w in workloads],
+        **{p: [_get(by, w, p, "hit_rate") * 100 for w in workloads] for p in systems if p in PEERS},
         "optimal": [_get(by, w, "radixlm", "optimal_hit_rate") * 100 for w in workloads],
     }
     _grouped(ax, workloads, hits, "{:.0f}%")
     ax.set_ylim(0, 110)
     ax.set_ylabel("prefix-cache hit rate (%)")
-    ax.set_title("radixlm's cache hit rate against the optimal one")
+    ax.set_title("Prefix-cache hit rate against the optimal one")
     save(fig, "hit_rate.png")
 
     if "transformers" in systems:
@@ -270,6 +295,7 @@ def render(
     plots: list[str],
 ) -> str:
     workloads, systems, by = _rows(engine)
+    setup = setup_of(engine, meta)
     m = meta["machine"]
     lines = [
         f"Measured {m['date']} at commit `{m.get('commit') or '?'}` with:",
@@ -278,8 +304,11 @@ def render(
         meta["command"],
         "```",
         "",
-        f"**Model shapes.** {SHAPES[bool(meta['quick'])]}; dummy (random) weights, float32, "
-        "shared by every system; synthetic token ids from a fixed seed.",
+        f"**Model shapes.** {SHAPES.get(setup['shape'], setup['shape'])}; dummy (random) "
+        f"weights in {setup['dtype']} on {setup['device']}, shared by radixlm and transformers; "
+        "synthetic token ids from a fixed seed"
+        + (f"; request counts × {setup['scale']}" if setup["scale"] != 1 else "")
+        + ".",
         "",
         f"**Machine.** {m['cpu']}, {m['cores']} cores ({m.get('usable_cores', '?')} usable), "
         f"{m.get('memory_gb', '?')} GB memory, "
@@ -294,6 +323,13 @@ def render(
         "output tokens per second over the other system's.",
         "",
     ]
+    if any(s in PEERS for s in systems):
+        lines += [
+            "The peers (vLLM, SGLang) each run in their own process on their own dummy weights "
+            "with their own defaults, prefix caching on; on `json` their constrained outputs "
+            "can differ in length from radixlm's (tokens per second stays comparable).",
+            "",
+        ]
     head = [SYSTEMS[s] for s in systems] + [f"× {SYSTEMS[s]}" for s in systems[1:]]
     lines += ["| workload | " + " | ".join(head) + " |", "|---" + "|---:" * len(head) + "|"]
     for w in workloads:
@@ -310,16 +346,17 @@ def render(
         "",
         "Optimal: every reusable prefix computed once, with an unbounded cache.",
         "",
-        "| workload | radixlm hit rate | optimal | share of optimal |",
-        "|---|---:|---:|---:|",
     ]
+    peers = [s for s in systems if s in PEERS]
+    head = ["radixlm hit rate", "optimal", "share of optimal"]
+    head += [f"{SYSTEMS[p]} hit rate" for p in peers]
+    lines += ["| workload | " + " | ".join(head) + " |", "|---" + "|---:" * len(head) + "|"]
     for w in workloads:
         hit, best = _get(by, w, "radixlm", "hit_rate"), _get(by, w, "radixlm", "optimal_hit_rate")
         share = hit / best if best else math.nan
-        lines.append(
-            f"| {w} | {_num(hit * 100, '{:.1f} %')} | {_num(best * 100, '{:.1f} %')} | "
-            f"{_num(share * 100, '{:.1f} %')} |"
-        )
+        cells = [_num(v * 100, "{:.1f} %") for v in (hit, best, share)]
+        cells += [_num(_get(by, w, p, "hit_rate") * 100, "{:.1f} %") for p in peers]
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
     lines.append("")
     for name in plots:
         if name != "serve.png":

@@ -1,0 +1,275 @@
+"""The benchmark tools' own logic, without running a benchmark: the vLLM / SGLang adapters of
+tools/bench/engine_bench.py against stand-in modules (neither peer installs on a CPU machine),
+and tools/bench/report.py rendering and plotting from saved figures."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench"
+
+
+@pytest.fixture(scope="module")
+def engine_bench() -> Any:
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("engine_bench")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def report() -> Any:
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("report")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class _PrefixMemory:
+    """What a prefix cache would report: the longest prefix shared with an earlier prompt."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+
+    def cached(self, prompt: list[int]) -> int:
+        best = max((_common_prefix(prompt, s) for s in self.seen), default=0)
+        self.seen.append(prompt)
+        return min(best, len(prompt) - 1)
+
+
+def _fake_vllm(log: dict[str, Any]) -> dict[str, types.ModuleType]:
+    vllm = types.ModuleType("vllm")
+    params_mod = types.ModuleType("vllm.sampling_params")
+
+    class SamplingParams:
+        def __init__(self, **kw: Any) -> None:
+            self.kw = kw
+
+    class StructuredOutputsParams:
+        def __init__(self, json: Any = None) -> None:
+            self.json = json
+
+    class LLM:
+        def __init__(self, **kw: Any) -> None:
+            log["init"] = kw
+            self.memory = _PrefixMemory()
+
+        def reset_prefix_cache(self) -> None:
+            log["resets"] = log.get("resets", 0) + 1
+            self.memory = _PrefixMemory()
+
+        def generate(self, prompts: list[Any], params: list[Any], use_tqdm: bool) -> list[Any]:
+            log.setdefault("params", []).extend(p.kw for p in params)
+            outs = []
+            for prompt, p in zip(prompts, params, strict=True):
+                ids = prompt["prompt_token_ids"]
+                seqs = [
+                    types.SimpleNamespace(token_ids=[7 + j] * p.kw["max_tokens"])
+                    for j in range(p.kw["n"])
+                ]
+                cached = self.memory.cached(ids)
+                outs.append(types.SimpleNamespace(outputs=seqs, num_cached_tokens=cached))
+            return outs
+
+    vllm.LLM = LLM  # type: ignore[attr-defined]
+    vllm.SamplingParams = SamplingParams  # type: ignore[attr-defined]
+    params_mod.StructuredOutputsParams = StructuredOutputsParams  # type: ignore[attr-defined]
+    return {"vllm": vllm, "vllm.sampling_params": params_mod}
+
+
+def _fake_sglang(log: dict[str, Any]) -> dict[str, types.ModuleType]:
+    sglang = types.ModuleType("sglang")
+
+    class Engine:
+        def __init__(self, **kw: Any) -> None:
+            log["init"] = kw
+            self.memory = _PrefixMemory()
+
+        def flush_cache(self) -> None:
+            self.memory = _PrefixMemory()
+
+        def shutdown(self) -> None:
+            log["shutdown"] = True
+
+        def generate(self, input_ids: list[list[int]], sampling_params: list[Any]) -> list[Any]:
+            log.setdefault("params", []).extend(sampling_params)
+            return [
+                {
+                    "output_ids": [3] * p["max_new_tokens"],
+                    "meta_info": {
+                        "prompt_tokens": len(ids),
+                        "cached_tokens": self.memory.cached(ids),
+                    },
+                }
+                for ids, p in zip(input_ids, sampling_params, strict=True)
+            ]
+
+    sglang.Engine = Engine  # type: ignore[attr-defined]
+    return {"sglang": sglang}
+
+
+def _args() -> Any:
+    return types.SimpleNamespace(dtype="bfloat16", peer_memory=0.4, seed=0)
+
+
+def _calls(engine_bench: Any) -> list[Any]:
+    Call = engine_bench.Call
+    prefix = list(range(100, 140))
+    schema = json.dumps({"type": "object"})
+    return [
+        Call([*prefix, 1, 2], {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}),
+        Call([*prefix, 3], {"temperature": 0.7, "max_new_tokens": 2, "n": 3, "seed": 5}),
+        Call([*prefix, 4], {"temperature": 0, "max_new_tokens": 5, "json_schema": schema}),
+    ]
+
+
+def test_vllm_adapter_maps_params_outputs_and_hit_rate(
+    engine_bench: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    log: dict[str, Any] = {}
+    for name, module in _fake_vllm(log).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    system = engine_bench.VllmSystem(tmp_path, _args())
+    assert log["init"]["load_format"] == "dummy"
+    assert log["init"]["enable_prefix_caching"] is True
+    assert log["init"]["gpu_memory_utilization"] == 0.4
+    calls = _calls(engine_bench)
+    system.reset()
+    system.generate(calls)
+    assert [len(c.outputs) for c in calls] == [1, 3, 1]
+    assert calls[1].outputs == [[7, 7], [8, 8], [9, 9]]
+    first, second, third = log["params"]
+    assert first["ignore_eos"] is True and first["max_tokens"] == 4 and first["n"] == 1
+    assert second["n"] == 3 and second["seed"] == 5 and second["temperature"] == 0.7
+    assert third["structured_outputs"].json == {"type": "object"}
+    # 42 + 3 x 41 + 41 prompt tokens; cached: 0, then 40 for each of the three samples, then 40.
+    assert system.hit_rate() == pytest.approx((3 * 40 + 40) / (42 + 3 * 41 + 41))
+    system.reset()
+    assert log["resets"] == 2
+    assert system.hit_rate() != system.hit_rate()  # nan: nothing measured since the reset
+
+
+def test_sglang_adapter_expands_n_with_distinct_seeds(
+    engine_bench: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    log: dict[str, Any] = {}
+    for name, module in _fake_sglang(log).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    system = engine_bench.SglangSystem(tmp_path, _args())
+    assert log["init"]["load_format"] == "dummy"
+    assert log["init"]["mem_fraction_static"] == 0.4
+    calls = _calls(engine_bench)
+    system.reset()
+    system.generate(calls)
+    assert [len(c.outputs) for c in calls] == [1, 3, 1]
+    sent = log["params"]
+    assert len(sent) == 5
+    assert [p.get("sampling_seed") for p in sent[1:4]] == [5000, 5001, 5002]
+    assert "sampling_seed" not in sent[0]
+    assert sent[4]["json_schema"] == calls[2].params["json_schema"]
+    assert calls[0].outputs == [[3, 3, 3, 3]]
+    # per request: 0 of 42, then 40 of 41 three times, then 40 of 41.
+    assert system.hit_rate() == pytest.approx(160 / 206)
+    system.close()
+    assert log["shutdown"]
+
+
+def test_peers_are_only_offered_on_a_gpu(engine_bench: Any) -> None:
+    assert engine_bench.installed_peers("cpu") == []
+
+
+def _rows(systems: dict[str, float], **setup: Any) -> list[dict[str, Any]]:
+    rows = []
+    for workload in ("few_shot", "json"):
+        for name, speed in systems.items():
+            rows.append(
+                {
+                    "workload": workload,
+                    "system": name,
+                    "seconds": 10.0,
+                    "requests_per_s": speed / 16,
+                    "output_tokens_per_s": speed,
+                    "hit_rate": 0.9 if name in ("radixlm", "vllm") else float("nan"),
+                    "optimal_hit_rate": 0.95,
+                    "extra": "",
+                    **setup,
+                }
+            )
+    return rows
+
+
+def _results(tmp_path: Path, rows: list[dict[str, Any]]) -> Path:
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "engine.json").write_text(json.dumps(rows))
+    machine = {
+        "cpu": "test cpu",
+        "cores": 2,
+        "usable_cores": 2,
+        "memory_gb": 8,
+        "gpus": [],
+        "torch": "x",
+        "torch_threads": 2,
+        "python": "3",
+        "platform": "linux",
+        "load_average": 0.1,
+        "date": "2026-12-01 00:00 UTC",
+        "commit": "abc1234",
+    }
+    meta = {"command": "python tools/bench/report.py", "quick": False, "machine": machine}
+    (results / "meta.json").write_text(json.dumps(meta))
+    return results
+
+
+def _render(report: Any, results: Path, tmp_path: Path, monkeypatch: Any) -> str:
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"# B\n\nkept above\n\n{report.START}\nold\n{report.END}\n\nkept below\n")
+    img = tmp_path / "img"
+    argv = ["report.py", "--from-json", str(results), "--page", str(page), "--img", str(img)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert report.main() == 0
+    return page.read_text()
+
+
+def test_report_renders_tables_and_plots_between_its_markers(
+    report: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    systems = {"radixlm": 100.0, "radixlm-nocache": 20.0, "transformers": 8.0}
+    results = _results(tmp_path, _rows(systems))
+    text = _render(report, results, tmp_path, monkeypatch)
+    assert "kept above" in text and "kept below" in text and "\nold\n" not in text
+    assert "| few_shot | 100.0 (6.25) | 20.0 (1.25) | 8.0 (0.50) | 5.00× | 12.50× |" in text
+    assert "| json | 90.0 % | 95.0 % | 94.7 % |" in text
+    assert "Qwen2.5-0.5B" in text and "float32 on cpu" in text
+    names = sorted(p.name for p in (tmp_path / "img").iterdir())
+    assert names == ["hit_rate.png", "ratio_vs_transformers.png", "throughput.png"]
+    assert all((tmp_path / "img" / n).stat().st_size > 5000 for n in names)
+
+
+def test_report_shows_gpu_peers_with_their_hit_rates(
+    report: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    systems = {"radixlm": 900.0, "transformers": 100.0, "vllm": 600.0, "sglang": 800.0}
+    rows = _rows(systems, shape="llama-3.1-8b", dtype="bfloat16", device="cuda", scale=4)
+    text = _render(report, _results(tmp_path, rows), tmp_path, monkeypatch)
+    assert "× vLLM" in text and "× SGLang" in text
+    assert "| few_shot | 900.0 (56.25) | 100.0 (6.25) | 600.0 (37.50) | 800.0 (50.00) | " in text
+    assert "9.00× | 1.50× | 1.12× |" in text
+    assert "vLLM hit rate" in text and "| 90.0 % | 95.0 % | 94.7 % | 90.0 % | – |" in text
+    assert "Llama-3.1-8B" in text and "bfloat16 on cuda" in text and "× 4" in text
