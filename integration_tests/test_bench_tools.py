@@ -254,7 +254,7 @@ def test_report_renders_tables_and_plots_between_its_markers(
     results = _results(tmp_path, _rows(systems))
     text = _render(report, results, tmp_path, monkeypatch)
     assert "kept above" in text and "kept below" in text and "\nold\n" not in text
-    assert "| few_shot | 100.0 (6.25) | 20.0 (1.25) | 8.0 (0.50) | 5.00× | 12.50× |" in text
+    assert "| few_shot | 6.25 (100.0) | 1.25 (20.0) | 0.50 (8.0) | 5.00× | 12.50× |" in text
     assert "| json | 90.0 % | 95.0 % | 94.7 % |" in text
     assert "Qwen2.5-0.5B" in text and "float32 on cpu" in text
     names = sorted(p.name for p in (tmp_path / "img").iterdir())
@@ -269,7 +269,7 @@ def test_report_shows_gpu_peers_with_their_hit_rates(
     rows = _rows(systems, shape="llama-3.1-8b", dtype="bfloat16", device="cuda", scale=4)
     text = _render(report, _results(tmp_path, rows), tmp_path, monkeypatch)
     assert "× vLLM" in text and "× SGLang" in text
-    assert "| few_shot | 900.0 (56.25) | 100.0 (6.25) | 600.0 (37.50) | 800.0 (50.00) | " in text
+    assert "| few_shot | 56.25 (900.0) | 6.25 (100.0) | 37.50 (600.0) | 50.00 (800.0) | " in text
     assert "9.00× | 1.50× | 1.12× |" in text
     assert "vLLM hit rate" in text and "| 90.0 % | 95.0 % | 94.7 % | 90.0 % | – |" in text
     assert "Llama-3.1-8B" in text and "bfloat16 on cuda" in text and "× 4" in text

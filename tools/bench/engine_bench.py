@@ -612,7 +612,7 @@ ORDER = ("radixlm", "radixlm-nocache", "radixlm-nojf", "transformers", *PEERS)
 
 
 def report(rows: list[dict[str, Any]]) -> None:
-    """Requests/s of every system, radixlm's output tokens/s over each other system's, and
+    """Requests/s of every system, radixlm's requests/s over each other system's, and
     radixlm's hit rate beside the optimal one."""
     present = {r["system"] for r in rows}
     systems = [s for s in ORDER if s in present]
@@ -621,7 +621,7 @@ def report(rows: list[dict[str, Any]]) -> None:
     head += " " + " ".join(f"{'x ' + s[:12]:>14s}" for s in others)
     head += f" {'hit':>6s} {'optimal':>7s} {'hit/opt':>7s}"
     print()
-    print("requests/s; x: radixlm's output tokens/s over the system's")
+    print("requests/s; x: radixlm's requests/s over the system's")
     print(head)
     print("-" * len(head))
     by = {(r["workload"], r["system"]): r for r in rows}
@@ -634,7 +634,7 @@ def report(rows: list[dict[str, Any]]) -> None:
         for s in others:
             row = by.get((workload, s))
             if radix and row:
-                cells.append(f"{radix['output_tokens_per_s'] / row['output_tokens_per_s']:13.2f}x")
+                cells.append(f"{radix['requests_per_s'] / row['requests_per_s']:13.2f}x")
             else:
                 cells.append(f"{'-':>14s}")
         line = f"{workload:17s} " + " ".join(cells)

@@ -138,6 +138,15 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def _shown(cmd: list[str]) -> str:
+    """`cmd` as a reader would type it from the repository root."""
+    shown = ["python"]
+    for part in cmd[1:]:
+        path = Path(part)
+        shown.append(str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else part)
+    return shlex.join(shown)
+
+
 def run_benchmarks(args: argparse.Namespace, results: Path) -> int:
     results.mkdir(parents=True, exist_ok=True)
     for stale in ("engine.json", "serve.json"):
@@ -155,7 +164,7 @@ def run_benchmarks(args: argparse.Namespace, results: Path) -> int:
     started = dt.datetime.now()
     status = run_logged(engine, results / "engine.log")
     meta["engine_minutes"] = round((dt.datetime.now() - started).total_seconds() / 60, 1)
-    meta["engine_command"] = shlex.join(["python", *engine[1:]])
+    meta["engine_command"] = _shown(engine)
     if status != 0:
         print(f"engine_bench failed (exit {status}); see {results / 'engine.log'}", file=sys.stderr)
         return status
@@ -166,7 +175,7 @@ def run_benchmarks(args: argparse.Namespace, results: Path) -> int:
         started = dt.datetime.now()
         status = run_logged(serve, results / "serve.log")
         meta["serve_minutes"] = round((dt.datetime.now() - started).total_seconds() / 60, 1)
-        meta["serve_command"] = shlex.join(["python", *serve[1:]])
+        meta["serve_command"] = _shown(serve)
         if status != 0:
             print(f"serve_bench exited {status}: rendering what it measured", file=sys.stderr)
     (results / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -214,9 +223,9 @@ def plot(engine: list[dict[str, Any]], serve: dict[str, Any] | None, img: Path) 
         drawn.append(name)
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    series = {s: [_get(by, w, s, "output_tokens_per_s") for w in workloads] for s in systems}
-    _grouped(ax, workloads, series, "{:.0f}")
-    ax.set_ylabel("output tokens / s")
+    series = {s: [_get(by, w, s, "requests_per_s") for w in workloads] for s in systems}
+    _grouped(ax, workloads, series, "{:.2f}")
+    ax.set_ylabel("requests / s")
     ax.set_title("Throughput per workload")
     save(fig, "throughput.png")
 
@@ -241,7 +250,7 @@ def plot(engine: list[dict[str, Any]], serve: dict[str, Any] | None, img: Path) 
         }
         _grouped(ax, workloads, ratios, "{:.1f}x")
         ax.axhline(1, color="black", linewidth=0.8)
-        ax.set_ylabel("output tokens / s ÷ transformers")
+        ax.set_ylabel("requests / s ÷ transformers")
         ax.set_title("Speed-up over transformers generate_batch")
         save(fig, "ratio_vs_transformers.png")
 
@@ -257,7 +266,8 @@ def plot(engine: list[dict[str, Any]], serve: dict[str, Any] | None, img: Path) 
             names = list(columns)
             values = [_value(columns[n], key) for n in names]
             bars = ax.bar(names, values, color=["#1f77b4", "#ff7f0e"][: len(names)])
-            ax.bar_label(bars, fmt="%.1f", fontsize=8)
+            shown = [f"{v:.0f}" if v >= 100 else f"{v:.2f}" for v in values]
+            ax.bar_label(bars, labels=shown, fontsize=8)
             ax.set_title(label, fontsize=10)
             ax.grid(axis="y", alpha=0.3)
             ax.set_axisbelow(True)
@@ -277,8 +287,8 @@ def _value(column: dict[str, Any], key: str) -> float:
 
 
 def _ratio(by: dict[Any, Any], workload: str, system: str, peer: str) -> float:
-    peer_value = _get(by, workload, peer, "output_tokens_per_s")
-    return _get(by, workload, system, "output_tokens_per_s") / peer_value
+    peer_value = _get(by, workload, peer, "requests_per_s")
+    return _get(by, workload, system, "requests_per_s") / peer_value
 
 
 # -------------------------------------------------------------------------------- markdown
@@ -319,23 +329,30 @@ def render(
         "",
         "### Engine throughput {#report-engine}",
         "",
-        "Output tokens per second (requests per second in brackets); × columns: radixlm's "
-        "output tokens per second over the other system's.",
+        "Requests per second (output tokens per second in brackets); × columns: radixlm's "
+        "requests per second over the other system's. Every workload but `json` asks for a "
+        "fixed number of output tokens, so there the two ratios agree. On `json` requests per "
+        "second is the measure: jump-forward appends forced text as it tokenizes (often fewer, "
+        "longer tokens), so its outputs take fewer tokens, and the model, seeing other tokens, "
+        "can continue differently; transformers cannot constrain `generate_batch` per request "
+        "and decodes 48 unconstrained tokens.",
         "",
     ]
+    if meta.get("engine_note"):  # what a run found that the tables cannot say
+        lines += [meta["engine_note"], ""]
     if any(s in PEERS for s in systems):
         lines += [
             "The peers (vLLM, SGLang) each run in their own process on their own dummy weights "
             "with their own defaults, prefix caching on; on `json` their constrained outputs "
-            "can differ in length from radixlm's (tokens per second stays comparable).",
+            "follow their own random weights, so their lengths can differ from radixlm's.",
             "",
         ]
     head = [SYSTEMS[s] for s in systems] + [f"× {SYSTEMS[s]}" for s in systems[1:]]
     lines += ["| workload | " + " | ".join(head) + " |", "|---" + "|---:" * len(head) + "|"]
     for w in workloads:
         cells = [
-            f"{_num(_get(by, w, s, 'output_tokens_per_s'), '{:.1f}')} "
-            f"({_num(_get(by, w, s, 'requests_per_s'))})"
+            f"{_num(_get(by, w, s, 'requests_per_s'))} "
+            f"({_num(_get(by, w, s, 'output_tokens_per_s'), '{:.1f}')})"
             for s in systems
         ]
         cells += [_num(_ratio(by, w, "radixlm", s), "{:.2f}×") for s in systems[1:]]
@@ -367,19 +384,22 @@ def render(
         lines += ["### Server under load {#report-serve}", ""]
         if meta.get("serve_command"):
             lines += ["```bash", meta["serve_command"], "```", ""]
+        if meta.get("serve_note"):  # e.g. a rerun of the serve comparison alone
+            lines += [meta["serve_note"], ""]
         names = list(columns)
         lines += ["| | " + " | ".join(names) + " |", "|---" + "|---:" * len(names) + "|"]
-        for key, label in [
-            ("request_throughput", "requests/s"),
-            ("output_tok_s", "output tok/s"),
-            ("mean_ttft_ms", "mean TTFT (ms)"),
-            ("p99_ttft_ms", "p99 TTFT (ms)"),
-            ("mean_itl_ms", "mean ITL (ms)"),
-            ("p99_e2e_ms", "p99 end-to-end (ms)"),
-        ]:
-            cells = [
-                _num(_value(columns[n], key), "{:.1f}") if columns[n] else "failed" for n in names
-            ]
+        rows = [
+            ("completed", "completed requests", "{:.0f}"),
+            ("failed", "failed requests", "{:.0f}"),
+            ("request_throughput", "requests/s", "{:.2f}"),
+            ("output_tok_s", "output tok/s", "{:.1f}"),
+            ("mean_ttft_ms", "mean TTFT (ms)", "{:.0f}"),
+            ("p99_ttft_ms", "p99 TTFT (ms)", "{:.0f}"),
+            ("mean_itl_ms", "mean ITL (ms)", "{:.0f}"),
+            ("p99_e2e_ms", "p99 end-to-end (ms)", "{:.0f}"),
+        ]
+        for key, label, fmt in rows:
+            cells = [_num(_value(columns[n], key), fmt) if columns[n] else "failed" for n in names]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
         if "serve.png" in plots:

@@ -199,6 +199,10 @@ async def one_request(
     if not result.output_tokens:  # the server sent no usage: count the text's tokens
         result.output_tokens = count_tokens(result.text) if count_tokens else chunks
     result.ok = chunks > 0 or result.output_tokens == 0
+    if not result.ok:
+        result.error = (
+            f"the stream ended without text ({result.output_tokens} completion tokens reported)"
+        )
     return result
 
 
