@@ -412,6 +412,15 @@ def build_dummy_model(shape: str, directory: Path) -> Path:
     return directory
 
 
+def _device() -> str:
+    """Where `radixlm serve` will run by default: CUDA when torch sees a GPU."""
+    if importlib.util.find_spec("torch") is None:
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def launch(name: str, model: str, port: int, log: Path, peer_args: str) -> subprocess.Popen[bytes]:
     if name == "radixlm":
         cmd = [sys.executable, "-m", "radixlm.server", "--model-path", model, "--port", str(port),
@@ -476,8 +485,9 @@ def main() -> int:
     target.add_argument("--startup-timeout", type=float, default=600)
     target.add_argument(
         "--transformers-args",
-        default="--continuous-batching --device cpu",
-        help="extra arguments of `transformers serve` in --compare",
+        default=f"--continuous-batching --device {_device()}",
+        help="extra arguments of `transformers serve` in --compare (default: on the GPU when "
+        "there is one, like radixlm)",
     )
     load = parser.add_argument_group("load")
     load.add_argument("--api", choices=["chat", "completions", "generate"], default="chat")
