@@ -334,8 +334,13 @@ def render(
         "fixed number of output tokens, so there the two ratios agree. On `json` requests per "
         "second is the measure: jump-forward appends forced text as it tokenizes (often fewer, "
         "longer tokens), so its outputs take fewer tokens, and the model, seeing other tokens, "
-        "can continue differently; transformers cannot constrain `generate_batch` per request "
-        "and decodes 48 unconstrained tokens.",
+        "can continue differently"
+        + (
+            "; transformers cannot constrain `generate_batch` per request and decodes 48 "
+            "unconstrained tokens."
+            if "transformers" in systems
+            else "."
+        ),
         "",
     ]
     if meta.get("engine_note"):  # what a run found that the tables cannot say
