@@ -259,3 +259,26 @@ def test_hub_id_resolves_to_a_copy_in_the_local_hf_cache(
     info = read_model_info(ModelConfig("some-org/tiny"))
     assert info.path == repo / "snapshots" / revision
     assert info.arch.architecture == "Qwen3ForCausalLM"
+
+
+def test_a_dtype_onednn_cannot_pack_here_gets_plain_linears(
+    hf_checkpoints: dict[str, tuple[Path, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # AVX2-only CPUs: oneDNN refuses to pack bfloat16 weights; the model must still build and run.
+    import radixlm.runtime.loader as loader
+    from radixlm.runtime.models.linear import PackedMergedColumnLinear
+
+    asked: list[torch.dtype] = []
+
+    def only_float32(dtype: torch.dtype = torch.float32) -> bool:
+        asked.append(dtype)
+        return dtype == torch.float32
+
+    monkeypatch.setattr(loader, "cpu_packing_available", only_float32)
+    path, _ = hf_checkpoints["qwen2"]
+    model, _ = load_model(ModelConfig(str(path), dtype="bfloat16", show_progress=False))
+    assert asked == [torch.bfloat16]
+    assert not isinstance(model.model.layers[0].self_attn.qkv_proj, PackedMergedColumnLinear)
+    assert torch.isfinite(logits_of(model)).all()
+    packed, _ = load_model(ModelConfig(str(path), dtype="float32", show_progress=False))
+    assert isinstance(packed.model.layers[0].self_attn.qkv_proj, PackedMergedColumnLinear)

@@ -231,7 +231,7 @@ def build_model(info: ModelInfo, cpu_weight_packing: bool = True) -> DecoderForC
     On CPU the linear layers pack their weights for oneDNN at the first forward (unless `cpu_weight_packing` is False): load weights before running it.
     """
     linears: LinearFactory = ReplicatedLinears(info.dtype)
-    if cpu_weight_packing and info.device.type == "cpu" and cpu_packing_available():
+    if cpu_weight_packing and info.device.type == "cpu" and cpu_packing_available(info.dtype):
         linears = PackedCPULinears(info.dtype)
     with info.device:
         return info.family.model_class(info.arch, info.dtype, linears)

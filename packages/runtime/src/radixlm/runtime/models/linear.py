@@ -10,6 +10,7 @@ checkpoint tensor's slice in `load_weight` — the models would not change.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -146,10 +147,25 @@ class ReplicatedLinears:
         return RowLinear(in_features, out_features, bias, self.dtype, self.device)
 
 
-def cpu_packing_available() -> bool:
-    """Whether oneDNN can pre-pack linear weights here (CPU builds of torch with mkldnn)."""
+@functools.cache
+def cpu_packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN can pre-pack linear weights of `dtype` on this CPU.
+
+    It needs a CPU build of torch with mkldnn, and for bfloat16 / float16 a CPU with the matching
+    instructions (AVX512-BF16/FP16 or AVX-NE-CONVERT): without them oneDNN refuses to pack, so a
+    tiny weight is packed and multiplied once to find out (the answer is cached per dtype).
+    """
     available = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-    return bool(available) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if not available or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+        torch.ops.mkldnn._linear_pointwise(
+            torch.zeros(2, 8, dtype=dtype), packed, None, "none", [], ""
+        )
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedWeight:
