@@ -273,3 +273,143 @@ def test_report_shows_gpu_peers_with_their_hit_rates(
     assert "9.00× | 1.50× | 1.12× |" in text
     assert "vLLM hit rate" in text and "| 90.0 % | 95.0 % | 94.7 % | 90.0 % | – |" in text
     assert "Llama-3.1-8B" in text and "bfloat16 on cuda" in text and "× 4" in text
+
+
+def test_id_tokenizer_maps_word_ids_and_text_one_to_one(tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from _common import ID_TOKENS_FROM, id_tokenizer
+    finally:
+        sys.path.remove(str(BENCH))
+    import random
+
+    from transformers import AutoTokenizer
+
+    from radixlm.constrained import TokenizerInfo
+
+    tokenizer = id_tokenizer(tmp_path, 5000)
+    assert len(tokenizer) == 5000 and tokenizer.eos_token_id == 0
+    # What a server loads from a qwen2 model directory: transformers' Qwen2Tokenizer.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    served = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(ID_TOKENS_FROM, 5000) for _ in range(rng.randrange(1, 200))]
+        text = tokenizer.decode(ids)
+        assert tokenizer.encode(text, add_special_tokens=False) == ids
+        assert served.encode(text, add_special_tokens=False) == ids
+    assert tokenizer.decode([ID_TOKENS_FROM, ID_TOKENS_FROM + 25, ID_TOKENS_FROM + 26]) == " a z aa"
+    json_text = '{"name": "Paris", "population": 2102650}\n'
+    assert tokenizer.decode(tokenizer.encode(json_text, add_special_tokens=False)) == json_text
+    chat = [{"role": "user", "content": " ab"}, {"role": "assistant", "content": " cd"}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == " ab cd"
+    assert TokenizerInfo.from_hf(served, vocab_size=5000).vocab_type == "byte_level"
+
+
+class _StandInServer:
+    """An OpenAI completions endpoint that answers every prompt with three fixed tokens and
+    reports a prefix cache's cached tokens in its usage."""
+
+    def __init__(self, tokenizer: Any, reports_cache: bool) -> None:
+        self.tokenizer = tokenizer
+        self.reports_cache = reports_cache
+        self.memory = _PrefixMemory()
+        self.bodies: list[dict[str, Any]] = []
+
+    def __call__(self, request: Any) -> Any:
+        import httpx
+
+        if request.url.path == "/flush_cache":
+            self.memory = _PrefixMemory()
+            return httpx.Response(200, json={"success": True})
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        prompt = self.tokenizer.encode(body["prompt"], add_special_tokens=False)
+        usage: dict[str, Any] = {"prompt_tokens": len(prompt)}
+        cached = self.memory.cached(prompt)
+        if self.reports_cache:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        text = self.tokenizer.decode([700, 701, 0][: body["max_tokens"]])
+        return httpx.Response(200, json={"choices": [{"text": text}], "usage": usage})
+
+
+@pytest.mark.parametrize("server", ["radixlm", "transformers"])
+def test_http_system_sends_the_calls_as_completions_and_reads_usage(
+    engine_bench: Any, tmp_path: Path, server: str
+) -> None:
+    import httpx
+    from _common import id_tokenizer  # engine_bench put tools/bench on the path
+
+    tokenizer = id_tokenizer(tmp_path, 2000)
+    stand_in = _StandInServer(tokenizer, reports_cache=server == "radixlm")
+    client = httpx.Client(base_url="http://stand-in", transport=httpx.MockTransport(stand_in))
+    system = engine_bench.HttpSystem(server, "model-dir", tokenizer, client)
+    assert system.name == f"{server}-serve"
+    system.reset()
+    calls = _calls(engine_bench)
+    for call in calls:  # word ids, which the id tokenizer's text spells one to one
+        call.prompt = [t + 300 for t in call.prompt]
+    system.generate(calls)
+    # n = 3 becomes three requests with their own seeds; outputs come back as token ids, the
+    # EOS radixlm was told to ignore included.
+    assert [len(c.outputs) for c in calls] == [1, 3, 1]
+    assert calls[0].outputs == [[700, 701, 0]] and calls[1].outputs[2] == [700, 701]
+    bodies = stand_in.bodies
+    assert len(bodies) == 5
+    assert sorted(b.get("seed", -1) for b in bodies) == [-1, -1, 15, 16, 17]
+    assert all(tokenizer.encode(b["prompt"], add_special_tokens=False)[:40] == list(range(400, 440))
+               for b in bodies)  # fmt: skip
+    schema_sent = [b for b in bodies if "json_schema" in b]
+    if server == "radixlm":
+        assert len(schema_sent) == 1 and schema_sent[0]["max_tokens"] == 5
+        assert all(b["skip_special_tokens"] is False for b in bodies)
+        assert sum(b["ignore_eos"] for b in bodies) == 1
+        # per request: 0 of 42, then 40 of 41 three times, then 40 of 41 (in any order, the
+        # stand-in's cache sees the shared 40-token prefix after the first request).
+        assert system.hit_rate() == pytest.approx(160 / 206, abs=2 / 206)
+    else:
+        assert not schema_sent and not any("ignore_eos" in b for b in bodies)
+        assert system.hit_rate() != system.hit_rate()  # nan: transformers reports no cache
+    system.close()
+
+
+def _http_results(results: Path) -> None:
+    rows = _rows({"radixlm-serve": 64.0, "transformers-serve": 16.0}, scale=0.25)
+    for row in rows:
+        if row["system"] == "radixlm-serve":
+            row["hit_rate"] = 0.9
+    (results / "http.json").write_text(json.dumps(rows))
+    meta = json.loads((results / "meta.json").read_text())
+    meta["http_command"] = "python tools/bench/engine_bench.py --http radixlm,transformers"
+    meta["minutes"] = 12.5
+    (results / "http_meta.json").write_text(json.dumps(meta))
+
+
+def test_report_renders_the_http_part_after_the_report_and_keeps_it(
+    report: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results = _results(tmp_path, _rows({"radixlm": 100.0, "transformers": 8.0}))
+    text = _render(report, results, tmp_path, monkeypatch)
+    assert report.HTTP_START not in text  # no HTTP figures, no HTTP part
+    _http_results(results)
+    page, img = tmp_path / "benchmarks.md", tmp_path / "img"
+    argv = ["report.py", "--http-only", "--from-json", str(results), "--page", str(page)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--img", str(img)])
+    assert report.main() == 0
+    text = page.read_text()
+    report_part, http_part = text.split(report.END)
+    assert "| few_shot | 6.25 (100.0) | 0.50 (8.0) | 12.50× |" in report_part
+    assert http_part.index(report.HTTP_START) < http_part.index(report.HTTP_END)
+    assert "| json | 4.00 (64.0) | 1.00 (16.0) | 4.00× | 90.0 % | 95.0 % |" in http_part
+    assert "× 0.25" in http_part and "took 12.5 min" in http_part
+    assert http_part.rstrip().endswith("kept below")
+    # A full re-render redraws the report's plots and keeps (and refreshes) the HTTP part.
+    assert _render_again(report, results, page, img, monkeypatch) == text
+    assert (img / "http.png").stat().st_size > 5000
+
+
+def _render_again(report: Any, results: Path, page: Path, img: Path, monkeypatch: Any) -> str:
+    argv = ["report.py", "--from-json", str(results), "--page", str(page), "--img", str(img)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert report.main() == 0
+    return page.read_text()

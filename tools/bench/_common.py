@@ -74,3 +74,66 @@ def random_hf_model(workdir: Path, dtype: str, device: str = "cpu") -> Any:
             hf_config, dtype=getattr(torch, dtype)
         )
     return model.eval()
+
+
+#: Ids from here up are words (a space and letters) in the id tokenizer.
+ID_TOKENS_FROM = 257
+
+# Qwen2's pre-tokenizer split; transformers loads a qwen2 model directory's tokenizer as its
+# Qwen2Tokenizer with this split, whatever tokenizer.json says, so the id tokenizer uses it too.
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def id_tokenizer(directory: Path, vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer in which token ids and text map one to one, saved into
+    `directory`.
+
+    Id 0 is `<|endoftext|>` (EOS), ids 1-256 the bytes (so any text, JSON included, can be
+    written), and every id from ID_TOKENS_FROM up a word of its own: a space and one to four
+    letters (" a", " b", ..., " ab", ...), built by merges from the space and its letters.
+    Encoding the decoded text of ids >= ID_TOKENS_FROM gives those ids back, so benchmarks that
+    speak text over HTTP send exactly the token sequences the in-process ones use. (A byte token
+    next to a word can merge with it when re-encoded.) The pre-tokenizer is Qwen2's, so
+    transformers' Qwen2Tokenizer, which it picks for a qwen2 model, reads it the same way. A
+    completion-style chat template writes the messages' contents one after the other.
+    """
+    import itertools
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    vocab = {"<|endoftext|>": 0}
+    vocab.update({byte_chars[b]: 1 + b for b in range(256)})
+    merges: list[tuple[str, str]] = []
+    space = byte_chars[ord(" ")]
+    lengths = itertools.count(1)
+    while len(vocab) < vocab_size:
+        for letters in itertools.product(string.ascii_lowercase, repeat=next(lengths)):
+            if len(vocab) >= vocab_size:
+                break
+            word = "".join(letters)
+            vocab[space + word] = len(vocab)
+            merges.append((space + word[:-1], word[-1]))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer

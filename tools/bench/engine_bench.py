@@ -17,12 +17,19 @@ For each: requests/s, output tokens/s, radixlm's prefix-cache hit rate beside th
     .venv/bin/python tools/bench/engine_bench.py                # Qwen2.5-0.5B shapes (long)
     .venv/bin/python tools/bench/engine_bench.py --workloads few_shot --skip-transformers
     .venv/bin/python tools/bench/engine_bench.py --quick --json results/engine.json
+    .venv/bin/python tools/bench/engine_bench.py --skip-in-process --http radixlm,transformers
 
 Systems: radixlm, radixlm-nocache (--skip-no-cache), radixlm-nojf: radixlm with jump-forward
 off (--skip-no-jump-forward; it differs from radixlm only on `json`), transformers
 (--skip-transformers), and the peers vLLM and SGLang (--peers; by default those installed, on a
 GPU only). Each peer runs in its own subprocess on its own dummy weights (`load_format="dummy"`),
 with its own defaults apart from prefix caching (on) and its memory share (--peer-memory).
+
+Over HTTP (--http radixlm,transformers): `radixlm serve` and `transformers serve
+--continuous-batching`, started one after the other on the same random weights saved to disk
+with a tokenizer that spells each token id as its own text, get each stage's calls at once
+through the OpenAI completions API (--skip-in-process leaves out the in-process systems;
+--scale 0.25 sends a quarter of the requests, at least one of each kind).
 
 On a GPU (--device auto picks CUDA when there is one) the same command uses larger shapes:
 Llama-3.1-8B in bfloat16, with every workload's request count times --scale (default 4 there).
@@ -43,7 +50,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -90,12 +97,16 @@ Generate = Callable[[list[Call]], None]
 class Workloads:
     """The paper's workloads as stages of calls; a stage may depend on earlier outputs."""
 
-    def __init__(self, vocab: int, quick: bool, seed: int = 0, scale: int = 1) -> None:
+    def __init__(self, vocab: int, quick: bool, seed: int = 0, scale: float = 1) -> None:
         self.rng = random.Random(seed)
         self.vocab = vocab
         self.quick = quick
         self.scale = scale  # request counts are multiplied by it (larger runs on a GPU)
         self.out = 8 if quick else 16  # output tokens per call
+
+    def count(self, base: int) -> int:
+        """`base` requests (sessions, trees, prompts) times the scale, at least one."""
+        return max(1, round(base * self.scale))
 
     def ids(self, count: int) -> list[int]:
         return [self.rng.randrange(1000, self.vocab) for _ in range(count)]
@@ -105,12 +116,12 @@ class Workloads:
 
     def few_shot(self, run: Generate) -> list[Call]:
         prefix = self.ids(1500)
-        calls = [Call(prefix + self.ids(20), self.greedy()) for _ in range(64 * self.scale)]
+        calls = [Call(prefix + self.ids(20), self.greedy()) for _ in range(self.count(64))]
         run(calls)
         return calls
 
     def multi_turn(self, run: Generate) -> list[Call]:
-        sessions = [self.ids(200) for _ in range((8 if self.quick else 16) * self.scale)]
+        sessions = [self.ids(200) for _ in range(self.count(8 if self.quick else 16))]
         done: list[Call] = []
         for _turn in range(4):
             calls = [Call(history + self.ids(40), self.greedy(24)) for history in sessions]
@@ -120,7 +131,7 @@ class Workloads:
         return done
 
     def tree_of_thought(self, run: Generate) -> list[Call]:
-        roots = [self.ids(400) for _ in range((4 if self.quick else 8) * self.scale)]
+        roots = [self.ids(400) for _ in range(self.count(4 if self.quick else 8))]
         branch = [Call(root + self.ids(12), self.greedy()) for root in roots for _ in range(4)]
         run(branch)
         solve = [Call(c.prompt + c.outputs[0] + self.ids(10), self.greedy()) for c in branch]
@@ -136,14 +147,14 @@ class Workloads:
     def json(self, run: Generate) -> list[Call]:
         instruction = self.ids(300)
         params = {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(CITY_SCHEMA)}
-        calls = [Call(instruction + self.ids(30), dict(params)) for _ in range(32 * self.scale)]
+        calls = [Call(instruction + self.ids(30), dict(params)) for _ in range(self.count(32))]
         run(calls)
         return calls
 
     def self_consistency(self, run: Generate) -> list[Call]:
         prefix = self.ids(600)
         params = {"temperature": 0.7, "max_new_tokens": self.out, "n": 8, "ignore_eos": True}
-        calls = [Call(prefix + self.ids(30), {**params, "seed": i}) for i in range(8 * self.scale)]
+        calls = [Call(prefix + self.ids(30), {**params, "seed": i}) for i in range(self.count(8))]
         run(calls)
         return calls
 
@@ -398,6 +409,125 @@ class SglangSystem(PeerSystem):
         self.engine.shutdown()
 
 
+class HttpSystem:
+    """A server over HTTP (`radixlm serve` or `transformers serve`), started here on the saved
+    model directory and sent each stage's calls at once through the OpenAI completions API.
+
+    Prompts travel as text and outputs come back as text; the model directory's id tokenizer
+    (`_common.id_tokenizer`) maps the two one to one, so the servers see exactly the token ids
+    the in-process systems see. A call with n > 1 becomes n requests (seeds seed·n … seed·n+n-1):
+    `transformers serve` does not take `n`. radixlm gets `ignore_eos` and, on `json`, the schema
+    (jump-forward on); transformers serve cannot take either and decodes max_tokens
+    unconstrained (a random-weight model almost never samples the EOS). radixlm's hit rate comes
+    from the cached-token counts in its responses' usage."""
+
+    SERVERS: ClassVar[dict[str, str]] = {
+        "radixlm": "radixlm-serve",
+        "transformers": "transformers-serve",
+    }
+
+    def __init__(
+        self, server: str, model: str, tokenizer: Any, client: Any, process: Any = None
+    ) -> None:
+        self.name = self.SERVERS[server]
+        self.server = server
+        self.model = model
+        self.tokenizer = tokenizer
+        self.client = client  # an httpx.Client on the server's base URL
+        self.process = process
+        self.prompt_tokens = self.cached_tokens = 0
+
+    @classmethod
+    def launch(cls, server: str, workdir: Path, tokenizer: Any, args: Any) -> HttpSystem:
+        """Start `server` on the model directory; RuntimeError with its log if it fails."""
+        import httpx
+        import serve_bench
+
+        port = serve_bench._free_port()
+        url = f"http://127.0.0.1:{port}"
+        log = Path(tempfile.mkdtemp(prefix=f"{server}-serve-")) / "server.log"
+        extra = args.transformers_serve_args if server == "transformers" else ""
+        process = serve_bench.launch(server, str(workdir), port, log, extra)
+        if not serve_bench._wait_healthy(url, process, args.startup_timeout):
+            _stop(process)
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{server} serve did not start; its log ends with:\n{tail}")
+        client = httpx.Client(base_url=url, timeout=None)
+        return cls(server, str(workdir), tokenizer, client, process)
+
+    def reset(self) -> None:
+        """A clean cache before each workload (transformers serve keeps none across requests)."""
+        self.prompt_tokens = self.cached_tokens = 0
+        if self.server == "radixlm":
+            self.client.post("/flush_cache").raise_for_status()
+
+    def _body(self, call: Call, seed: int | None) -> dict[str, Any]:
+        p = call.params
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": self.tokenizer.decode(call.prompt),
+            "max_tokens": p["max_new_tokens"],
+            "temperature": p.get("temperature", 1.0),
+        }
+        if seed is not None:
+            body["seed"] = seed
+        if self.server == "radixlm":
+            body["ignore_eos"] = p.get("ignore_eos", False)
+            body["skip_special_tokens"] = False  # an EOS it ignored stays in the text
+            if "json_schema" in p:
+                body["json_schema"] = p["json_schema"]
+        return body
+
+    def _send(self, body: dict[str, Any]) -> list[int]:
+        reply = self.client.post("/v1/completions", json=body)
+        if reply.status_code != 200:
+            raise RuntimeError(f"{self.name}: HTTP {reply.status_code}: {reply.text[:500]}")
+        data = reply.json()
+        usage = data.get("usage") or {}
+        self.prompt_tokens += int(usage.get("prompt_tokens", 0))
+        details = usage.get("prompt_tokens_details") or {}
+        self.cached_tokens += int(details.get("cached_tokens") or 0)
+        text = data["choices"][0]["text"]
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def generate(self, calls: list[Call]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        jobs: list[tuple[Call, dict[str, Any]]] = []
+        for call in calls:
+            n = call.params.get("n", 1)
+            seed = call.params.get("seed")
+            for j in range(n):
+                jobs.append((call, self._body(call, None if seed is None else seed * n + j)))
+        with ThreadPoolExecutor(max_workers=min(len(jobs), 256)) as pool:
+            outputs = list(pool.map(lambda job: self._send(job[1]), jobs))
+        for call in calls:
+            call.outputs = []
+        for (call, _), output in zip(jobs, outputs, strict=True):
+            call.outputs.append(output)
+
+    def hit_rate(self) -> float:
+        if self.server != "radixlm" or not self.prompt_tokens:
+            return float("nan")
+        return self.cached_tokens / self.prompt_tokens
+
+    def extra(self) -> str:
+        return ""
+
+    def close(self) -> None:
+        self.client.close()
+        if self.process is not None:
+            _stop(self.process)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 def installed_peers(device: str) -> list[str]:
     """The peers this machine can run: those importable, and only on a GPU."""
     if device != "cuda":
@@ -423,7 +553,12 @@ def resolve(args: Any) -> None:
     args.quick = args.shape == "quick"
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
     args.scale = args.scale or (4 if gpu else 1)
-    args.max_total_tokens = args.max_total_tokens or (40000 * args.scale)
+    args.max_total_tokens = args.max_total_tokens or int(40000 * max(args.scale, 1))
+    if args.transformers_serve_args is None:
+        args.transformers_serve_args = (
+            f"--continuous-batching --device {args.device} --dtype {args.dtype} "
+            f"--cb-max-batch-tokens {args.chunked_prefill_size}"
+        )
 
 
 def model_dir(args: Any) -> tuple[Path, Any]:
@@ -538,8 +673,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), help="default: by --quick and device")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: "
                         "float32 on CPU, bfloat16 on GPU")  # fmt: skip
-    parser.add_argument("--scale", type=int, default=0, help="request counts x N (default: "
-                        "1 on CPU, 4 on GPU)")  # fmt: skip
+    parser.add_argument("--scale", type=float, default=0, help="request counts x N, at least "
+                        "one each (default: 1 on CPU, 4 on GPU)")  # fmt: skip
     parser.add_argument("--max-total-tokens", type=int, default=0, help="radixlm's KV pool "
                         "(default 40000 x scale)")  # fmt: skip
     parser.add_argument("--chunked-prefill-size", type=int, default=2048)
@@ -551,6 +686,15 @@ def main() -> None:
                         "'auto': those installed (GPU only); 'none'")  # fmt: skip
     parser.add_argument("--peer-memory", type=float, default=0.5,
                         help="the peers' share of GPU memory")  # fmt: skip
+    parser.add_argument("--http", default="none", help="servers to run over HTTP on the same "
+                        "workloads: comma-separated from radixlm,transformers; 'none'")  # fmt: skip
+    parser.add_argument("--skip-in-process", action="store_true", help="only the peers and "
+                        "the --http servers")  # fmt: skip
+    parser.add_argument("--transformers-serve-args", help="arguments of `transformers serve` "
+                        "(default: continuous batching, the device, dtype and token budget "
+                        "of the in-process systems)")  # fmt: skip
+    parser.add_argument("--startup-timeout", type=float, default=900,
+                        help="seconds a server may take to start")  # fmt: skip
     parser.add_argument("--only-peer", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--seed", type=int, default=0)
@@ -573,14 +717,30 @@ def main() -> None:
         peers = [p for p in args.peers.split(",") if p]
         if bad := sorted(set(peers) - set(PEERS)):
             parser.error(f"unknown peers {bad}; choose from {', '.join(PEERS)}")
+    servers = [] if args.http == "none" else [h for h in args.http.split(",") if h]
+    if bad := sorted(set(servers) - set(HttpSystem.SERVERS)):
+        parser.error(f"unknown --http servers {bad}; choose from radixlm, transformers")
     print(
         f"building a dummy {args.shape}-shaped model ({args.dtype} on {args.device}, "
-        f"scale {args.scale}); peers: {', '.join(peers) or 'none'} ..."
+        f"scale {args.scale}); peers: {', '.join(peers) or 'none'}; over HTTP: "
+        f"{', '.join(servers) or 'none'} ..."
     )
     rows: list[dict[str, Any]] = []
     # The peers first, each in its own process, while this one holds no GPU memory yet.
     for name in peers:
         rows += peer_subprocess(name, workloads, args)
+    if not args.skip_in_process:
+        rows += run_in_process(workloads, args)
+    if servers:
+        rows += run_http(servers, workloads, args)
+    report(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+def run_in_process(workloads: list[str], args: Any) -> list[dict[str, Any]]:
+    """radixlm, its variants and transformers `generate_batch` in this process."""
+    rows: list[dict[str, Any]] = []
     workdir, tokenizer = model_dir(args)
     hf_model, runner = build(args, workdir)
     for workload in workloads:
@@ -603,41 +763,75 @@ def main() -> None:
                 system.close()
             rows.append(row)
             show(row)
-    report(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return rows
 
 
-ORDER = ("radixlm", "radixlm-nocache", "radixlm-nojf", "transformers", *PEERS)
+def run_http(servers: list[str], workloads: list[str], args: Any) -> list[dict[str, Any]]:
+    """Every workload on each server in turn, over HTTP, on the same random weights (seed 0)
+    saved with the id tokenizer; a server that fails is left out with its error printed."""
+    from _common import id_tokenizer
+
+    workdir = write_config(SHAPES[args.shape], args.dtype, "engine_bench_http_")
+    tokenizer = id_tokenizer(workdir, SHAPES[args.shape]["vocab_size"])
+    hf_model = random_hf_model(workdir, args.dtype, "cpu")
+    hf_model.save_pretrained(str(workdir))
+    del hf_model
+    gc.collect()
+    rows: list[dict[str, Any]] = []
+    for server in servers:
+        try:
+            system = HttpSystem.launch(server, workdir, tokenizer, args)
+        except RuntimeError as error:
+            print(f"  {server}: {error}; left out of the figures", flush=True)
+            continue
+        try:
+            for workload in workloads:
+                system.reset()
+                rows.append(measure(system, workload, args))
+                show(rows[-1])
+        finally:
+            system.close()
+    return rows
+
+
+ORDER = (
+    "radixlm", "radixlm-nocache", "radixlm-nojf", "transformers", *PEERS,
+    "radixlm-serve", "transformers-serve",
+)  # fmt: skip
+
+
+def base_of(system: str) -> str:
+    """The radixlm system a ratio compares `system` with: a server with radixlm's server."""
+    return "radixlm-serve" if system.endswith("-serve") else "radixlm"
 
 
 def report(rows: list[dict[str, Any]]) -> None:
-    """Requests/s of every system, radixlm's requests/s over each other system's, and
-    radixlm's hit rate beside the optimal one."""
+    """Requests/s of every system; radixlm's requests/s over each other system's (a server's
+    over radixlm serve's); radixlm's hit rate (radixlm serve's without it) beside the optimal."""
     present = {r["system"] for r in rows}
     systems = [s for s in ORDER if s in present]
-    others = systems[1:]
+    others = [s for s in systems if s != base_of(s) and base_of(s) in present]
     head = f"{'workload':17s} " + " ".join(f"{s[:14]:>14s}" for s in systems)
     head += " " + " ".join(f"{'x ' + s[:12]:>14s}" for s in others)
     head += f" {'hit':>6s} {'optimal':>7s} {'hit/opt':>7s}"
     print()
-    print("requests/s; x: radixlm's requests/s over the system's")
+    print("requests/s; x: radixlm's requests/s over the system's (servers: radixlm serve's)")
     print(head)
     print("-" * len(head))
     by = {(r["workload"], r["system"]): r for r in rows}
     for workload in dict.fromkeys(r["workload"] for r in rows):
-        radix = by.get((workload, "radixlm"))
         cells = []
         for s in systems:
             row = by.get((workload, s))
             cells.append(f"{row['requests_per_s']:14.2f}" if row else f"{'-':>14s}")
         for s in others:
-            row = by.get((workload, s))
-            if radix and row:
-                cells.append(f"{radix['requests_per_s'] / row['requests_per_s']:13.2f}x")
+            row, base = by.get((workload, s)), by.get((workload, base_of(s)))
+            if base and row:
+                cells.append(f"{base['requests_per_s'] / row['requests_per_s']:13.2f}x")
             else:
                 cells.append(f"{'-':>14s}")
         line = f"{workload:17s} " + " ".join(cells)
+        radix = by.get((workload, "radixlm")) or by.get((workload, "radixlm-serve"))
         if radix:
             optimal = radix["optimal_hit_rate"]
             share = radix["hit_rate"] / optimal if optimal else float("nan")

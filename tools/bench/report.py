@@ -36,6 +36,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 START, END = "<!-- report:start -->", "<!-- report:end -->"
+HTTP_START, HTTP_END = "<!-- report-http:start -->", "<!-- report-http:end -->"
 
 SYSTEMS = {
     "radixlm": "radixlm",
@@ -44,6 +45,8 @@ SYSTEMS = {
     "transformers": "transformers generate_batch",
     "vllm": "vLLM",
     "sglang": "SGLang",
+    "radixlm-serve": "radixlm serve",
+    "transformers-serve": "transformers serve",
 }
 COLORS = {
     "radixlm": "#1f77b4",
@@ -52,6 +55,8 @@ COLORS = {
     "transformers": "#ff7f0e",
     "vllm": "#2ca02c",
     "sglang": "#d62728",
+    "radixlm-serve": "#1f77b4",
+    "transformers-serve": "#ff7f0e",
 }
 PEERS = ("vllm", "sglang")
 SHAPES = {
@@ -82,6 +87,11 @@ SERVE_ARGS = {
     False: "--dummy-model qwen2.5-0.5b --num-prompts 64 --max-concurrency 16 --prefix-len 512 "
     "--input-len 32 --output-len 32",
 }
+
+
+# The paper's workloads over HTTP: radixlm serve and transformers serve, on the engine run's
+# shapes with a quarter of its requests on CPU (transformers serve takes hours for all of them).
+HTTP_SCALE = {"cpu": 0.25, "cuda": 1.0}
 
 
 # --------------------------------------------------------------------------------- running
@@ -179,7 +189,35 @@ def run_benchmarks(args: argparse.Namespace, results: Path) -> int:
         if status != 0:
             print(f"serve_bench exited {status}: rendering what it measured", file=sys.stderr)
     (results / "meta.json").write_text(json.dumps(meta, indent=2))
+    if args.with_serve:
+        run_http(args, results)
     return 0
+
+
+def run_http(args: argparse.Namespace, results: Path) -> int:
+    """The paper's workloads through radixlm serve and transformers serve (engine_bench
+    --http): http.json, with http_meta.json (command, machine, duration)."""
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "http.json").unlink(missing_ok=True)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cmd = [sys.executable, str(HERE / "engine_bench.py"), "--json", str(results / "http.json")]
+    cmd += ["--quick"] * args.quick + ["--workloads", args.workloads, "--skip-in-process"]
+    cmd += ["--http", "radixlm,transformers", "--peers", "none"]
+    cmd += ["--scale", str(HTTP_SCALE[device]), *shlex.split(args.engine_args)]
+    meta = {
+        "command": shlex.join(["python", "tools/bench/report.py", *sys.argv[1:]]),
+        "machine": machine(),
+    }
+    started = dt.datetime.now()
+    status = run_logged(cmd, results / "http.log")
+    meta["minutes"] = round((dt.datetime.now() - started).total_seconds() / 60, 1)
+    meta["http_command"] = _shown(cmd)
+    (results / "http_meta.json").write_text(json.dumps(meta, indent=2))
+    if status != 0:
+        print(f"engine_bench --http exited {status}: rendering what it measured", file=sys.stderr)
+    return status
 
 
 # ----------------------------------------------------------------------------------- plots
@@ -298,6 +336,16 @@ def _num(value: float, fmt: str = "{:.2f}") -> str:
     return "–" if math.isnan(value) else fmt.format(value)
 
 
+def machine_line(m: dict[str, Any]) -> str:
+    return (
+        f"**Machine.** {m['cpu']}, {m['cores']} cores ({m.get('usable_cores', '?')} usable), "
+        f"{m.get('memory_gb', '?')} GB memory, "
+        + (f"GPUs: {', '.join(m['gpus'])}" if m["gpus"] else "no GPU")
+        + f"; torch {m['torch']} with {m['torch_threads']} threads, Python {m['python']}, "
+        f"{m['platform']}; load average {m.get('load_average')} at the start."
+    )
+
+
 def render(
     engine: list[dict[str, Any]],
     serve: dict[str, Any] | None,
@@ -320,12 +368,7 @@ def render(
         + (f"; request counts × {setup['scale']}" if setup["scale"] != 1 else "")
         + ".",
         "",
-        f"**Machine.** {m['cpu']}, {m['cores']} cores ({m.get('usable_cores', '?')} usable), "
-        f"{m.get('memory_gb', '?')} GB memory, "
-        + (f"GPUs: {', '.join(m['gpus'])}" if m["gpus"] else "no GPU")
-        + f"; torch {m['torch']} with {m['torch_threads']} threads, Python {m['python']}, "
-        f"{m['platform']}; load average {m.get('load_average')} at the start. The engine run "
-        f"took {meta.get('engine_minutes', '?')} min.",
+        f"{machine_line(m)} The engine run took {meta.get('engine_minutes', '?')} min.",
         "",
         "### Engine throughput {#report-engine}",
         "",
@@ -412,16 +455,114 @@ def render(
     return "\n".join(lines)
 
 
-def rewrite(page: Path, body: str) -> None:
+def rewrite(page: Path, body: str, start: str = START, end: str = END) -> None:
+    """Replace the text between the `start` and `end` markers of `page` with `body`; a missing
+    HTTP part goes right after the report, a missing report at the end of the page."""
     text = page.read_text()
-    block = f"{START}\n{body.rstrip()}\n{END}"
-    if START in text and END in text:
-        before, rest = text.split(START, 1)
-        after = rest.split(END, 1)[1]
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text and end in text:
+        before, rest = text.split(start, 1)
+        after = rest.split(end, 1)[1]
         text = before + block + after
+    elif start == HTTP_START and END in text:
+        before, after = text.split(END, 1)
+        text = before + END + "\n\n" + block + after
     else:
         text = text.rstrip() + "\n\n## Report {#report}\n\n" + block + "\n"
     page.write_text(text)
+
+
+def render_http(rows: list[dict[str, Any]], meta: dict[str, Any], plots: list[str]) -> str:
+    """The HTTP part: the workloads through radixlm serve and transformers serve."""
+    workloads, systems, by = _rows(rows)
+    setup = setup_of(rows, {})
+    m = meta["machine"]
+    counts = "the engine run's request counts" + (
+        f" × {setup['scale']}" if setup["scale"] != 1 else ""
+    )
+    lines = [
+        "### The workloads over HTTP {#report-http}",
+        "",
+        f"Measured {m['date']} at commit `{m.get('commit') or '?'}` with:",
+        "",
+        "```bash",
+        meta["command"],
+        "```",
+        "",
+        "which runs:",
+        "",
+        "```bash",
+        meta["http_command"],
+        "```",
+        "",
+        "The same workloads sent to `radixlm serve` and `transformers serve --continuous-batching` "
+        "over the OpenAI completions API, each stage's requests at once, one server after the "
+        f"other on the same dummy weights ({SHAPES.get(setup['shape'], setup['shape'])}, "
+        f"{setup['dtype']} on {setup['device']}), with {counts}. The model directory's tokenizer "
+        "spells every token id as its own text, so both servers see the in-process token "
+        "sequences. `transformers serve` takes neither `n` nor a JSON schema on completions: "
+        "self-consistency sends its 8 samples as 8 requests to both servers, and on `json` "
+        "transformers decodes 48 unconstrained tokens while radixlm follows the schema with "
+        "jump-forward. radixlm's hit rate comes from the cached tokens its responses report.",
+        "",
+        f"{machine_line(m)} This part took {meta.get('minutes', '?')} min.",
+        "",
+    ]
+    head = [f"{SYSTEMS[s]} req/s (tok/s)" for s in systems]
+    both = "radixlm-serve" in systems and "transformers-serve" in systems
+    head += ["× transformers serve"] * both + ["radixlm serve hit rate", "optimal"]
+    lines += ["| workload | " + " | ".join(head) + " |", "|---" + "|---:" * len(head) + "|"]
+    for w in workloads:
+        cells = [
+            f"{_num(_get(by, w, s, 'requests_per_s'))} "
+            f"({_num(_get(by, w, s, 'output_tokens_per_s'), '{:.1f}')})"
+            for s in systems
+        ]
+        if both:
+            cells.append(_num(_ratio(by, w, "radixlm-serve", "transformers-serve"), "{:.2f}×"))
+        for key in ("hit_rate", "optimal_hit_rate"):
+            cells.append(_num(_get(by, w, "radixlm-serve", key) * 100, "{:.1f} %"))
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    lines.append("")
+    if "http.png" in plots:
+        lines += ["![over HTTP](img/bench/http.png)", ""]
+    return "\n".join(lines)
+
+
+def plot_http(rows: list[dict[str, Any]], img: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img.mkdir(parents=True, exist_ok=True)
+    workloads, systems, by = _rows(rows)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    series = {s: [_get(by, w, s, "requests_per_s") for w in workloads] for s in systems}
+    _grouped(ax, workloads, series, "{:.2f}")
+    ax.set_ylabel("requests / s")
+    ax.set_title("The workloads over HTTP: radixlm serve and transformers serve")
+    fig.tight_layout()
+    fig.savefig(img / "http.png", dpi=110)
+    plt.close(fig)
+    return ["http.png"]
+
+
+def render_http_part(results: Path, args: argparse.Namespace) -> int:
+    """Draw http.png and rewrite the HTTP part of the page from `results` (if it was run)."""
+    source = results / "http.json"
+    if not source.exists():
+        print(f"no {source}: the HTTP part of the page is left as it is", file=sys.stderr)
+        return 1
+    rows = json.loads(source.read_text())
+    meta = json.loads((results / "http_meta.json").read_text())
+    if not rows:
+        print("neither server measured anything; the page is left as it is", file=sys.stderr)
+        return 1
+    plots = plot_http(rows, args.img)
+    rewrite(args.page, render_http(rows, meta, plots), HTTP_START, HTTP_END)
+    print(f"wrote {args.img / 'http.png'} and rewrote the HTTP part of {args.page}")
+    return 0
 
 
 # ------------------------------------------------------------------------------------ main
@@ -437,7 +578,10 @@ def main() -> int:
         default="few_shot,multi_turn,tree_of_thought,json,self_consistency",
         help="comma-separated, passed to engine_bench",
     )
-    parser.add_argument("--with-serve", action="store_true", help="also serve_bench --compare")
+    parser.add_argument("--with-serve", action="store_true", help="also the servers over HTTP: "
+                        "the workloads (engine_bench --http) and serve_bench --compare")  # fmt: skip
+    parser.add_argument("--http-only", action="store_true", help="only the workloads over HTTP; "
+                        "rewrites only their part of the page")  # fmt: skip
     parser.add_argument("--engine-args", default="", help="more engine_bench arguments")
     parser.add_argument("--serve-args", default="", help="serve_bench arguments (replace ours)")
     parser.add_argument("--results", type=Path, default=ROOT / "build" / "bench-report")
@@ -447,6 +591,10 @@ def main() -> int:
     args = parser.parse_args()
 
     results = args.from_json or args.results
+    if args.http_only:
+        if args.from_json is None:
+            run_http(args, results)
+        return render_http_part(results, args)
     if args.from_json is None:
         status = run_benchmarks(args, results)
         if status != 0:
@@ -456,10 +604,13 @@ def main() -> int:
     serve = json.loads(serve_file.read_text()) if serve_file.exists() else None
     meta = json.loads((results / "meta.json").read_text())
     for stale in args.img.glob("*.png") if args.img.exists() else []:
-        stale.unlink()
+        if stale.name != "http.png":  # the HTTP part's plot goes with its own part
+            stale.unlink()
     plots = plot(engine, serve, args.img)
     rewrite(args.page, render(engine, serve, meta, plots))
     print(f"wrote {', '.join(plots)} into {args.img} and rewrote {args.page}")
+    if (results / "http.json").exists():
+        return render_http_part(results, args)
     return 0
 
 
