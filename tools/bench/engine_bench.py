@@ -635,6 +635,11 @@ def run_peer(name: str, workloads: list[str], args: Any) -> list[dict[str, Any]]
     """Every workload on one peer, in this process (the child of `peer_subprocess`)."""
     workdir, _ = model_dir(args)
     system: PeerSystem = {"vllm": VllmSystem, "sglang": SglangSystem}[name](workdir, args)
+    return measure_each(system, workloads, args)
+
+
+def measure_each(system: Any, workloads: list[str], args: Any) -> list[dict[str, Any]]:
+    """Every workload on one system, its cache reset before each; the system closed after."""
     rows = []
     try:
         for workload in workloads:
@@ -784,13 +789,7 @@ def run_http(servers: list[str], workloads: list[str], args: Any) -> list[dict[s
         except RuntimeError as error:
             print(f"  {server}: {error}; left out of the figures", flush=True)
             continue
-        try:
-            for workload in workloads:
-                system.reset()
-                rows.append(measure(system, workload, args))
-                show(rows[-1])
-        finally:
-            system.close()
+        rows += measure_each(system, workloads, args)
     return rows
 
 

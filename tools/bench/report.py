@@ -336,6 +336,31 @@ def _num(value: float, fmt: str = "{:.2f}") -> str:
     return "–" if math.isnan(value) else fmt.format(value)
 
 
+def _table_head(head: list[str]) -> list[str]:
+    return ["| workload | " + " | ".join(head) + " |", "|---" + "|---:" * len(head) + "|"]
+
+
+def _speeds(by: dict[Any, Any], workload: str, systems: list[str]) -> list[str]:
+    """Each system's "requests/s (output tokens/s)" cell on `workload`."""
+    return [
+        f"{_num(_get(by, workload, s, 'requests_per_s'))} "
+        f"({_num(_get(by, workload, s, 'output_tokens_per_s'), '{:.1f}')})"
+        for s in systems
+    ]
+
+
+def _measured(m: dict[str, Any], command: str) -> list[str]:
+    """When, at which commit and with which command the figures were measured."""
+    return [
+        f"Measured {m['date']} at commit `{m.get('commit') or '?'}` with:",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+    ]
+
+
 def machine_line(m: dict[str, Any]) -> str:
     return (
         f"**Machine.** {m['cpu']}, {m['cores']} cores ({m.get('usable_cores', '?')} usable), "
@@ -356,12 +381,7 @@ def render(
     setup = setup_of(engine, meta)
     m = meta["machine"]
     lines = [
-        f"Measured {m['date']} at commit `{m.get('commit') or '?'}` with:",
-        "",
-        "```bash",
-        meta["command"],
-        "```",
-        "",
+        *_measured(m, meta["command"]),
         f"**Model shapes.** {SHAPES.get(setup['shape'], setup['shape'])}; dummy (random) "
         f"weights in {setup['dtype']} on {setup['device']}, shared by radixlm and transformers; "
         "synthetic token ids from a fixed seed"
@@ -396,13 +416,9 @@ def render(
             "",
         ]
     head = [SYSTEMS[s] for s in systems] + [f"× {SYSTEMS[s]}" for s in systems[1:]]
-    lines += ["| workload | " + " | ".join(head) + " |", "|---" + "|---:" * len(head) + "|"]
+    lines += _table_head(head)
     for w in workloads:
-        cells = [
-            f"{_num(_get(by, w, s, 'requests_per_s'))} "
-            f"({_num(_get(by, w, s, 'output_tokens_per_s'), '{:.1f}')})"
-            for s in systems
-        ]
+        cells = _speeds(by, w, systems)
         cells += [_num(_ratio(by, w, "radixlm", s), "{:.2f}×") for s in systems[1:]]
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
     lines += [
@@ -415,7 +431,7 @@ def render(
     peers = [s for s in systems if s in PEERS]
     head = ["radixlm hit rate", "optimal", "share of optimal"]
     head += [f"{SYSTEMS[p]} hit rate" for p in peers]
-    lines += ["| workload | " + " | ".join(head) + " |", "|---" + "|---:" * len(head) + "|"]
+    lines += _table_head(head)
     for w in workloads:
         hit, best = _get(by, w, "radixlm", "hit_rate"), _get(by, w, "radixlm", "optimal_hit_rate")
         share = hit / best if best else math.nan
@@ -483,12 +499,7 @@ def render_http(rows: list[dict[str, Any]], meta: dict[str, Any], plots: list[st
     lines = [
         "### The workloads over HTTP {#report-http}",
         "",
-        f"Measured {m['date']} at commit `{m.get('commit') or '?'}` with:",
-        "",
-        "```bash",
-        meta["command"],
-        "```",
-        "",
+        *_measured(m, meta["command"]),
         "which runs:",
         "",
         "```bash",
@@ -511,13 +522,9 @@ def render_http(rows: list[dict[str, Any]], meta: dict[str, Any], plots: list[st
     head = [f"{SYSTEMS[s]} req/s (tok/s)" for s in systems]
     both = "radixlm-serve" in systems and "transformers-serve" in systems
     head += ["× transformers serve"] * both + ["radixlm serve hit rate", "optimal"]
-    lines += ["| workload | " + " | ".join(head) + " |", "|---" + "|---:" * len(head) + "|"]
+    lines += _table_head(head)
     for w in workloads:
-        cells = [
-            f"{_num(_get(by, w, s, 'requests_per_s'))} "
-            f"({_num(_get(by, w, s, 'output_tokens_per_s'), '{:.1f}')})"
-            for s in systems
-        ]
+        cells = _speeds(by, w, systems)
         if both:
             cells.append(_num(_ratio(by, w, "radixlm-serve", "transformers-serve"), "{:.2f}×"))
         for key in ("hit_rate", "optimal_hit_rate"):
