@@ -11,6 +11,12 @@ form both backends enforce faithfully, or raises `GrammarError` naming the keywo
 - integer bounds are rounded inward; a `required` property missing from `properties` is added;
 - every validation keyword the backend does not enforce is rejected by name (annotations such
   as `title` and keywords JSON Schema does not define are dropped: validators ignore them too).
+
+With `relax=True` (the `auto` backend, not strict) nothing enforceable by validation is refused:
+a keyword the backend cannot enforce is dropped, which leaves a grammar for a superset of the
+schema, and recorded in `deferred` (the grammar's owner validates completed values against the
+original schema, see `_validation.py`); overlapping `oneOf` becomes `anyOf`; `format` values
+nothing checks are dropped and recorded in `annotations`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from radixlm.constrained._schema_merge import (
@@ -30,6 +38,7 @@ from radixlm.constrained._schema_merge import (
     type_set,
     value_satisfies,
 )
+from radixlm.constrained._schema_rewrite import rewrite_for_grammar
 from radixlm.constrained._schema_support import (
     DEF_CONTAINERS,
     FORMAT_PATTERNS,
@@ -37,6 +46,7 @@ from radixlm.constrained._schema_support import (
     VALIDATION_KEYWORDS,
     XGRAMMAR_SUPPORT,
     SchemaSupport,
+    checked_formats,
 )
 from radixlm.constrained.errors import GrammarError
 
@@ -48,14 +58,40 @@ _COUNTS = (
 )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class NormalizedSchema:
+    """A schema as a backend gets it (`text`), the parsed original, and what was relaxed."""
+
+    text: str
+    original: Any
+    deferred: frozenset[str] = frozenset()
+    annotations: frozenset[str] = frozenset()
+
+
 def prepare_json_schema(
     source: str, support: SchemaSupport, *, max_depth: int = 64, max_bytes: int = 1 << 20
 ) -> str:
     """The normalized schema as JSON text, or `GrammarError` saying what to change."""
+    return normalize_json_schema(
+        source, support, max_depth=max_depth, max_bytes=max_bytes, relax=False
+    ).text
+
+
+def normalize_json_schema(
+    source: str,
+    support: SchemaSupport,
+    *,
+    max_depth: int = 64,
+    max_bytes: int = 1 << 20,
+    relax: bool = False,
+) -> NormalizedSchema:
+    """The normalized schema with what was deferred to validation (`relax=True` only), or
+    `GrammarError` saying what to change."""
     if len(source.encode("utf-8")) > max_bytes:
         raise GrammarError(
             f"the JSON schema is {len(source.encode('utf-8'))} bytes, above the limit of "
-            f"{max_bytes} bytes; simplify it or raise GrammarOptions.max_source_bytes",
+            f"{max_bytes} bytes; simplify it or raise the limit (GrammarOptions.max_source_bytes, "
+            "the server's --max-constraint-bytes)",
             kind="json_schema",
         )
     try:
@@ -70,14 +106,20 @@ def prepare_json_schema(
         raise GrammarError(
             "the JSON schema is nested too deeply to parse", kind="json_schema"
         ) from None
+    normalizer = _Normalizer(schema, support, max_depth, relax=relax)
     try:
-        normalized = _Normalizer(schema, support, max_depth).run()
+        normalized = normalizer.run()
     except RecursionError:
         raise GrammarError(
             f"the JSON schema is nested deeper than this server accepts ({max_depth} levels)",
             kind="json_schema",
         ) from None
-    return json.dumps(normalized, separators=(",", ":"))
+    return NormalizedSchema(
+        json.dumps(normalized, separators=(",", ":")),
+        schema,
+        frozenset(normalizer.deferred),
+        frozenset(normalizer.annotations),
+    )
 
 
 def _pointer_part(name: str) -> str:
@@ -85,10 +127,15 @@ def _pointer_part(name: str) -> str:
 
 
 class _Normalizer:
-    def __init__(self, root: Any, support: SchemaSupport, max_depth: int) -> None:
+    def __init__(
+        self, root: Any, support: SchemaSupport, max_depth: int, *, relax: bool = False
+    ) -> None:
         self.root = root
         self.support = support
         self.max_depth = max_depth
+        self.relax = relax
+        self.deferred: set[str] = set()
+        self.annotations: set[str] = set()
         self.nodes = 0
         self.pending: list[str] = []
         self.defs: dict[str, dict[str, Any]] = {}
@@ -230,10 +277,14 @@ class _Normalizer:
         out.pop("additionalItems", None)
         if out.get("format") in FORMAT_PATTERNS:
             if "pattern" in out:
-                raise self.reject(
-                    path, "format", "format beside pattern is not supported; keep one of them"
-                )
-            out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
+                if not self.relax:
+                    raise self.reject(
+                        path, "format", "format beside pattern is not supported; keep one of them"
+                    )
+                self.deferred.add("format")
+                out.pop("format")
+            else:
+                out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
         if "pattern" in out and self.support.ascii_shorthands:
             out["pattern"] = self.ascii_pattern(out["pattern"], path)
         if out.get("uniqueItems") is False:
@@ -292,12 +343,18 @@ class _Normalizer:
             schema = {k: v for k, v in schema.items() if k != "allOf"}
         for i, part in enumerate(parts):
             inlined = self.inline(part, f"{path}/allOf/{i}", depth + 1)
-            try:
-                schema = merge(schema, inlined)
-            except CannotMerge as error:
-                raise self.reject(
-                    path, error.keyword, f"allOf (or $ref with siblings): {error.reason}"
-                ) from None
+            while True:
+                try:
+                    schema = merge(schema, inlined)
+                    break
+                except CannotMerge as error:
+                    if not self.relax or error.keyword not in inlined:
+                        raise self.reject(
+                            path, error.keyword, f"allOf (or $ref with siblings): {error.reason}"
+                        ) from None
+                    # One side of the intersection stays in the grammar; validation checks both.
+                    self.deferred.add(error.keyword)
+                    inlined = {k: v for k, v in inlined.items() if k != error.keyword}
         return schema
 
     def inline(self, schema: Any, path: str, depth: int) -> Schema:
@@ -312,7 +369,7 @@ class _Normalizer:
         if "$ref" in cleaned:
             self.note_ref(cleaned["$ref"], path)
             return {"$ref": cleaned["$ref"]}
-        self.check_keywords(cleaned, path)
+        cleaned = self.check_keywords(cleaned, path)
         if "anyOf" in cleaned or "oneOf" in cleaned:
             return self.combinator(cleaned, path, depth)
         out = self.simplify(cleaned, path, depth)
@@ -354,40 +411,76 @@ class _Normalizer:
             i += 1
         return "".join(out)
 
-    def check_keywords(self, schema: Schema, path: str) -> None:
+    def check_keywords(self, schema: Schema, path: str) -> Schema:
+        """The schema with only keywords the backend enforces: others are refused by name, or
+        (relaxed) dropped and deferred to validation."""
         support = self.support
-        for key in schema:
+        out = schema
+        if self.relax:
+            out = self.rewrite(schema, path)
+        for key in list(out):
             if key not in support.keywords:
-                raise self.unsupported(path, key)
-        if "format" in schema and schema["format"] not in support.formats:
-            known = ", ".join(sorted(support.formats))
-            raise self.reject(
-                path,
-                "format",
-                f"format {schema['format']!r} is not enforced by the {support.backend} "
-                f"backend (it enforces: {known}); remove it or use a pattern",
-            )
-        if "multipleOf" in schema:
-            step = schema["multipleOf"]
-            kinds = type_set({"type": schema.get("type", "number")})
+                if not self.relax:
+                    raise self.unsupported(path, key)
+                out = self.defer(out, key)
+        if "format" in out and out["format"] not in support.formats:
+            if not self.relax:
+                known = ", ".join(sorted(support.formats))
+                raise self.reject(
+                    path,
+                    "format",
+                    f"format {out['format']!r} is not enforced by the {support.backend} "
+                    f"backend (it enforces: {known}); remove it or use a pattern",
+                )
+            name = out["format"]
+            if isinstance(name, str) and name in checked_formats():
+                self.deferred.add("format")
+            else:
+                self.annotations.add(str(name))
+            out = {k: v for k, v in out.items() if k != "format"}
+        if "multipleOf" in out:
+            step = out["multipleOf"]
+            kinds = type_set({"type": out.get("type", "number")})
             if not (isinstance(step, int) and kinds == frozenset({"integer"})):
-                raise self.unsupported(path, "multipleOf", " on non-integer numbers")
-        if "pattern" in schema or "format" in schema:
+                if not self.relax:
+                    raise self.unsupported(path, "multipleOf", " on non-integer numbers")
+                out = self.defer(out, "multipleOf")
+        if "pattern" in out or "format" in out:
             for key in ("minLength", "maxLength"):
-                if key in schema and "enum" not in schema and "const" not in schema:
-                    raise self.unsupported(
-                        path,
-                        key,
-                        " beside 'pattern' or 'format' (fold the length into the pattern)",
-                    )
+                if key in out and "enum" not in out and "const" not in out:
+                    if not self.relax:
+                        raise self.unsupported(
+                            path,
+                            key,
+                            " beside 'pattern' or 'format' (fold the length into the pattern)",
+                        )
+                    out = self.defer(out, key)
+        return out
+
+    def defer(self, schema: Schema, key: str) -> Schema:
+        """`schema` without `key` (a superset of it), the keyword left to validation. Without
+        its patternProperties, an object's additionalProperties would also govern the names
+        the patterns matched, which narrows it: that goes too."""
+        self.deferred.add(key)
+        drop = {key}
+        if key == "patternProperties" and schema.get("additionalProperties", True) is not True:
+            drop.add("additionalProperties")
+        return {k: v for k, v in schema.items() if k not in drop}
+
+    def rewrite(self, schema: Schema, path: str) -> Schema:
+        """Forms of keywords the backend lacks that can be compiled exactly (see
+        `_schema_rewrite`); the rest is left for `check_keywords`."""
+        return rewrite_for_grammar(schema, self.support, path)
 
     # -- anyOf / oneOf ----------------------------------------------------------------------
 
     def combinator(self, schema: Schema, path: str, depth: int) -> Schema:
         if "anyOf" in schema and "oneOf" in schema:
-            raise self.reject(
-                path, "oneOf", "anyOf beside oneOf is not supported; nest one in the other"
-            )
+            if not self.relax:
+                raise self.reject(
+                    path, "oneOf", "anyOf beside oneOf is not supported; nest one in the other"
+                )
+            schema = self.defer(schema, "oneOf")
         key = "anyOf" if "anyOf" in schema else "oneOf"
         branches = schema[key]
         if not isinstance(branches, list) or not branches:
@@ -415,6 +508,9 @@ class _Normalizer:
             for i in range(len(resolved)):
                 for j in range(i + 1, len(resolved)):
                     if not provably_disjoint(resolved[i], resolved[j], self.resolve_loose):
+                        if self.relax:  # anyOf in the grammar; "exactly one" by validation
+                            self.deferred.add("oneOf")
+                            return {"anyOf": kept}
                         raise self.reject(
                             path,
                             "oneOf",
@@ -489,6 +585,9 @@ class _Normalizer:
         kept = []
         for value in values:
             verdict = value_satisfies(value, rest)
+            if verdict is None and self.relax:
+                self.deferred.update(rest)
+                verdict = True
             if verdict is None:
                 names = ", ".join(sorted(rest))
                 raise self.reject(
@@ -509,8 +608,18 @@ class _Normalizer:
             raise self.reject(path, "required", "required must be a list of property names")
         props = dict(out.get("properties", {}))
         extra = out.get("additionalProperties", True)
+        patterns = out.get("patternProperties")
+        if isinstance(patterns, dict):
+            out["patternProperties"] = {
+                pattern: self.node(
+                    sub, f"{path}/patternProperties/{_pointer_part(pattern)}", depth + 1
+                )
+                for pattern, sub in patterns.items()
+            }
         for name in required:
-            if name not in props:
+            if name not in props and isinstance(patterns, dict) and _matches_any(name, patterns):
+                props[name] = {}  # its patternProperties schemas apply to it as well
+            elif name not in props:
                 if extra is False:
                     raise Unsatisfiable(
                         "required",
@@ -567,6 +676,16 @@ class _Normalizer:
             if out.get("minItems", 0) > len(out.get("prefixItems", [])):
                 raise
             out["items"] = False
+
+
+def _matches_any(name: str, patterns: dict[str, Any]) -> bool:
+    for pattern in patterns:
+        try:
+            if re.search(pattern, name):
+                return True
+        except re.error:
+            return True  # the backend's regex dialect decides; assume it may match
+    return False
 
 
 def _refs_in(node: Any) -> set[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,18 @@ _STRUCTURAL = frozenset(
      "prefixItems", "allOf", "anyOf", "oneOf", "$ref"}
 )  # fmt: skip
 DEF_CONTAINERS = ("$defs", "definitions")
+
+
+@functools.cache
+def checked_formats() -> frozenset[str]:
+    """The `format` values jsonschema's format checker checks here (some need optional
+    packages): formats a grammar does not enforce are validated when they are in this set and
+    are annotations otherwise."""
+    try:
+        import jsonschema
+    except ImportError:  # pragma: no cover - a dependency of the package
+        return frozenset()
+    return frozenset(jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,3 +108,15 @@ OUTLINES_SUPPORT = SchemaSupport(
     # scalar): spell "any value" out, as scalars and arrays of scalars.
     any_value={"anyOf": [*_SCALARS, {"type": "array", "items": {"anyOf": _SCALARS}}]},
 )
+
+
+def support_of(backend: str) -> SchemaSupport:
+    """What backend `backend` enforces of JSON Schema."""
+    supports = {s.backend: s for s in (XGRAMMAR_SUPPORT, OUTLINES_SUPPORT)}
+    extra = globals().get("LLGUIDANCE_SUPPORT")
+    if isinstance(extra, SchemaSupport):
+        supports[extra.backend] = extra
+    try:
+        return supports[backend]
+    except KeyError:
+        raise ValueError(f"no JSON Schema support table for backend {backend!r}") from None

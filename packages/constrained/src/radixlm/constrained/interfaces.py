@@ -28,14 +28,42 @@ class JumpForward:
     rollback: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """A completed JSON value broke a keyword the grammar could not enforce (found by
+    validating the value with `jsonschema` as soon as it closed).
+
+    The owner of the sequence rolls back `rollback` tokens (`Grammar.rollback` and its own
+    output and KV cache) and decodes on: the grammar then masks the choice that led to the
+    violation. `fatal` means the retries are used up: finish the request with an error made of
+    `message` (which names `keyword` and `pointer`, a JSON pointer into the output)."""
+
+    keyword: str
+    pointer: str
+    message: str
+    rollback: int
+    fatal: bool = False
+
+
 @dataclass(frozen=True, eq=False)
 class CompiledGrammar:
     """A constraint compiled for one backend and tokenizer; immutable and shareable between
-    threads and requests. `handle` belongs to the backend that built it."""
+    threads and requests. `handle` belongs to the backend that built it.
+
+    `served_by` is the backend whose automaton runs (the chosen one under `auto`);
+    `validated` lists the JSON Schema keywords enforced by validation and rollback rather than
+    by the grammar; `annotations` the unknown `format` values treated as annotations."""
 
     spec: GrammarSpec
     backend: str
     handle: Any = field(repr=False)
+    served_by: str = ""
+    validated: tuple[str, ...] = ()
+    annotations: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.served_by:
+            object.__setattr__(self, "served_by", self.backend)
 
 
 @runtime_checkable
@@ -71,6 +99,12 @@ class Grammar(Protocol):
     def fork(self) -> Grammar:
         """An independent copy of this state over the same compiled grammar (for n > 1 and
         forks of a program)."""
+        ...
+
+    def violation(self) -> Violation | None:
+        """After `accept_token`: the keyword a just-completed value broke, or None (always
+        None for grammars that enforce everything themselves). Reading it changes nothing;
+        `rollback` clears it."""
         ...
 
 

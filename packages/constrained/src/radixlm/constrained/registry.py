@@ -28,13 +28,22 @@ _REGISTRY: dict[str, _Entry] = {
         ("xgrammar", "torch"),
         "xgrammar",
     ),
+    "llguidance": _Entry(
+        "radixlm.constrained.backends.llguidance_backend:LLGuidanceBackend",
+        ("llguidance", "torch"),
+        "llguidance",
+    ),
     "outlines": _Entry(
         "radixlm.constrained.backends.outlines_backend:OutlinesBackend",
         ("outlines_core",),
         "outlines",
     ),
+    # Chooses per constraint among the installed ones above; needs at least one of them.
+    "auto": _Entry("radixlm.constrained.backends.auto_backend:AutoBackend", (), ""),
 }
-DEFAULT_BACKEND = "xgrammar"
+DEFAULT_BACKEND = "auto"
+#: The order `auto` tries the backends in (fastest masks first).
+AUTO_ORDER = ("xgrammar", "llguidance", "outlines")
 
 
 def register_backend(
@@ -56,14 +65,23 @@ def _installed(module: str) -> bool:
 
 
 def available_backends() -> list[str]:
-    """The registered backends whose dependencies are installed (nothing is imported)."""
-    return [name for name, entry in _REGISTRY.items() if all(map(_installed, entry.requires))]
+    """The registered backends whose dependencies are installed (nothing is imported); `auto`
+    counts when at least one of the backends it chooses from is."""
+    found = [
+        name
+        for name, entry in _REGISTRY.items()
+        if name != "auto" and all(map(_installed, entry.requires))
+    ]
+    if any(name in found for name in AUTO_ORDER):
+        found.append("auto")
+    return found
 
 
 def create_backend(
     name: str, tokenizer_info: TokenizerInfo, options: GrammarOptions | None = None
 ) -> GrammarBackend:
-    """A backend by name ("xgrammar", the default, or "outlines") for `tokenizer_info`.
+    """A backend by name (`auto`, the default, `xgrammar`, `llguidance` or `outlines`) for
+    `tokenizer_info`.
 
     Raises ValueError for an unknown name and `BackendUnavailable` (an ImportError naming the
     extra to install) when its package is missing."""

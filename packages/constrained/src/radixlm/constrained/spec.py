@@ -28,14 +28,22 @@ class GrammarSpec:
     - `choice`: a sequence of strings; the output is exactly one of them.
     - `json_object`: any JSON object (OpenAI's JSON mode); `source` is ignored.
 
+    `strict`: refuse anything the grammar alone does not enforce (no validation and rollback;
+    only the `auto` backend ever validates, the named backends are always strict).
+
     Specs are hashable and compare by value; compiled grammars are cached under `key`.
     """
 
     kind: GrammarKind
     source: str | tuple[str, ...] = ""
+    strict: bool = False
 
     def __init__(
-        self, kind: GrammarKind, source: str | Sequence[str] | dict[str, Any] = ""
+        self,
+        kind: GrammarKind,
+        source: str | Sequence[str] | dict[str, Any] = "",
+        *,
+        strict: bool = False,
     ) -> None:
         if kind not in GRAMMAR_KINDS:
             raise GrammarError(
@@ -60,16 +68,29 @@ class GrammarSpec:
             raise GrammarError(f"the {kind} constraint must be a string", kind=kind)
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "source", value)
+        object.__setattr__(self, "strict", bool(strict))
 
     @property
     def key(self) -> tuple[str, str]:
-        """(kind, source as text): what a compiled grammar is cached under."""
+        """(kind, source as text): what a compiled grammar is cached under (a strict spec's
+        kind carries a `!strict` mark)."""
+        kind = f"{self.kind}!strict" if self.strict else self.kind
         if isinstance(self.source, tuple):
-            return (self.kind, json.dumps(list(self.source)))
-        return (self.kind, self.source)
+            return (kind, json.dumps(list(self.source)))
+        return (kind, self.source)
+
+    @property
+    def text(self) -> str:
+        """The source as text (a choice list JSON-encoded)."""
+        if isinstance(self.source, tuple):
+            return json.dumps(list(self.source))
+        return self.source
+
+    def with_strict(self, strict: bool) -> GrammarSpec:
+        return GrammarSpec(self.kind, self.source, strict=strict)
 
     @classmethod
-    def from_sampling_params(cls, params: Any) -> GrammarSpec | None:
+    def from_sampling_params(cls, params: Any, *, strict: bool = False) -> GrammarSpec | None:
         """The constraint of a `radixlm.sampling.SamplingParams` (`json_schema`, `regex`, `ebnf`,
         `structural_tag` or `choice`), or None when it has none. `json_object` is not a sampling
         parameter: it comes from an API's `response_format`."""
@@ -81,10 +102,11 @@ class GrammarSpec:
             names = ", ".join(name for name, _ in given)
             raise GrammarError(f"only one structured-output constraint may be set; got {names}")
         name, value = given[0]
-        return cls(name, value)  # type: ignore[arg-type]
+        return cls(name, value, strict=strict)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         text = repr(self.source)
         if len(text) > 80:
             text = text[:77] + "..."
-        return f"GrammarSpec({self.kind!r}, {text})"
+        mark = ", strict=True" if self.strict else ""
+        return f"GrammarSpec({self.kind!r}, {text}{mark})"

@@ -239,6 +239,17 @@ class TokenizerInfo:
         ids, negative_lengths = found
         return ids[: bisect.bisect_left(negative_lengths, -longer_than)]
 
+    def tokens_starting_with(self, prefix: bytes) -> list[int]:
+        """Ordinary tokens whose bytes start with `prefix` (all of them for b"")."""
+        keys, ids = self._sorted_vocab()
+        start = bisect.bisect_left(keys, prefix)
+        found: list[int] = []
+        for position in range(start, len(keys)):
+            if not keys[position].startswith(prefix):
+                break
+            found.append(ids[position])
+        return found
+
     def _find_extensions(self, token_id: int) -> list[int]:
         prefix = self._token_bytes[token_id]
         if prefix is None:

@@ -210,6 +210,10 @@ class OutlinesMatcher:
         forced = self._forced_bytes(self._guide.get_state())
         return plan_jump_forward(self, self._info, forced, self._options.jump_forward_window)
 
+    def violation(self) -> None:
+        """Never: this grammar enforces all of its constraint itself."""
+        return None
+
     def allows_any(self, token_ids: list[int]) -> bool:
         index, state = self._grammar.index, self._guide.get_state()
         return any(index.get_next_state(state, t) is not None for t in token_ids)

@@ -174,6 +174,10 @@ class XGrammarMatcher:
     def fork(self) -> XGrammarMatcher:
         return XGrammarMatcher(self._matcher.fork(), self._info, self._options, list(self._history))
 
+    def violation(self) -> None:
+        """Never: this grammar enforces all of its constraint itself."""
+        return None
+
     def allows_any(self, token_ids: list[int]) -> bool:
         if self._scratch is None:
             self._scratch = torch.zeros((1, bitmask_width(self._size)), dtype=torch.int32)
