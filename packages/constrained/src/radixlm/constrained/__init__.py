@@ -1,6 +1,7 @@
 """radixlm.constrained: structured output (JSON Schema, regex, EBNF, structural tags, choices) on
-xgrammar and outlines-core, with jump-forward decoding. Backends are optional extras, imported
-only when created: `available_backends()` says which are installed."""
+xgrammar, llguidance and outlines-core (or `auto`, choosing per constraint), with jump-forward
+decoding. Backends are optional extras, imported only when created: `available_backends()` says
+which are installed."""
 
 from radixlm.constrained._version import __version__
 from radixlm.constrained.bitmask import (
@@ -12,7 +13,13 @@ from radixlm.constrained.bitmask import (
 )
 from radixlm.constrained.compiler import CacheInfo, GrammarCompiler
 from radixlm.constrained.errors import BackendUnavailable, GrammarError
-from radixlm.constrained.interfaces import CompiledGrammar, Grammar, GrammarBackend, JumpForward
+from radixlm.constrained.interfaces import (
+    CompiledGrammar,
+    Grammar,
+    GrammarBackend,
+    JumpForward,
+    Violation,
+)
 from radixlm.constrained.options import GrammarOptions
 from radixlm.constrained.registry import (
     DEFAULT_BACKEND,
@@ -49,4 +56,5 @@ __all__ = [
     "registered_backends",
     "reset_bitmask",
     "unpack_bitmask",
+    "Violation",
 ]

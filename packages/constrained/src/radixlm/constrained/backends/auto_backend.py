@@ -74,7 +74,7 @@ class AutoBackend:
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         errors: list[GrammarError] = []
-        for name in self.order:
+        for name in self.usable():
             backend = self.backend(name)
             if spec.kind not in backend.supported_kinds:
                 errors.append(unsupported_kind(name, spec.kind, backend.supported_kinds))
@@ -91,8 +91,19 @@ class AutoBackend:
             return self._relaxed(spec, errors)
         raise _best(errors, spec)
 
-    def _relaxed(self, spec: GrammarSpec, errors: list[GrammarError]) -> CompiledGrammar:
+    def usable(self) -> list[str]:
+        """The backends of `order` that load (a broken install is skipped, not fatal)."""
+        names = []
         for name in self.order:
+            try:
+                self.backend(name)
+            except ImportError:
+                continue
+            names.append(name)
+        return names
+
+    def _relaxed(self, spec: GrammarSpec, errors: list[GrammarError]) -> CompiledGrammar:
+        for name in self.usable():
             try:
                 normalized = normalize_json_schema(
                     spec.text,
