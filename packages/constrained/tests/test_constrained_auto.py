@@ -51,11 +51,14 @@ def walk(grammar: Any, info: Any, seed: int, max_steps: int = 300) -> tuple[str 
             token = rng.choice(closing)
         else:
             token = rng.choice(allowed)
+        committed = getattr(grammar, "committed", len(grammar.history))
         assert grammar.accept_token(token)
         found = grammar.violation()
         if found is not None:
             if found.fatal:
                 return None, rollbacks
+            # Nothing the grammar called committed (what an engine has streamed) is taken back.
+            assert len(grammar.history) - found.rollback >= committed
             grammar.rollback(found.rollback)
             rollbacks += 1
     if not grammar.is_terminated():

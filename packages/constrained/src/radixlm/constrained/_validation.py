@@ -38,8 +38,12 @@ Located = tuple[Schema, ...]
 
 # Keywords through which a subschema applies to the same instance, necessarily.
 _SAME_NECESSARY = ("allOf",)
-# Keywords through which a subschema may apply to the same instance (for "needs a check").
-_SAME_ANY = ("allOf", "anyOf", "oneOf", "if", "then", "else", "not", "dependentSchemas")
+# Subschemas whose values the scanner does not locate: a deferred keyword anywhere under them
+# is checked when the value holding them closes.
+_BRANCHES = (
+    "anyOf", "oneOf", "if", "then", "else", "not", "dependentSchemas", "contains",
+    "unevaluatedProperties", "unevaluatedItems", "propertyNames", "dependencies",
+)  # fmt: skip
 _WHITESPACE = frozenset(b" \t\n\r")
 _NUMBER_BYTES = frozenset(b"0123456789+-.eE")
 _LITERALS = {ord("t"): 4, ord("f"): 5, ord("n"): 4}
@@ -167,6 +171,9 @@ class SchemaChecks:
         return found
 
     def _uses_deferred(self, schema: Schema, seen: set[int]) -> bool:
+        """A deferred keyword applies to this very value: in the schema, through `$ref` and
+        `allOf`, or anywhere under a branch (`anyOf`, `not`, ...) or a subschema whose values
+        are not located (`contains`, `unevaluated*`), since those are checked only here."""
         if not isinstance(schema, dict) or id(schema) in seen:
             return False
         seen.add(id(schema))
@@ -174,13 +181,29 @@ class SchemaChecks:
             return True
         if "$ref" in schema and self._uses_deferred(self.resolve(schema["$ref"]), seen):
             return True
-        for key in _SAME_ANY:
-            value = schema.get(key)
-            branches = value if isinstance(value, list) else [value]
-            if key == "dependentSchemas" and isinstance(value, dict):
-                branches = list(value.values())
-            if any(self._uses_deferred(b, seen) for b in branches):
+        if any(self._uses_deferred(b, seen) for b in _as_list(schema.get("allOf"))):
+            return True
+        for key in _BRANCHES:
+            if key in schema and self._deep_uses_deferred(schema[key], set()):
                 return True
+        return False
+
+    def _deep_uses_deferred(self, node: Any, seen: set[int]) -> bool:
+        """A deferred keyword anywhere under `node`, `$ref`s followed."""
+        stack = [node]
+        while stack:
+            item = stack.pop()
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            if isinstance(item, dict):
+                if self.deferred & item.keys():
+                    return True
+                if isinstance(item.get("$ref"), str):
+                    stack.append(self.resolve(item["$ref"]))
+                stack.extend(v for k, v in item.items() if k not in ("enum", "const"))
+            elif isinstance(item, list):
+                stack.extend(item)
         return False
 
     def item_rules(self, located: Located) -> Schema | None:
@@ -232,6 +255,7 @@ class _Frame:
     start_byte: int
     start_token: int
     checked: bool
+    holds: bool  # a violation found when this value closes may take it back
     item_rules: Schema | None = None
     name_rules: list[Schema] = field(default_factory=list)
     index: int = 0  # the next item's index (arrays)
@@ -259,7 +283,7 @@ class _State:
 def _copy(state: _State) -> _State:
     frames = [
         _Frame(
-            f.is_object, f.located, f.pointer, f.start_byte, f.start_token, f.checked,
+            f.is_object, f.located, f.pointer, f.start_byte, f.start_token, f.checked, f.holds,
             f.item_rules, f.name_rules, f.index, f.key, f.expect_key,
         )  # fmt: skip
         for f in state.stack
@@ -327,11 +351,18 @@ class ValidatingGrammar:
 
     @property
     def committed(self) -> int:
-        """Output tokens no violation can take back any more: those before the first value
-        that is still open (the document itself is checked when it closes)."""
-        if self._state.done:
-            return len(self._history)
-        return 0
+        """Output tokens no violation can take back any more: those before the first open
+        value whose check may fail (stream no further than this)."""
+        state = self._state
+        starts = [frame.start_token for frame in state.stack if frame.holds]
+        scalar = state.scalar
+        if scalar is not None and not scalar.is_key:
+            located, _ = self._child_place(state)
+            if located and self._checks.needs_check(located):
+                starts.append(scalar.start_token)
+        if state.stack and state.stack[-1].is_object and state.stack[-1].name_rules:
+            starts.append(state.stack[-1].start_token)
+        return min(starts, default=len(self._history))
 
     @property
     def rollbacks(self) -> int:
@@ -575,17 +606,18 @@ class ValidatingGrammar:
             state.scalar = _Scalar("s", at, token, is_key=True)
             return
         located, pointer = self._child_place(state)
-        checked = self._checks.needs_check(located) if located else False
-        if not state.stack:
-            checked = True  # the document is always checked when it closes
+        holds = self._checks.needs_check(located) if located else False
+        # The document is checked when it closes anyway, as a safety net: every deferred
+        # keyword is also checked at the value it applies to.
+        checked = holds or not state.stack
         if byte == 0x7B:  # "{"
             state.stack.append(
-                _Frame(True, located, pointer, at, token, checked,
+                _Frame(True, located, pointer, at, token, checked, holds,
                        name_rules=self._checks.name_rules(located))  # fmt: skip
             )
         elif byte == 0x5B:  # "["
             state.stack.append(
-                _Frame(False, located, pointer, at, token, checked,
+                _Frame(False, located, pointer, at, token, checked, holds,
                        item_rules=self._checks.item_rules(located))  # fmt: skip
             )
         elif byte == 0x22:
@@ -659,6 +691,10 @@ class ValidatingGrammar:
         if scalar is not None and scalar.kind == "n":
             state.scalar = None
             self._close_scalar(state, scalar, end)
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
 
 
 def _bit(position: int) -> int:

@@ -6,7 +6,9 @@
 
 Greedy decoding and sampling are supported (also `num_return_sequences`); beam search is not,
 because beams reorder rows between steps. Jump-forward needs an engine that can append tokens,
-so it is not used here. A processor serves one `generate` call; make a new one per call.
+so it is not used here; for the same reason the constraint is compiled strict (`generate`
+cannot take tokens back, so keywords only validation and rollback would enforce are refused by
+name). A processor serves one `generate` call; make a new one per call.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ class GrammarLogitsProcessor(LogitsProcessor):
     def __init__(self, backend: GrammarBackend, grammar: GrammarSpec | CompiledGrammar) -> None:
         self._backend = backend
         self._compiled = (
-            grammar if isinstance(grammar, CompiledGrammar) else backend.compile(grammar)
+            grammar
+            if isinstance(grammar, CompiledGrammar)
+            else backend.compile(grammar.with_strict(True))
         )
         self._grammars: list[Grammar] = []
         self._bitmask: Any = None
