@@ -52,6 +52,9 @@ def cli_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "--chunked-prefill-size", "64",
         "--schedule-policy", "lpm",
         "--grammar-backend", "xgrammar",
+        "--strict-constraints",
+        "--max-constraint-bytes", "65536",
+        "--grammar-compile-timeout", "20",
         "--json-whitespace", "any",
         "--sampling-defaults", "openai",
         "--random-seed", "1",
@@ -123,6 +126,8 @@ def test_serve_passes_engine_flags_to_the_engine(cli_server: Any) -> None:
     assert config["scheduler"]["max_queued_requests"] == 16
     assert config["scheduler"]["chunked_prefill_size"] == 64
     assert config["grammar"]["json_whitespace"] == "flexible"
+    assert (info["grammar_backend"], info["strict_constraints"]) == ("xgrammar", True)
+    assert info["max_constraint_bytes"] == 65536 and info["grammar_compile_timeout"] == 20
     assert config["runner"]["sampler"]["enable_custom_logit_processor"] is True
     assert info["server_config"]["api_key"] == "***"
     forced = httpx.post(

@@ -248,7 +248,7 @@ def test_bad_input_raises_invalid_request_naming_the_field(engine: Engine) -> No
         engine.generate("x", custom_logit_processor='{"callable": "a:b"}')
     assert custom.value.field == "custom_logit_processor"
     with pytest.raises(InvalidRequest) as grammar:
-        engine.generate("x", {"json_schema": json.dumps({"patternProperties": {"a": {}}})})
+        engine.generate("x", {"json_schema": json.dumps({"type": "object", "properties": 5})})
     assert grammar.value.field == "json_schema"
 
 

@@ -36,6 +36,34 @@ def test_sglang_kwargs_land_in_the_composed_config() -> None:
     assert config.sampling_defaults == "openai"
 
 
+def test_grammar_defaults_are_auto_lenient_and_8_mib() -> None:
+    grammar = EngineConfig.from_kwargs("/m").grammar
+    assert (grammar.backend, grammar.strict, grammar.max_constraint_bytes) == (
+        "auto",
+        False,
+        8 * 1024 * 1024,
+    )
+
+
+def test_grammar_kwargs_set_backend_strictness_and_size_limit() -> None:
+    grammar = EngineConfig.from_kwargs(
+        "/m", grammar_backend="llguidance", strict_constraints=True, max_constraint_bytes=4096
+    ).grammar
+    assert (grammar.backend, grammar.strict, grammar.max_constraint_bytes) == (
+        "llguidance",
+        True,
+        4096,
+    )
+
+
+def test_every_grammar_backend_choice_is_accepted() -> None:
+    from radixlm.runtime.engine_config import GRAMMAR_BACKENDS
+
+    assert GRAMMAR_BACKENDS == ("auto", "xgrammar", "llguidance", "outlines", "none")
+    for name in GRAMMAR_BACKENDS:
+        assert EngineConfig.from_kwargs("/m", grammar_backend=name).grammar.backend == name
+
+
 def test_unknown_argument_names_the_closest_known_one() -> None:
     with pytest.raises(TypeError, match="did you mean 'chunked_prefill_size'"):
         EngineConfig.from_kwargs("/m", chunked_prefil_size=8)
@@ -45,7 +73,9 @@ def test_unknown_argument_names_the_closest_known_one() -> None:
     ("kwargs", "message"),
     [
         ({"schedule_policy": "sjf"}, "schedule_policy"),
-        ({"grammar_backend": "llguidance"}, "grammar_backend"),
+        ({"grammar_backend": "guidance"}, "grammar_backend"),
+        ({"max_constraint_bytes": 0}, "max_constraint_bytes"),
+        ({"grammar_compile_timeout": 0}, "grammar_compile_timeout"),
         ({"radix_eviction_policy": "fifo"}, "eviction_policy"),
         ({"max_queued_requests": -1}, "max_queued_requests"),
     ],

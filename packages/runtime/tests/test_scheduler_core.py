@@ -385,6 +385,48 @@ def test_rollback_returns_kv_of_taken_back_tokens() -> None:
     assert_clean(sched, 4096)
 
 
+@pytest.mark.parametrize("page", [1, 4])
+def test_rewindable_request_can_take_back_its_whole_output(page: int) -> None:
+    sched, model = make(page=page), FakeModel()
+    req = Req("a", prompts(1, 0, 10, seed=20)[0], 50)
+    req.rewindable = True
+    sched.add(req)
+    for _ in range(4):
+        batch = sched.schedule()
+        tokens = model.forward(batch)
+        sched.after_forward(batch)
+        req.output_ids.append(tokens[0])
+    # The last prompt token stays the request's: the cache holds at most 9 of the 10.
+    assert req.cache_len <= 9 and req.cache_len % page == 0
+    assert sched.can_rewind(req, 4) and not sched.can_rewind(req, 5)
+    del req.output_ids[:]
+    sched.trim_kv(req, recompute_last=True)
+    assert req.kv_len == 9 and req.pending == 1
+    batch = sched.schedule()
+    (entry,) = batch.entries
+    assert entry.prefix_len == 9 and entry.input_ids == req.prompt_ids[-1:] and entry.sample
+    model.forward(batch)  # reads back every slot of the prefix
+    sched.after_forward(batch)
+    sched.check_memory(4096)
+    sched.finish(req)
+    assert_clean(sched, 4096)
+
+
+def test_request_that_is_not_rewindable_cannot_rewind_into_the_cache() -> None:
+    sched, model = make(), FakeModel()
+    req = Req("a", prompts(1, 0, 10, seed=21)[0], 50)
+    sched.add(req)
+    for _ in range(3):
+        batch = sched.schedule()
+        tokens = model.forward(batch)
+        sched.after_forward(batch)
+        req.output_ids.append(tokens[0])
+    assert req.cache_len == 10  # the whole prompt is cached after its prefill
+    assert sched.can_rewind(req, 2) and not sched.can_rewind(req, 3)
+    sched.abort(req)
+    assert_clean(sched, 4096)
+
+
 def test_retracted_request_is_not_readmitted_in_the_same_step() -> None:
     sched, model = make(pool=120, init_new_token_ratio=0.0, min_new_token_ratio=0.0), FakeModel()
     reqs = [Req(f"r{i}", p, 60) for i, p in enumerate(prompts(3, 0, 30, seed=19))]

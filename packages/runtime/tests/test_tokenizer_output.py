@@ -107,6 +107,39 @@ def test_stream_text_holds_back_a_possible_stop_prefix(tok: Any) -> None:
     assert out.stream_text() == "hello "
 
 
+def test_stream_text_shows_only_the_committed_tokens_text(tok: Any) -> None:
+    out = _output(tok)
+    ids = _encode(tok, "the radix tree caches the prefix")
+    for token in ids:
+        out.append(token)
+    for committed in range(len(ids) + 1):
+        shown = out.stream_text(committed)
+        assert shown == tok.decode(ids[:committed], clean_up_tokenization_spaces=False)
+    assert out.stream_text() == out.text
+
+
+def test_committed_text_holds_back_an_incomplete_character_and_a_stop_prefix(tok: Any) -> None:
+    out = _output(tok, stop="xyz")
+    ids = _encode(tok, "ok 🙂 x")
+    for token in ids:
+        out.append(token)
+    assert out.stream_text(len(ids)) == "ok 🙂 "  # "x" may begin the stop string
+    emoji = _encode(tok, "ok 🙂")
+    assert not out.stream_text(len(emoji) - 1).endswith("\ufffd")
+
+
+def test_rollback_forgets_the_text_of_the_tokens_taken_back(tok: Any) -> None:
+    out = _output(tok)
+    ids = _encode(tok, "the radix tree caches the prefix")
+    for token in ids:
+        out.append(token)
+    out.rollback(3)
+    kept = ids[:-3]
+    assert out.text == tok.decode(kept, clean_up_tokenization_spaces=False)
+    assert out.stream_text(len(ids)) == out.text
+    assert out.stream_text(2) == tok.decode(kept[:2], clean_up_tokenization_spaces=False)
+
+
 def test_stop_token_id_finishes_without_its_text(tok: Any) -> None:
     out = _output(tok, stop_token_ids=[7])
     out.append(_encode(tok, "hello")[0])

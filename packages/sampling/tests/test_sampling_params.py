@@ -120,6 +120,19 @@ def test_constraint_reports_the_one_given() -> None:
     assert SamplingParams().constraint is None
 
 
+def test_strict_constraint_defaults_to_the_servers_choice() -> None:
+    assert SamplingParams().strict_constraint is None
+    params = SamplingParams.parse({"json_schema": "{}", "strict_constraint": True})
+    assert params.strict_constraint is True
+    assert params.constraint == ("json_schema", "{}")  # not a constraint itself
+
+
+def test_strict_constraint_must_be_a_boolean() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        SamplingParams.parse({"regex": "a+", "strict_constraint": "very"})
+    assert caught.value.field == "strict_constraint"
+
+
 def test_json_schema_must_be_json_text() -> None:
     with pytest.raises(InvalidRequest) as caught:
         SamplingParams.parse({"json_schema": "{not json"})

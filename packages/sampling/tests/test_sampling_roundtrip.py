@@ -43,6 +43,7 @@ def sampling_fields(draw: st.DrawFn) -> dict[str, Any]:
         "custom_params": st.dictionaries(words, st.integers(), max_size=2),
         "regex": st.sampled_from(["[a-z]+", r"\d{3}", "(yes|no)"]),
         "choice": st.lists(words, min_size=1, max_size=3),
+        "strict_constraint": st.booleans(),
     }
     for name, strategy in optional.items():
         if draw(st.booleans()):

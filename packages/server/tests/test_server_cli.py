@@ -61,7 +61,14 @@ def test_python_dash_m_shows_the_serve_flags() -> None:
         timeout=60,
     )
     assert result.returncode == 0
-    for flag in ("--max-queued-requests", "--tool-call-parser", "--json-whitespace", "--api-key"):
+    for flag in (
+        "--max-queued-requests",
+        "--tool-call-parser",
+        "--json-whitespace",
+        "--api-key",
+        "--strict-constraints",
+        "--max-constraint-bytes",
+    ):
         assert flag in result.stdout
 
 
@@ -81,6 +88,30 @@ def test_flags_mirror_sglang_and_reach_the_engine_only_when_given() -> None:
         "json_whitespace": "any",
         "enable_custom_logit_processor": True,
     }
+
+
+def test_grammar_flags_reach_the_engine() -> None:
+    args = build_parser().parse_args(
+        ["--grammar-backend", "llguidance", "--strict-constraints", "--max-constraint-bytes",
+         "4096", "--grammar-compile-timeout", "2.5"]
+    )  # fmt: skip
+    assert engine_kwargs(args) == {
+        "grammar_backend": "llguidance",
+        "strict_constraints": True,
+        "max_constraint_bytes": 4096,
+        "grammar_compile_timeout": 2.5,
+    }
+    assert engine_kwargs(build_parser().parse_args([])) == {}  # the engine's defaults apply
+
+
+def test_grammar_backend_flag_offers_auto_and_every_backend(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name in ("auto", "xgrammar", "llguidance", "outlines", "none"):
+        assert build_parser().parse_args(["--grammar-backend", name]).grammar_backend == name
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--grammar-backend", "guidance"])
+    assert "invalid choice" in capsys.readouterr().err
 
 
 def test_server_flags_build_the_server_config(tmp_path: Any) -> None:

@@ -142,6 +142,30 @@ def test_sampling_extras_in_extra_body_reach_the_engine(client: openai.OpenAI, e
     assert params.ignore_eos and params.min_new_tokens == 1 and params.stop_token_ids == [3]
 
 
+def test_strict_constraint_extra_reaches_the_engine_on_both_routes(
+    client: openai.OpenAI, engine: Any
+) -> None:
+    client.completions.create(
+        model="toy",
+        prompt="Hi",
+        max_tokens=2,
+        extra_body={"regex": "a+", "strict_constraint": True},
+    )
+    params = engine.received[-1].params
+    assert (params.regex, params.strict_constraint) == ("a+", True)
+    client.chat.completions.create(
+        model="toy",
+        messages=USER,
+        max_tokens=2,
+        response_format={"type": "json_object"},
+        extra_body={"strict_constraint": False},
+    )
+    params = engine.received[-1].params
+    assert params.json_schema is not None and params.strict_constraint is False
+    client.completions.create(model="toy", prompt="Hi", max_tokens=2)
+    assert engine.received[-1].params.strict_constraint is None  # the server's default
+
+
 def test_unsent_fields_keep_the_engine_defaults(client: openai.OpenAI, engine: Any) -> None:
     client.completions.create(model="toy", prompt="Hi", max_tokens=2)
     assert engine.received[-1].params.model_fields_set == {"max_new_tokens"}

@@ -453,6 +453,7 @@ class Engine:
         stats = self.runner.stats
         return {
             "config": self.config.to_dict(),
+            **self.grammar.settings(),
             "model": self.model_info(),
             "max_total_num_tokens": total,
             "num_running_reqs": len(sched.running),
@@ -466,6 +467,7 @@ class Engine:
             "cache_size": self.cache.total_size,
             "generated_tokens": self._core.generated_tokens,
             "jump_forward_tokens": self._core.jump_forward_tokens,
+            "grammar_rollbacks": self._core.grammar_rollbacks,
             "finished_requests": self._core.finished_requests,
             "num_retractions": sched.num_retractions,
             "forward_passes": stats.forward_calls,

@@ -21,7 +21,9 @@ from radixlm.runtime.config import (
 )
 
 _POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
-_GRAMMAR_BACKENDS = ("xgrammar", "outlines", "none")
+#: The structured-output backends an engine can be started with (`auto` picks per constraint
+#: among the installed ones; `none` refuses constraints). The CLI's choices come from here.
+GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
 
 
 @dataclass(frozen=True)
@@ -97,11 +99,22 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class GrammarConfig:
-    """Structured output: `backend` xgrammar | outlines | none; `jump_forward` appends the
-    tokens a grammar forces and computes them in one extend step; `json_whitespace` compact |
-    flexible; `compile_timeout` in seconds; `cache_size` compiled grammars kept."""
+    """Structured output.
 
-    backend: str = "xgrammar"
+    - `backend`: `auto` (per constraint, the installed backend that enforces all of it,
+      validating completed JSON values for keywords no grammar can enforce), `xgrammar`,
+      `llguidance`, `outlines`, or `none` (constraints are refused).
+    - `strict`: the default of a request's `strict_constraint`: refuse a constraint unless the
+      grammar alone enforces all of it (no validation and rollback).
+    - `max_constraint_bytes`: size above which a constraint is refused (a 400).
+    - `jump_forward` appends the tokens a grammar forces and computes them in one extend step;
+      `json_whitespace` compact | flexible; `compile_timeout` in seconds (past it, a 400);
+      `cache_size` compiled grammars kept.
+    """
+
+    backend: str = "auto"
+    strict: bool = False
+    max_constraint_bytes: int = 8 * 1024 * 1024
     jump_forward: bool = True
     json_whitespace: str = "compact"
     compile_timeout: float = 30.0
@@ -109,14 +122,22 @@ class GrammarConfig:
     cache_size: int = 256
 
     def __post_init__(self) -> None:
-        if self.backend not in _GRAMMAR_BACKENDS:
+        if self.backend not in GRAMMAR_BACKENDS:
             raise ValueError(
-                f"grammar_backend must be one of {', '.join(_GRAMMAR_BACKENDS)}; got "
+                f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}; got "
                 f"{self.backend!r}"
             )
         if self.json_whitespace not in ("compact", "flexible"):
             raise ValueError(
                 f"json_whitespace must be compact or flexible; got {self.json_whitespace!r}"
+            )
+        if self.max_constraint_bytes < 1:
+            raise ValueError(
+                f"max_constraint_bytes must be at least 1; got {self.max_constraint_bytes}"
+            )
+        if self.compile_timeout <= 0:
+            raise ValueError(
+                f"grammar_compile_timeout must be > 0 seconds; got {self.compile_timeout}"
             )
 
 
@@ -240,6 +261,8 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "disable_jump_forward": ("grammar", "jump_forward", _negate),
     "json_whitespace": ("grammar", "json_whitespace", lambda v: "flexible" if v == "any" else v),
     "grammar_compile_timeout": ("grammar", "compile_timeout", None),
+    "strict_constraints": ("grammar", "strict", bool),
+    "max_constraint_bytes": ("grammar", "max_constraint_bytes", int),
     # engine
     "sampling_defaults": ("engine", "sampling_defaults", None),
     "incremental_streaming_output": ("engine", "incremental_streaming_output", None),

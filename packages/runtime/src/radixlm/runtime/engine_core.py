@@ -13,7 +13,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Literal
 
 from radixlm.runtime.executor import InputLogprobAsk, ModelExecutor
 from radixlm.runtime.grammar import GrammarService
@@ -26,6 +26,10 @@ logger = logging.getLogger("radixlm.runtime.engine")
 
 #: Seconds between checks of compiling grammars while nothing else can run.
 _GRAMMAR_POLL_S = 0.002
+
+#: What appending one token did: the sequence goes on, it finished, or a grammar violation
+#: took tokens back (the token was not kept).
+Appended = Literal["ok", "finished", "rolled_back"]
 
 
 class EngineCore:
@@ -57,6 +61,7 @@ class EngineCore:
         # Statistics.
         self.generated_tokens = 0
         self.jump_forward_tokens = 0
+        self.grammar_rollbacks = 0
         self.finished_requests = 0
         self.steps = 0
 
@@ -207,7 +212,7 @@ class EngineCore:
             seq.dirty = True
             if req.max_new_tokens == 0:  # prompt scoring: nothing is generated
                 seq.output.finish_length()
-            elif not self._append(seq, token, logprob) and self._can_jump(seq):
+            elif self._append(seq, token, logprob) == "ok" and self._can_jump(seq):
                 self._jump_forward(seq)
             if seq.finish is not None:
                 self._finish(seq)
@@ -227,20 +232,51 @@ class EngineCore:
             seed=seq.seed,
         )
 
-    def _append(self, seq: SequenceState, token: int, logprob: Any = None) -> bool:
-        """Add one token to a sequence; True if it finished."""
+    def _append(self, seq: SequenceState, token: int, logprob: Any = None) -> Appended:
+        """Add one token to a sequence (sampled or forced by the grammar)."""
         seq.record_output_logprob(logprob)
         grammar = seq.grammar
-        if grammar is not None and not grammar.accept_token(token):
-            seq.output.abort(f"the grammar does not allow token {token}")
-            return True
+        if grammar is not None:
+            if not grammar.accept_token(token):
+                seq.output.abort(f"the grammar does not allow token {token}")
+                return "finished"
+            check = getattr(grammar, "violation", None)
+            violation = check() if check is not None else None
+            if violation is not None:
+                return self._violated(seq, violation)
         reason = seq.output.append(token)
         self.generated_tokens += 1
         if reason is None and seq.req.seq_len >= self.context_length:
             reason = seq.output.finish_length("the context length is reached")
         if reason is None and grammar is not None and grammar.is_terminated():
             seq.output.stop(matched=token)
-        return seq.finish is not None
+        return "ok" if seq.finish is None else "finished"
+
+    def _violated(self, seq: SequenceState, violation: Any) -> Appended:
+        """A completed value broke a keyword the grammar validates: take back
+        `violation.rollback` tokens (the one just accepted, which never reached the output, and
+        those before it) and decode on from there; end the sequence when the grammar's retries
+        are used up or the tokens cannot be taken back."""
+        req = seq.req
+        count = int(violation.rollback)
+        earlier = count - 1  # output tokens to take back besides the one just accepted
+        if violation.fatal:
+            seq.output.abort(violation.message)
+            return "finished"
+        if count < 1 or not self.scheduler.can_rewind(req, earlier):
+            seq.output.abort(
+                f"{violation.message} (the output cannot be taken back {count} tokens to retry)"
+            )
+            return "finished"
+        seq.grammar.rollback(count)
+        seq.output.rollback(earlier)
+        seq.truncate_logprobs(len(req.output_ids))
+        # The last token kept is computed again: its logits choose the next token anew.
+        self.scheduler.trim_kv(req, recompute_last=True)
+        self.generated_tokens -= earlier
+        self.grammar_rollbacks += 1
+        seq.grammar_rollbacks += 1
+        return "rolled_back"
 
     def _can_jump(self, seq: SequenceState) -> bool:
         return (
@@ -265,7 +301,7 @@ class EngineCore:
             self.generated_tokens -= jump.rollback
         for token in jump.token_ids:
             self.jump_forward_tokens += 1
-            if self._append(seq, token):
+            if self._append(seq, token) != "ok":
                 return
 
     def _finish(self, seq: SequenceState) -> None:
@@ -291,9 +327,10 @@ class EngineCore:
             try:
                 compiled = future.result()
             except Exception as error:  # a GrammarError (InvalidRequest) for this request only
-                self._close_with_error(seq.handle, error)
+                self._close_with_error(seq.handle, self.grammar.explain(error))
                 continue
             seq.grammar = self.grammar.matcher(compiled)
+            seq.grammar_info = self.grammar.describe(compiled)
             seq.req.grammar_pending = False
         self._compiling = still
 
@@ -307,7 +344,7 @@ class EngineCore:
             if not seq.dirty:
                 continue
             if handle.stream or seq.finish is not None:
-                if handle.stream and seq.finish is None and not self._has_news(seq):
+                if handle.stream and seq.finish is None and not seq.has_news():
                     continue
                 handle.sink(seq.chunk())
         if handle.finished:
@@ -315,10 +352,6 @@ class EngineCore:
             handle.sink(END)
             self.finished_requests += 1
             self._closed(handle)
-
-    @staticmethod
-    def _has_news(seq: SequenceState) -> bool:
-        return len(seq.req.output_ids) > seq.sent_ids or len(seq.output.text) > seq.sent_text
 
     def _close_with_error(self, handle: RequestHandle, error: BaseException) -> None:
         for seq in handle.seqs:

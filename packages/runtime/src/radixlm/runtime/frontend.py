@@ -120,7 +120,7 @@ class RequestPreparer:
             )
             req.payload = seq
             seq.record_input_logprobs([])  # the first prompt token's entry has no logprob
-            req.grammar_pending = future is not None
+            req.grammar_pending = req.rewindable = future is not None
             handle.seqs.append(seq)
             first = first or req
         return handle

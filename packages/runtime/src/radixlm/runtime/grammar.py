@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -10,13 +12,22 @@ from typing import Any
 from radixlm.runtime.engine_config import GrammarConfig
 from radixlm.sampling import InvalidRequest, SamplingParams
 
+logger = logging.getLogger("radixlm.runtime.grammar")
+
+# What to change when a constraint hits one of the engine's limits (the constrained package
+# words the limit as its own option; a user of the engine or the server sets these).
+_SIZE_HINT = "raise max_constraint_bytes (`radixlm serve --max-constraint-bytes N`)"
+_TIME_HINT = "raise grammar_compile_timeout (`radixlm serve --grammar-compile-timeout SECONDS`)"
+_OPTION_NAMES = {"raise GrammarOptions.max_source_bytes": _SIZE_HINT}
+
 
 class GrammarService:
     """Builds the grammar backend on first use and compiles constraints off the engine loop.
 
     `submit(params)` returns None for an unconstrained request, or a Future of the compiled
     grammar (a `GrammarError` inside when it cannot compile); it raises InvalidRequest for a
-    constraint this engine cannot take (backend `none`, malformed spec). Thread-safe.
+    constraint this engine cannot take (backend `none`, malformed spec). A request's
+    `strict_constraint` (None: `config.strict`) makes the spec strict. Thread-safe.
     """
 
     def __init__(
@@ -32,6 +43,7 @@ class GrammarService:
         self.stop_token_ids = sorted(set(stop_token_ids))
         self._compiler: Any = None
         self._lock = threading.Lock()
+        self._described: OrderedDict[Any, None] = OrderedDict()  # specs already logged
 
     @property
     def enabled(self) -> bool:
@@ -52,7 +64,10 @@ class GrammarService:
                     vocab_size=self.vocab_size,
                     stop_token_ids=self.stop_token_ids or None,
                 )
-                options = GrammarOptions(json_whitespace=self.config.json_whitespace)  # type: ignore[arg-type]
+                options = GrammarOptions(
+                    json_whitespace=self.config.json_whitespace,  # type: ignore[arg-type]
+                    max_source_bytes=self.config.max_constraint_bytes,
+                )
                 backend = create_backend(self.config.backend, info, options)
                 self._compiler = GrammarCompiler(
                     backend,
@@ -75,7 +90,11 @@ class GrammarService:
             )
         from radixlm.constrained import GrammarSpec
 
-        spec = GrammarSpec.from_sampling_params(params)  # raises GrammarError (InvalidRequest)
+        strict = (
+            self.config.strict if params.strict_constraint is None else params.strict_constraint
+        )
+        # Raises GrammarError (an InvalidRequest) for a malformed spec.
+        spec = GrammarSpec.from_sampling_params(params, strict=strict)
         assert spec is not None
         future: Future[Any] = self._get_compiler().submit(spec)
         return future
@@ -83,6 +102,76 @@ class GrammarService:
     def matcher(self, compiled: Any) -> Any:
         """A fresh per-sequence grammar for a compiled constraint."""
         return self._get_compiler().backend.matcher(compiled)
+
+    def describe(self, compiled: Any) -> dict[str, Any]:
+        """What a request's `meta_info["grammar"]` says about its compiled constraint: the
+        backend whose automaton runs, the JSON Schema keywords enforced by validation and
+        rollback, the unknown formats treated as annotations. Logs it at INFO the first time
+        a spec is seen."""
+        info = {
+            "backend": getattr(compiled, "served_by", "") or getattr(compiled, "backend", ""),
+            "validated": list(getattr(compiled, "validated", ())),
+            "annotations": list(getattr(compiled, "annotations", ())),
+        }
+        key = getattr(getattr(compiled, "spec", None), "key", None)
+        with self._lock:
+            seen = key in self._described
+            if not seen:
+                self._described[key] = None
+                while len(self._described) > self.config.cache_size:
+                    self._described.popitem(last=False)
+        if not seen:
+            spec = getattr(compiled, "spec", None)
+            logger.info(
+                "compiled a %s constraint%s: backend %s, validated %s, annotations %s",
+                getattr(spec, "kind", "?"),
+                " (strict)" if getattr(spec, "strict", False) else "",
+                info["backend"],
+                ", ".join(info["validated"]) or "none",
+                ", ".join(info["annotations"]) or "none",
+            )
+        return info
+
+    def explain(self, error: BaseException) -> BaseException:
+        """A compile error as the user should see it: one that hit the size or the time limit
+        also names the engine setting (and server flag) that raises the limit."""
+        if not isinstance(error, InvalidRequest):
+            return error
+        message = error.message
+        # A structured `limit` when the constrained package gives one, else its wording.
+        limit = getattr(error, "limit", None)
+        if limit is None and "above the limit of" in message:
+            limit = "max_source_bytes"
+        elif limit is None and "took longer than" in message and "to compile" in message:
+            limit = "time_limit"
+        hint = {"max_source_bytes": _SIZE_HINT, "time_limit": _TIME_HINT}.get(str(limit))
+        if hint is None or hint in message:
+            return error
+        for option, setting in _OPTION_NAMES.items():
+            message = message.replace(option, setting)
+        if hint not in message:
+            joint = " or" if message.endswith("simplify it") else "; or"
+            message = f"{message}{joint} {hint}"
+        from radixlm.constrained import GrammarError
+
+        if isinstance(error, GrammarError):
+            return GrammarError(
+                message,
+                kind=error.kind,
+                backend=error.backend,
+                keyword=error.keyword,
+                path=error.path,
+            )
+        return InvalidRequest(error.field, message)
+
+    def settings(self) -> dict[str, Any]:
+        """The structured-output settings (for get_server_info)."""
+        return {
+            "grammar_backend": self.config.backend,
+            "strict_constraints": self.config.strict,
+            "max_constraint_bytes": self.config.max_constraint_bytes,
+            "grammar_compile_timeout": self.config.compile_timeout,
+        }
 
     def bitmask(self, grammars: Sequence[Any]) -> Any:
         """An int32 bitmask [rows, words]: each grammar's allowed tokens (all for None rows);

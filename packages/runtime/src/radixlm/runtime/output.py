@@ -76,6 +76,9 @@ class SequenceState:
     seed: int | None = None
     grammar: Any = None
     grammar_future: Any = None
+    #: `meta_info["grammar"]` without the rollback count (set once the grammar compiled).
+    grammar_info: dict[str, Any] | None = None
+    grammar_rollbacks: int = 0
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     output_logprobs: list[Triple] = field(default_factory=list)
     output_top: list[list[Triple]] = field(default_factory=list)
@@ -109,6 +112,13 @@ class SequenceState:
         self.output_top.append(self._triples(logprob.top))
         self.output_ids_logprobs.append(self._triples(logprob.requested))
 
+    def truncate_logprobs(self, num_tokens: int) -> None:
+        """Keep the output logprobs of the first `num_tokens` output tokens only (after tokens
+        were taken back)."""
+        del self.output_logprobs[num_tokens:]
+        del self.output_top[num_tokens:]
+        del self.output_ids_logprobs[num_tokens:]
+
     def record_input_logprobs(self, scored: Sequence[TokenLogprob]) -> None:
         options = self.handle.logprobs
         if options.input_start is None:
@@ -123,17 +133,44 @@ class SequenceState:
             self.input_top.append(self._triples(lp.top))
             self.input_ids_logprobs.append(self._triples(lp.requested))
 
+    def _committed(self) -> int | None:
+        """Output tokens that can no longer be taken back, when the grammar says (a grammar
+        that validates completed values); None: every token is final once appended."""
+        if self.grammar is None or self.finish is not None:
+            return None
+        committed = getattr(self.grammar, "committed", None)
+        return None if committed is None else max(0, int(committed))
+
+    def _visible(self) -> tuple[str, int, int]:
+        """What may be shown now: the text, and how many output ids and logprob entries. A
+        finished sequence shows everything; a running one holds back the tail that may still
+        become a stop string and the tokens its grammar may still take back."""
+        if self.finish is not None:
+            return self.output.text, len(self.req.output_ids), len(self.output_logprobs)
+        committed = self._committed()
+        ids = len(self.req.output_ids)
+        if committed is not None:
+            ids = min(ids, committed)
+        return self.output.stream_text(committed), ids, min(ids, len(self.output_logprobs))
+
+    def has_news(self) -> bool:
+        """Whether a streamed chunk now would carry text or ids not sent yet."""
+        text, ids, _ = self._visible()
+        return ids > self.sent_ids or len(text) > self.sent_text
+
     def chunk(self) -> dict[str, Any]:
         """The sequence's output now: cumulative, or only what is new since the last chunk
         when the request streams incrementally. Marks what it returns as sent."""
         handle = self.handle
         final = self.finish is not None
-        text = self.output.text if final else self.output.stream_text()
-        ids = self.req.output_ids
+        text, num_ids, num_lp = self._visible()
+        ids = self.req.output_ids[:num_ids]
         incremental = handle.stream and handle.incremental
-        start_text = self.sent_text if incremental else 0
-        start_ids = self.sent_ids if incremental else 0
-        start_lp = self.sent_logprobs if incremental else 0
+        # Tokens taken back after they were sent (only when the grammar gives no committed
+        # count) cannot be unsent: start from the current end rather than past it.
+        start_text = min(self.sent_text, len(text)) if incremental else 0
+        start_ids = min(self.sent_ids, num_ids) if incremental else 0
+        start_lp = min(self.sent_logprobs, num_lp) if incremental else 0
         meta: dict[str, Any] = {
             "id": handle.rid,
             "prompt_tokens": len(self.req.prompt_ids),
@@ -142,11 +179,13 @@ class SequenceState:
             "finish_reason": self.finish.to_dict() if final and self.finish else None,
             "e2e_latency": time.monotonic() - handle.created,
         }
+        if self.grammar_info is not None:
+            meta["grammar"] = {**self.grammar_info, "rollbacks": self.grammar_rollbacks}
         if handle.logprobs.enabled:
-            meta["output_token_logprobs"] = self.output_logprobs[start_lp:]
-            meta["output_top_logprobs"] = self.output_top[start_lp:]
+            meta["output_token_logprobs"] = self.output_logprobs[start_lp:num_lp]
+            meta["output_top_logprobs"] = self.output_top[start_lp:num_lp]
             if handle.logprobs.token_ids is not None:
-                meta["output_token_ids_logprobs"] = self.output_ids_logprobs[start_lp:]
+                meta["output_token_ids_logprobs"] = self.output_ids_logprobs[start_lp:num_lp]
             if handle.logprobs.input_start is not None:
                 meta["input_token_logprobs"] = self.input_logprobs
                 meta["input_top_logprobs"] = self.input_top
@@ -159,7 +198,7 @@ class SequenceState:
             "meta_info": meta,
         }
         self.sent_text = len(text)
-        self.sent_ids = len(ids)
-        self.sent_logprobs = len(self.output_logprobs)
+        self.sent_ids = num_ids
+        self.sent_logprobs = num_lp
         self.dirty = False
         return out

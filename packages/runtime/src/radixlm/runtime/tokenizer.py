@@ -109,6 +109,7 @@ class IncrementalDetokenizer:
     the ones before it (so merges and leading spaces come out as in a full decode). Text that
     ends in an incomplete UTF-8 character is held back until the character completes. `text`
     always equals the full decode of `ids` up to the held-back tail; `flush()` settles the rest.
+    `text_end(k)` is how much of `text` the first `k` ids had settled.
     """
 
     def __init__(self, decoder: TextDecoder) -> None:
@@ -117,10 +118,24 @@ class IncrementalDetokenizer:
         self.text = ""
         self._prefix = 0  # window start
         self._read = 0  # tokens whose text is settled in `text`
+        self._ends: list[int] = []  # len(text) once each id was appended
+
+    def text_end(self, num_ids: int) -> int:
+        """Length of the part of `text` settled by the first `num_ids` ids (a prefix of
+        their full decode; 0 for none)."""
+        if num_ids <= 0 or not self._ends:
+            return 0
+        return min(self._ends[min(num_ids, len(self._ends)) - 1], len(self.text))
 
     def append(self, ids: Iterable[int]) -> str:
         """Add tokens; return the newly settled text (possibly empty)."""
+        before = len(self.ids)
         self.ids.extend(ids)
+        new = self._append()
+        self._ends.extend([len(self.text)] * (len(self.ids) - before))
+        return new
+
+    def _append(self) -> str:
         if len(self.ids) == self._read:
             return ""
         window = self.ids[self._prefix :]
@@ -141,19 +156,24 @@ class IncrementalDetokenizer:
         """Settle everything, including a trailing incomplete character; return the new text."""
         if self._read == len(self.ids):
             return ""
-        return self._resync()
+        new = self._resync()
+        if self._ends:
+            self._ends[-1] = len(self.text)
+        return new
 
     def rollback(self, num_tokens: int) -> None:
         """Drop the last `num_tokens` ids (text is recomputed from what remains)."""
         if num_tokens <= 0:
             return
         del self.ids[len(self.ids) - num_tokens :]
+        del self._ends[len(self.ids) :]
         self.text = self.decoder(self.ids)
         if self.text.endswith(_REPLACEMENT):
             # Keep the settled point before an incomplete character, as `append` would.
             self.text = self.text.rstrip(_REPLACEMENT)
         self._read = len(self.ids)
         self._prefix = max(0, self._read - 4)
+        self._ends = [min(end, len(self.text)) for end in self._ends]
 
     def _resync(self) -> str:
         full = self.decoder(self.ids)
@@ -233,10 +253,16 @@ class SequenceOutput:
         text = self.detokenizer.text
         return text if self._text_end is None else text[: self._text_end]
 
-    def stream_text(self) -> str:
-        """Text that is safe to show now: without a tail that may still become a stop string."""
+    def stream_text(self, committed: int | None = None) -> str:
+        """Text that is safe to show now: without a tail that may still become a stop string,
+        and with `committed`, no more than the text of the first `committed` output tokens
+        (the rest may still be taken back)."""
         text = self.text
-        if self.finish is not None or not self.stop_strings:
+        if self.finish is not None:
+            return text
+        if committed is not None:
+            text = text[: self.detokenizer.text_end(committed)]
+        if not self.stop_strings:
             return text
         return text[: len(text) - _longest_partial_stop(text, self.stop_strings)]
 

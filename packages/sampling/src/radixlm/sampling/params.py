@@ -117,6 +117,9 @@ class SamplingParams(BaseModel):
     ebnf: str | None = None
     structural_tag: str | None = None
     choice: list[str] | None = None
+    #: Refuse the constraint unless the grammar alone enforces all of it (no validation and
+    #: rollback of completed values); None: the server's default (`--strict-constraints`).
+    strict_constraint: bool | None = None
 
     # Detokenization.
     skip_special_tokens: bool = True

@@ -13,6 +13,10 @@ from typing import Any
 from radixlm.server._version import __version__
 from radixlm.server.config import LOG_LEVELS, TOOL_CALL_PARSERS, ServerConfig
 
+#: `--grammar-backend`: the runtime's `GRAMMAR_BACKENDS` (this package may not import the
+#: runtime; an integration test keeps the two lists equal).
+GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
+
 # Flags that configure the engine: (flag dest, argparse keywords). Their values go to
 # `radixlm.runtime.Engine(model_path, **kwargs)` under the dest name, only when given, so the
 # engine's own defaults apply otherwise.
@@ -43,8 +47,25 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     },
     "disable_radix_cache": {"action": "store_true", "help": "no prefix reuse across requests"},
     "grammar_backend": {
-        "choices": ["xgrammar", "outlines", "none"],
-        "help": "structured-output backend",
+        "choices": list(GRAMMAR_BACKENDS),
+        "help": "structured-output backend (default auto: per constraint, the installed backend "
+        "that enforces all of it, validating what no grammar can; none: refuse constraints)",
+    },
+    "strict_constraints": {
+        "action": "store_true",
+        "help": "refuse constraints the grammar alone does not enforce (no validation and "
+        "rollback); a request's strict_constraint overrides it",
+    },
+    "max_constraint_bytes": {
+        "type": int,
+        "metavar": "N",
+        "help": "largest constraint (JSON schema, regex, EBNF, ...) accepted, in bytes "
+        "(default 8 MiB)",
+    },
+    "grammar_compile_timeout": {
+        "type": float,
+        "metavar": "S",
+        "help": "seconds a constraint may take to compile before it is refused (default 30)",
     },
     "disable_jump_forward": {
         "action": "store_true",

@@ -41,6 +41,7 @@ _DIRECT = (
     "bad_words",
     "regex",
     "ebnf",
+    "strict_constraint",
     "custom_params",
 )
 # SamplingParams field -> the OpenAI request field it came from (for error messages).

@@ -61,6 +61,7 @@ class SamplingFields(BaseModel):
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
     structural_tag: str | dict[str, Any] | None = None
+    strict_constraint: bool | None = None
     custom_params: dict[str, Any] | None = None
     custom_logit_processor: str | None = None
     rid: str | None = None

@@ -30,6 +30,11 @@ class Req:
     (detokenizer, stop checker, grammar, logprobs). A request waits in the queue while
     `blocked()` holds: its grammar is compiling, or it is a sibling of an `n > 1` request whose
     prompt is not cached yet.
+
+    A `rewindable` request (one with a grammar that may take tokens back) keeps the KV of its
+    last prompt token and of its output out of the cache while it runs, so that any part of
+    its output can be taken back and decoding resumed from fresh logits
+    (`Scheduler.can_rewind`).
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class Req:
         self.arrival = next(_ARRIVALS)
         self.status = ReqStatus.WAITING
         self.grammar_pending = False
+        self.rewindable = False
         self.finished = False
         # Memory (the scheduler's).
         self.kv_slots: list[int] = []

@@ -205,8 +205,9 @@ class Scheduler:
 
     def _cache_computed(self, req: Req) -> None:
         """Insert what `req` has computed into the cache and hold it by a lock (the cache's
-        slots replace the request's duplicates)."""
-        kv = req.kv_len
+        slots replace the request's duplicates). A rewindable request keeps its last prompt
+        token and its output to itself (see `can_rewind`)."""
+        kv = self._cacheable(req, req.kv_len)
         stored = kv - kv % self.page
         if not self.caching or stored <= req.cache_len:
             return
@@ -224,16 +225,32 @@ class Scheduler:
         req.cache_len = stored
         req.last_node = match.node
 
+    def _cacheable(self, req: Req, tokens: int) -> int:
+        """How many of the first `tokens` tokens of `req` may belong to the cache while it
+        runs: all, or for a rewindable request at most its prompt less the last token."""
+        return min(tokens, len(req.prompt_ids) - 1) if req.rewindable else tokens
+
+    def can_rewind(self, req: Req, num_tokens: int) -> bool:
+        """Whether the last `num_tokens` output tokens (0 included) can be taken back with the
+        token before them computed again, for fresh logits at the new end (a grammar
+        violation): that token's KV must belong to the request, not to the cache. Always true
+        for a `rewindable` request."""
+        return 0 <= num_tokens <= len(req.output_ids) and (
+            req.seq_len - num_tokens - 1 >= req.cache_len
+        )
+
     def can_rollback(self, req: Req, num_tokens: int) -> bool:
         """Whether the last `num_tokens` output tokens can be taken back (their KV, if any,
         belongs to the request and not to the cache)."""
         return req.seq_len - num_tokens >= req.cache_len and num_tokens <= len(req.output_ids)
 
-    def trim_kv(self, req: Req) -> None:
+    def trim_kv(self, req: Req, recompute_last: bool = False) -> None:
         """After output tokens were taken back (`del req.output_ids[-k:]`), drop the KV of
-        positions past the new end (their slots stay with the request for its next tokens).
-        Check `can_rollback` before taking tokens back."""
-        keep = req.seq_len
+        positions past the new end (their slots stay with the request for its next tokens);
+        with `recompute_last`, the last token's too, so the next step computes it again and
+        samples from fresh logits. Check `can_rollback` (`can_rewind` with `recompute_last`)
+        before taking tokens back."""
+        keep = req.seq_len - 1 if recompute_last else req.seq_len
         if keep < req.kv_len:
             assert keep >= req.cache_len, "cannot take back tokens the cache owns"
             req.spare_slots = req.kv_slots[keep:] + req.spare_slots
@@ -393,6 +410,8 @@ class Scheduler:
             if req.input_logprob_next is not None and not req.input_logprobs_done:
                 limit = req.input_logprob_next  # its logits must be computed
                 prefix = min(prefix, limit - limit % self.page)
+            limit = self._cacheable(req, prefix)  # a retracted one recomputes its output
+            prefix = min(prefix, limit - limit % self.page)
             packed = _packed(req.tokens()) if prefix_aware else b""
             if prefix_aware and self._shares_in_flight(packed, prefix, in_flight):
                 continue  # reuse it from the cache once the other request has computed it

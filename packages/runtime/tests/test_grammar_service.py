@@ -1,0 +1,100 @@
+"""GrammarService: strictness of the specs it compiles, the settings it reports and the
+limit errors it explains (no model needed: the compiler is a stand-in)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from radixlm.constrained import GrammarError, GrammarSpec
+from radixlm.runtime.engine_config import GrammarConfig
+from radixlm.runtime.grammar import GrammarService
+from radixlm.sampling import InvalidRequest, SamplingParams
+
+
+class RecordingCompiler:
+    def __init__(self) -> None:
+        self.specs: list[GrammarSpec] = []
+
+    def submit(self, spec: GrammarSpec) -> Future[Any]:
+        self.specs.append(spec)
+        future: Future[Any] = Future()
+        future.set_result(None)
+        return future
+
+
+def _service(**config: Any) -> tuple[GrammarService, RecordingCompiler]:
+    service = GrammarService(GrammarConfig(**config), tokenizer=None, vocab_size=32)
+    compiler = RecordingCompiler()
+    service._get_compiler = lambda: compiler  # type: ignore[method-assign]
+    return service, compiler
+
+
+@pytest.mark.parametrize(
+    ("server_strict", "request_strict", "strict"),
+    [(False, None, False), (True, None, True), (True, False, False), (False, True, True)],
+)
+def test_a_requests_strict_constraint_overrides_the_servers_default(
+    server_strict: bool, request_strict: bool | None, strict: bool
+) -> None:
+    service, compiler = _service(strict=server_strict)
+    service.submit(SamplingParams(regex="a+", strict_constraint=request_strict))
+    assert compiler.specs == [GrammarSpec("regex", "a+", strict=strict)]
+    assert compiler.specs[0].strict is strict
+
+
+def test_unconstrained_requests_compile_nothing() -> None:
+    service, compiler = _service(strict=True)
+    assert service.submit(SamplingParams(strict_constraint=True)) is None
+    assert compiler.specs == []
+
+
+def test_backend_none_refuses_a_constraint_naming_the_setting() -> None:
+    service, _ = _service(backend="none")
+    with pytest.raises(InvalidRequest, match="grammar_backend='none'"):
+        service.submit(SamplingParams(regex="a+"))
+
+
+def test_settings_report_backend_strictness_and_limits() -> None:
+    service, _ = _service(backend="xgrammar", strict=True, max_constraint_bytes=1000)
+    assert service.settings() == {
+        "grammar_backend": "xgrammar",
+        "strict_constraints": True,
+        "max_constraint_bytes": 1000,
+        "grammar_compile_timeout": 30.0,
+    }
+
+
+def test_a_constraint_over_the_size_limit_names_the_flag_that_raises_it() -> None:
+    service, _ = _service()
+    error = GrammarError(
+        "the JSON schema is 5000 bytes, above the limit of 4096 bytes; simplify it or raise "
+        "GrammarOptions.max_source_bytes",
+        kind="json_schema",
+        backend="auto",
+    )
+    explained = service.explain(error)
+    assert isinstance(explained, GrammarError) and explained.field == "json_schema"
+    assert "--max-constraint-bytes" in explained.message
+    assert "GrammarOptions" not in explained.message
+    assert "5000 bytes" in explained.message
+
+
+def test_a_constraint_past_the_compile_time_limit_names_the_timeout_flag() -> None:
+    service, _ = _service()
+    error = GrammarError(
+        "the regex constraint took longer than 30 s to compile; simplify it", kind="regex"
+    )
+    explained = service.explain(error)
+    assert "--grammar-compile-timeout" in str(explained)
+    assert str(explained).startswith("regex: the regex constraint took longer than 30 s")
+
+
+def test_other_errors_are_left_as_they_are() -> None:
+    service, _ = _service()
+    error = GrammarError("the regex constraint does not compile", kind="regex")
+    assert service.explain(error) is error
+    crash = RuntimeError("boom")
+    assert service.explain(crash) is crash
