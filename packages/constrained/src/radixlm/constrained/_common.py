@@ -43,9 +43,11 @@ def check_size(spec: GrammarSpec, options: GrammarOptions, backend: str) -> None
     if size > options.max_source_bytes:
         raise GrammarError(
             f"the {spec.kind} constraint is {size} bytes, above the limit of "
-            f"{options.max_source_bytes} bytes; simplify it",
+            f"{options.max_source_bytes} bytes; simplify it or raise the limit "
+            "(GrammarOptions.max_source_bytes, the server's --max-constraint-bytes)",
             kind=spec.kind,
             backend=backend,
+            limit="max_source_bytes",
         )
 
 

@@ -25,6 +25,7 @@ import copy
 import json
 import math
 import re
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,9 @@ from radixlm.constrained._schema_support import (
 from radixlm.constrained.errors import GrammarError
 
 _MAX_NODES = 20_000
+_LONGEST_LENGTH_PATTERN = 256
+# Regex features the backends' automata cannot express (look-around, backreferences).
+_NON_REGULAR = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<")
 _NUMBERS = ("multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum")
 _COUNTS = (
     "maxLength", "minLength", "maxItems", "minItems", "maxProperties", "minProperties",
@@ -69,7 +73,7 @@ class NormalizedSchema:
 
 
 def prepare_json_schema(
-    source: str, support: SchemaSupport, *, max_depth: int = 64, max_bytes: int = 1 << 20
+    source: str, support: SchemaSupport, *, max_depth: int = 64, max_bytes: int = 8 << 20
 ) -> str:
     """The normalized schema as JSON text, or `GrammarError` saying what to change."""
     return normalize_json_schema(
@@ -82,7 +86,7 @@ def normalize_json_schema(
     support: SchemaSupport,
     *,
     max_depth: int = 64,
-    max_bytes: int = 1 << 20,
+    max_bytes: int = 8 << 20,
     relax: bool = False,
 ) -> NormalizedSchema:
     """The normalized schema with what was deferred to validation (`relax=True` only), or
@@ -93,6 +97,7 @@ def normalize_json_schema(
             f"{max_bytes} bytes; simplify it or raise the limit (GrammarOptions.max_source_bytes, "
             "the server's --max-constraint-bytes)",
             kind="json_schema",
+            limit="max_source_bytes",
         )
     try:
         schema = json.loads(source)
@@ -106,14 +111,27 @@ def normalize_json_schema(
         raise GrammarError(
             "the JSON schema is nested too deeply to parse", kind="json_schema"
         ) from None
-    normalizer = _Normalizer(schema, support, max_depth, relax=relax)
-    try:
-        normalized = normalizer.run()
-    except RecursionError:
-        raise GrammarError(
-            f"the JSON schema is nested deeper than this server accepts ({max_depth} levels)",
-            kind="json_schema",
-        ) from None
+    unsatisfiable: frozenset[str] = frozenset()
+    while True:
+        normalizer = _Normalizer(schema, support, max_depth, relax=relax, unsatisfiable=unsatisfiable)
+        try:
+            normalized = normalizer.run()
+            break
+        except RecursionError:
+            raise GrammarError(
+                f"the JSON schema is nested deeper than this server accepts ({max_depth} levels)",
+                kind="json_schema",
+            ) from None
+        except _Restart as restart:
+            # A definition no value satisfies: normalize again with its references treated
+            # as `false` (branches dropped, optional properties left out).
+            if restart.ref in unsatisfiable or len(unsatisfiable) > 64:
+                raise normalizer.reject(
+                    restart.ref[1:],
+                    restart.error.keyword,
+                    f"no value satisfies: {restart.error.reason}",
+                ) from None
+            unsatisfiable |= {restart.ref}
     return NormalizedSchema(
         json.dumps(normalized, separators=(",", ":")),
         schema,
@@ -122,14 +140,30 @@ def normalize_json_schema(
     )
 
 
+class _Restart(Exception):
+    """A referenced definition turned out unsatisfiable; normalization starts over."""
+
+    def __init__(self, ref: str, error: Unsatisfiable) -> None:
+        super().__init__(ref)
+        self.ref = ref
+        self.error = error
+
+
 def _pointer_part(name: str) -> str:
     return name.replace("~", "~0").replace("/", "~1")
 
 
 class _Normalizer:
     def __init__(
-        self, root: Any, support: SchemaSupport, max_depth: int, *, relax: bool = False
+        self,
+        root: Any,
+        support: SchemaSupport,
+        max_depth: int,
+        *,
+        relax: bool = False,
+        unsatisfiable: frozenset[str] = frozenset(),
     ) -> None:
+        self.unsatisfiable = unsatisfiable  # local refs whose targets allow no value
         self.root = root
         self.support = support
         self.max_depth = max_depth
@@ -138,6 +172,8 @@ class _Normalizer:
         self.annotations: set[str] = set()
         self.nodes = 0
         self.pending: list[str] = []
+        self.ref_names: dict[str, tuple[str, str]] = {}
+        self.ref_origins: dict[str, str] = {}  # written reference -> the schema's own
         self.defs: dict[str, dict[str, Any]] = {}
 
     # -- errors -----------------------------------------------------------------------------
@@ -177,23 +213,55 @@ class _Normalizer:
             ) from None
         while self.pending:
             ref = self.pending.pop()
-            container, escaped = ref[2:].split("/", 1)
-            name = escaped.replace("~1", "/").replace("~0", "~")
+            container, name = self.ref_names[ref]
             if name in self.defs.get(container, {}):
                 continue
             self.defs.setdefault(container, {})[name] = {}  # placeholder breaks cycles
             try:
                 self.defs[container][name] = self.node(self.resolve(ref, ""), ref[1:], 1)
             except Unsatisfiable as error:
-                raise self.reject(
-                    ref[1:], error.keyword, f"no value satisfies: {error.reason}"
-                ) from None
+                if ref in self.unsatisfiable:  # pragma: no cover - caught at the reference
+                    raise
+                raise _Restart(ref, error) from None
+        self.check_aliases(out)
         if not self.support.recursion:
             self.check_acyclic(out)
         if self.defs:
             out = dict(out)
             out.update({container: dict(defs) for container, defs in self.defs.items()})
         return out
+
+    def check_aliases(self, root: Schema) -> None:
+        """A definition that only refers on, in a circle, never reaches a schema: refuse it
+        (backends would compile it into a grammar that allows nothing, or loop)."""
+        def target(schema: Any) -> Any:
+            if isinstance(schema, dict) and set(schema) == {"$ref"}:
+                ref = schema["$ref"]
+                if ref == "#":
+                    return ref, root
+                container, _, name = ref[2:].partition("/")
+                name = name.replace("~1", "/").replace("~0", "~")
+                return ref, self.defs.get(container, {}).get(name)
+            return None, None
+
+        starts = [("#", root)] + [
+            (f"#/{container}/{_pointer_part(name)}", schema)
+            for container, defs in self.defs.items()
+            for name, schema in defs.items()
+        ]
+        for start, schema in starts:
+            seen = {start}
+            ref, current = target(schema)
+            while ref is not None:
+                if ref in seen:
+                    raise self.reject(
+                        ref[1:],
+                        "$ref",
+                        f"$ref {ref!r} refers to itself without ever reaching a schema; "
+                        "give the definition a type or properties",
+                    )
+                seen.add(ref)
+                ref, current = target(current)
 
     def check_acyclic(self, root: Schema) -> None:
         graph = {"#": _refs_in(root)}
@@ -221,29 +289,56 @@ class _Normalizer:
 
     # -- references -------------------------------------------------------------------------
 
-    def resolve(self, ref: Any, path: str) -> Any:
-        if not isinstance(ref, str) or not (
-            ref == "#" or any(ref.startswith(f"#/{c}/") for c in DEF_CONTAINERS)
-        ):
+    def local(self, ref: Any, path: str) -> str:
+        """`ref` as a local JSON pointer ("#" or "#/..."): references to the schema's own
+        `$id` count as local; anything else is refused."""
+        base = self.root.get("$id") if isinstance(self.root, dict) else None
+        if isinstance(ref, str) and isinstance(base, str) and base and ref.startswith(base):
+            rest = ref[len(base) :]
+            if rest in ("", "#") or rest.startswith("#/"):
+                ref = rest or "#"
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise self.reject(
                 path,
                 "$ref",
-                f"$ref {ref!r} is not supported: only local references to the root (#) or "
-                "to #/$defs/... and #/definitions/... are",
+                f"$ref {ref!r} is not supported: only references inside the schema (#, "
+                "#/$defs/..., any #/json/pointer, or the schema's own $id) are; inline the "
+                "referenced schema",
             )
-        if ref == "#":
-            return self.root
-        container, name = ref[2:].split("/", 1)
-        name = name.replace("~1", "/").replace("~0", "~")
-        defs = self.root.get(container) if isinstance(self.root, dict) else None
-        if not isinstance(defs, dict) or name not in defs:
-            raise self.reject(path, "$ref", f"$ref {ref!r} points to nothing")
-        return defs[name]
+        return ref
 
-    def note_ref(self, ref: str, path: str) -> None:
+    def resolve(self, ref: Any, path: str) -> Any:
+        ref = self.local(self.ref_origins.get(ref, ref), path)
+        node = self.root
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                raise self.reject(path, "$ref", f"$ref {ref!r} points to nothing")
+        return node
+
+    def note_ref(self, ref: str, path: str) -> str:
+        """Queue the target of `ref` for normalization; the reference to write instead: a
+        definition of the output's `$defs`/`definitions` (other pointers get one made)."""
         self.resolve(ref, path)
-        if ref != "#":
-            self.pending.append(ref)
+        ref = self.local(ref, path)
+        if ref == "#":
+            return ref
+        if ref not in self.ref_names:
+            container, _, rest = ref[2:].partition("/")
+            if container in DEF_CONTAINERS and rest and "/" not in rest:
+                self.ref_names[ref] = (container, rest.replace("~1", "/").replace("~0", "~"))
+            else:
+                name = f"ref{len(self.ref_names)}_" + re.sub(r"[^A-Za-z0-9_]+", "_", ref[2:])
+                self.ref_names[ref] = ("$defs", name[:80])
+        self.pending.append(ref)
+        container, name = self.ref_names[ref]
+        written = f"#/{container}/{_pointer_part(name)}"
+        self.ref_origins[written] = ref
+        return written
 
     # -- one schema -------------------------------------------------------------------------
 
@@ -367,8 +462,10 @@ class _Normalizer:
     def node(self, schema: Any, path: str, depth: int) -> Schema:
         cleaned = self.expand(self.clean(schema, path, depth), path, depth)
         if "$ref" in cleaned:
-            self.note_ref(cleaned["$ref"], path)
-            return {"$ref": cleaned["$ref"]}
+            if self.local(cleaned["$ref"], path) in self.unsatisfiable:
+                target = cleaned["$ref"]
+                raise Unsatisfiable("$ref", f"the schema {target!r} points to allows no value")
+            return {"$ref": self.note_ref(cleaned["$ref"], path)}
         cleaned = self.check_keywords(cleaned, path)
         if "anyOf" in cleaned or "oneOf" in cleaned:
             return self.combinator(cleaned, path, depth)
@@ -418,6 +515,8 @@ class _Normalizer:
         out = schema
         if self.relax:
             out = self.rewrite(schema, path)
+            if isinstance(out.get("pattern"), str) and _NON_REGULAR.search(out["pattern"]):
+                out = self.defer(out, "pattern")
         for key in list(out):
             if key not in support.keywords:
                 if not self.relax:
@@ -557,6 +656,13 @@ class _Normalizer:
         if kinds is None or "array" in kinds:
             self.array_members(out, path, depth)
         lengths = "minLength" in out or "maxLength" in out
+        if self.relax and self.support.length_as_pattern and lengths:
+            # A length as a pattern unrolls into as many automaton states: long ones compile
+            # for many seconds, so they are checked by validation instead.
+            for key in ("minLength", "maxLength"):
+                if out.get(key, 0) > _LONGEST_LENGTH_PATTERN:
+                    out = self.defer(out, key)
+            lengths = "minLength" in out or "maxLength" in out
         if self.support.length_as_pattern and lengths and not {"pattern", "format"} & set(out):
             low, high = out.pop("minLength", 0), out.pop("maxLength", "")
             out["pattern"] = f"^.{{{low},{high}}}$"
@@ -638,6 +744,9 @@ class _Normalizer:
                 del props[name]  # the property can never appear
         if props or "properties" in out:
             out["properties"] = props
+        if extra is True and out.get("minProperties", 0) > len(props) and not patterns:
+            # Backends close objects by default; these need other members to exist.
+            extra = out["additionalProperties"] = {}
         if isinstance(extra, dict):
             out["additionalProperties"] = self.node(
                 extra, f"{path}/additionalProperties", depth + 1
@@ -668,6 +777,8 @@ class _Normalizer:
                 for i, item in enumerate(prefix)
             ]
         items = out.get("items")
+        if items is None and out.get("minItems", 0) > len(out.get("prefixItems", [])):
+            items = {}  # backends close arrays without `items`; these need items to exist
         if items is False or items is None:
             return
         try:

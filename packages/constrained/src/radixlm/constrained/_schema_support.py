@@ -110,6 +110,28 @@ OUTLINES_SUPPORT = SchemaSupport(
 )
 
 
+# Measured against llguidance 1.9 (tests/test_constrained_llguidance.py: edge-case documents fed
+# byte by byte and random walks, both checked with jsonschema and RFC references for the
+# formats jsonschema does not check here). Each keyword below is enforced exactly or more
+# strictly (llguidance writes integers without a fraction or exponent, strings without
+# \\uXXXX escapes of printable characters). Left out: minProperties (names matched only by
+# additionalProperties or patternProperties may repeat, and a parser keeps one of them, so an
+# object can hold fewer properties than were counted), unevaluatedProperties, uniqueItems,
+# contains, not, if/then/else, propertyNames, dependentRequired (llguidance refuses them), and
+# the formats hostname (no limit on the total length, "--" in third and fourth place allowed),
+# uri-reference, uri-template and the JSON pointers (not implemented).
+LLGUIDANCE_SUPPORT = SchemaSupport(
+    backend="llguidance",
+    keywords=_STRUCTURAL
+    | {
+        "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+        "maxLength", "minLength", "pattern", "format", "maxItems", "minItems",
+        "maxProperties", "patternProperties",
+    },
+    formats=frozenset({"email", "duration", "uri", "ipv6"}),
+)  # fmt: skip
+
+
 def support_of(backend: str) -> SchemaSupport:
     """What backend `backend` enforces of JSON Schema."""
     supports = {s.backend: s for s in (XGRAMMAR_SUPPORT, OUTLINES_SUPPORT)}

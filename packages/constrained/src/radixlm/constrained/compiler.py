@@ -225,9 +225,11 @@ class GrammarCompiler:
                     None,
                     GrammarError(
                         f"the {spec.kind} constraint took longer than {self.time_limit_s:g} s "
-                        "to compile; simplify it",
+                        "to compile; simplify it or raise the limit (GrammarCompiler's "
+                        "time_limit_s, the server's --grammar-compile-timeout)",
                         kind=spec.kind,
                         backend=self.backend.name,
+                        limit="time_limit",
                     ),
                 )
 

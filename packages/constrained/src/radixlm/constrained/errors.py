@@ -21,7 +21,8 @@ class GrammarError(InvalidRequest):
     The message says what to change. `kind` is the grammar kind, `backend` the backend that
     refused it (None when no backend was involved yet), `keyword` the JSON Schema keyword at
     fault (None for other problems) and `path` a JSON pointer to where it sits in the schema.
-    It is an `InvalidRequest`, so servers answer it with HTTP 400.
+    `limit` names the limit a constraint ran into (`"max_source_bytes"`, `"time_limit"`), so a
+    server can name its own setting. It is an `InvalidRequest`, so servers answer it with 400.
     """
 
     def __init__(
@@ -32,8 +33,10 @@ class GrammarError(InvalidRequest):
         backend: str | None = None,
         keyword: str | None = None,
         path: str | None = None,
+        limit: str | None = None,
     ) -> None:
         self.kind = kind
+        self.limit = limit
         self.backend = backend
         self.keyword = keyword
         self.path = path
@@ -48,17 +51,28 @@ class GrammarError(InvalidRequest):
             backend=self.backend or backend,
             keyword=self.keyword,
             path=self.path,
+            limit=self.limit,
         )
 
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only arguments do not survive the default exception pickling.
-        return (_rebuild, (self.message, self.kind, self.backend, self.keyword, self.path))
+        return (
+            _rebuild,
+            (self.message, self.kind, self.backend, self.keyword, self.path, self.limit),
+        )
 
 
 def _rebuild(
-    message: str, kind: str | None, backend: str | None, keyword: str | None, path: str | None
+    message: str,
+    kind: str | None,
+    backend: str | None,
+    keyword: str | None,
+    path: str | None,
+    limit: str | None = None,
 ) -> GrammarError:
-    return GrammarError(message, kind=kind, backend=backend, keyword=keyword, path=path)
+    return GrammarError(
+        message, kind=kind, backend=backend, keyword=keyword, path=path, limit=limit
+    )
 
 
 class BackendUnavailable(ImportError):

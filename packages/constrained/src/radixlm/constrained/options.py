@@ -24,7 +24,7 @@ class GrammarOptions:
     json_whitespace: Literal["compact", "flexible"] = "compact"
     max_whitespace: int = 2
     max_schema_depth: int = 64
-    max_source_bytes: int = 1 << 20
+    max_source_bytes: int = 8 << 20
     jump_forward_window: int = 4
     max_jump_forward_bytes: int = 1024
     compile_threads: int = 1

@@ -102,7 +102,9 @@ class AutoBackend:
             names.append(name)
         return names
 
-    def _relaxed(self, spec: GrammarSpec, errors: list[GrammarError]) -> CompiledGrammar:
+    def _relaxed(self, spec: GrammarSpec, strict_errors: list[GrammarError]) -> CompiledGrammar:
+        # What stopped the relaxed schema is what the user must change.
+        errors: list[GrammarError] = []
         for name in self.usable():
             try:
                 normalized = normalize_json_schema(
@@ -129,7 +131,7 @@ class AutoBackend:
                 validated=tuple(sorted(normalized.deferred)),
                 annotations=tuple(sorted(normalized.annotations)),
             )
-            logger.info(
+            logger.debug(
                 "grammar %r served by %s; validated by rollback: %s; annotations: %s",
                 spec,
                 name,
@@ -185,7 +187,17 @@ def _best(errors: list[GrammarError], spec: GrammarSpec) -> GrammarError:
     message = first.message
     if others and _another_may_take_it(first):
         message += f" (also refused by: {', '.join(others)})"
+    if spec.strict and spec.kind == "json_schema" and first.keyword and _another_may_take_it(first):
+        message += (
+            "; without strict_constraint, keywords no grammar enforces are enforced by "
+            "validating each value and rolling back"
+        )
     return GrammarError(
-        message, kind=spec.kind, backend=NAME, keyword=first.keyword, path=first.path
+        message,
+        kind=spec.kind,
+        backend=NAME,
+        keyword=first.keyword,
+        path=first.path,
+        limit=first.limit,
     )
 
