@@ -164,6 +164,12 @@ class _Normalizer:
         unsatisfiable: frozenset[str] = frozenset(),
     ) -> None:
         self.unsatisfiable = unsatisfiable  # local refs whose targets allow no value
+        declared = root.get("$schema", "") if isinstance(root, dict) else ""
+        # Up to draft 7, keywords beside a $ref are ignored.
+        self.ref_hides_siblings = isinstance(declared, str) and bool(
+            re.search(r"draft-0[3-7]/", declared)
+        )
+        self._anchors: dict[str, str] | None = None
         self.root = root
         self.support = support
         self.max_depth = max_depth
@@ -297,6 +303,10 @@ class _Normalizer:
             rest = ref[len(base) :]
             if rest in ("", "#") or rest.startswith("#/"):
                 ref = rest or "#"
+        if isinstance(ref, str) and ref.startswith("#") and ref != "#" and not ref.startswith("#/"):
+            found = self.anchors().get(ref[1:])
+            if found is not None:
+                return found
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise self.reject(
                 path,
@@ -306,6 +316,26 @@ class _Normalizer:
                 "referenced schema",
             )
         return ref
+
+    def anchors(self) -> dict[str, str]:
+        """Plain-name fragments (`$anchor`, or a draft-6/7 `$id` of "#name") -> pointers."""
+        if self._anchors is None:
+            found: dict[str, str] = {}
+            stack: list[tuple[Any, str]] = [(self.root, "#")]
+            while stack:
+                node, pointer = stack.pop()
+                if isinstance(node, dict):
+                    for key in ("$anchor", "$id"):
+                        name = node.get(key)
+                        if isinstance(name, str) and (key == "$anchor" or name.startswith("#")):
+                            found.setdefault(name.lstrip("#"), pointer)
+                    for key, value in node.items():
+                        if key not in ("enum", "const", "default", "examples"):
+                            stack.append((value, f"{pointer}/{_pointer_part(key)}"))
+                elif isinstance(node, list):
+                    stack.extend((v, f"{pointer}/{i}") for i, v in enumerate(node))
+            self._anchors = found
+        return self._anchors
 
     def resolve(self, ref: Any, path: str) -> Any:
         ref = self.local(self.ref_origins.get(ref, ref), path)
@@ -329,8 +359,8 @@ class _Normalizer:
             return ref
         if ref not in self.ref_names:
             container, _, rest = ref[2:].partition("/")
-            if container in DEF_CONTAINERS and rest and "/" not in rest:
-                self.ref_names[ref] = (container, rest.replace("~1", "/").replace("~0", "~"))
+            if container in DEF_CONTAINERS and re.fullmatch(r"[A-Za-z0-9_.-]+", rest):
+                self.ref_names[ref] = (container, rest)
             else:
                 name = f"ref{len(self.ref_names)}_" + re.sub(r"[^A-Za-z0-9_]+", "_", ref[2:])
                 self.ref_names[ref] = ("$defs", name[:80])
@@ -360,6 +390,8 @@ class _Normalizer:
                 path, None, f"a schema must be an object or a boolean, got {schema!r}"
             )
         out = {k: v for k, v in schema.items() if k in VALIDATION_KEYWORDS}
+        if self.ref_hides_siblings and "$ref" in out:
+            out = {"$ref": out["$ref"]}
         self.check_values(out, path)
         for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
             # draft 4: a flag on minimum / maximum
@@ -715,6 +747,11 @@ class _Normalizer:
         props = dict(out.get("properties", {}))
         extra = out.get("additionalProperties", True)
         patterns = out.get("patternProperties")
+        if isinstance(patterns, dict) and self.relax:
+            # Regex dialects differ on which names a pattern matches (\\w on non-ASCII names,
+            # for one), and jsonschema's is Python's: the grammar enforces the patterns as it
+            # reads them, validation makes sure of the names.
+            self.deferred.add("patternProperties")
         if isinstance(patterns, dict):
             out["patternProperties"] = {
                 pattern: self.node(

@@ -71,6 +71,7 @@ class SchemaChecks:
         self.max_retries = max_retries
         self._children: dict[tuple[tuple[int, ...], str | int], Located] = {}
         self._validators: dict[int, Any] = {}
+        self._item_rules: dict[tuple[int, ...], Schema | None] = {}
         self._needs: dict[tuple[int, ...], bool] = {}
         self._expanded: dict[int, list[Schema]] = {}
 
@@ -207,7 +208,14 @@ class SchemaChecks:
         return False
 
     def item_rules(self, located: Located) -> Schema | None:
-        """What every prefix of an array here must meet (uniqueItems, maxContains), or None."""
+        """What every prefix of an array here must meet (uniqueItems, maxContains), or None.
+        Cached: validators are cached by the identity of their schema, which must stay alive."""
+        key = tuple(map(id, located))
+        if key not in self._item_rules:
+            self._item_rules[key] = self._make_item_rules(located)
+        return self._item_rules[key]
+
+    def _make_item_rules(self, located: Located) -> Schema | None:
         rules: dict[str, Any] = {}
         for schema in located:
             for node in self.expand(schema):
@@ -639,7 +647,7 @@ class ValidatingGrammar:
     def _close_scalar(self, state: _State, scalar: _Scalar, end: int) -> None:
         if scalar.is_key:
             frame = state.stack[-1]
-            name = json.loads(bytes(self._buffer[scalar.start_byte : end]))
+            name = self._parse(scalar.start_byte, end, scalar.start_token, frame.pointer)
             frame.key = name
             if frame.name_rules:
                 error = self._checks.first_error(name, frame.name_rules)
@@ -664,7 +672,7 @@ class ValidatingGrammar:
         value: Any = None
         parsed = False
         if checked:
-            value = json.loads(bytes(self._buffer[start_byte:end]))
+            value = self._parse(start_byte, end, start_token, pointer)
             parsed = True
             schemas = located if state.stack else (self._checks.root,)
             error = self._checks.first_error(value, schemas)
@@ -679,11 +687,21 @@ class ValidatingGrammar:
             return
         parent.index += 1
         if parent.item_rules is not None:
-            items = json.loads(bytes(self._buffer[parent.start_byte : end]) + b"]")
+            items = self._parse(parent.start_byte, end, start_token, pointer, b"]")
             error = self._checks.first_error(items, [parent.item_rules])
             if error is not None:
                 raise _Failure(start_token, end - 1, error, pointer)
         del value, parsed
+
+    def _parse(
+        self, start: int, end: int, start_token: int, pointer: str, tail: bytes = b""
+    ) -> Any:
+        """The JSON value in buffer[start:end] (+ tail); output that is not JSON (invalid
+        UTF-8 a backend let through) is a violation like any other."""
+        try:
+            return json.loads(bytes(self._buffer[start:end]) + tail)
+        except ValueError as error:
+            raise _Failure(start_token, end - 1, _NotJson(str(error)), pointer) from None
 
     def _finish(self, state: _State, end: int, token: int) -> None:
         """The stop token: a number still open at the end of the document closes."""
@@ -691,6 +709,15 @@ class ValidatingGrammar:
         if scalar is not None and scalar.kind == "n":
             state.scalar = None
             self._close_scalar(state, scalar, end)
+
+
+@dataclass(frozen=True, slots=True)
+class _NotJson:
+    """Stands in for a jsonschema error when the bytes are not JSON at all."""
+
+    message: str
+    validator: str = "type"
+    absolute_path: tuple[str, ...] = ()
 
 
 def _as_list(value: Any) -> list[Any]:

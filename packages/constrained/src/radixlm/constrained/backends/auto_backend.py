@@ -105,7 +105,8 @@ class AutoBackend:
     def _relaxed(self, spec: GrammarSpec, strict_errors: list[GrammarError]) -> CompiledGrammar:
         # What stopped the relaxed schema is what the user must change.
         errors: list[GrammarError] = []
-        for name in self.usable():
+        candidates = []
+        for rank, name in enumerate(self.usable()):
             try:
                 normalized = normalize_json_schema(
                     spec.text,
@@ -114,6 +115,14 @@ class AutoBackend:
                     max_bytes=self.options.max_source_bytes,
                     relax=True,
                 )
+            except GrammarError as error:
+                errors.append(error.with_context(kind=spec.kind, backend=name))
+                continue
+            # outlines builds its automaton slowly for large schemas: it comes last.
+            candidates.append((name == "outlines", len(normalized.deferred), rank, name, normalized))
+        # The backend whose grammar leaves the least to validation (fewest rollbacks) first.
+        for *_, name, normalized in sorted(candidates, key=lambda c: c[:3]):
+            try:
                 compiled = self.backend(name).compile(GrammarSpec("json_schema", normalized.text))
             except GrammarError as error:
                 errors.append(error.with_context(kind=spec.kind, backend=name))

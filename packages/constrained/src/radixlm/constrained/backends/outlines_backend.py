@@ -27,6 +27,8 @@ from radixlm.constrained.tokenizer import TokenizerInfo
 NAME = "outlines"
 KINDS = frozenset({"json_schema", "regex", "choice", "json_object"})
 _UNLIMITED_ROLLBACK = 1 << 30
+# Past this size outlines-core takes tens of seconds to minutes to build the automaton.
+_MAX_REGEX_CHARS = 200_000
 
 
 class _OutlinesGrammar:
@@ -93,6 +95,15 @@ class OutlinesBackend:
         else:
             regex = _strip_anchors(str(spec.source))
             self._check_regex(regex, spec)
+        if len(regex) > _MAX_REGEX_CHARS:
+            raise GrammarError(
+                f"the {spec.kind} constraint becomes a regular expression of {len(regex)} "
+                f"characters, more than outlines-core builds an automaton for in reasonable "
+                f"time ({_MAX_REGEX_CHARS}); use the xgrammar or llguidance backend",
+                kind=spec.kind,
+                backend=NAME,
+                limit="regex_size",
+            )
         try:
             # outlines-core builds its automaton with leftmost-first semantics, which drops
             # alternatives that extend an earlier one (`ab|abc` never reaches "abc"); the end

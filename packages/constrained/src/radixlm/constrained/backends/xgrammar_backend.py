@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy
@@ -41,7 +42,13 @@ class XGrammarBackend:
     ) -> None:
         self.tokenizer_info = tokenizer_info
         self.options = options or GrammarOptions()
-        vocab = [b if b is not None else b"" for b in tokenizer_info.token_bytes]
+        # xgrammar's JSON strings (and regex `.`) take UTF-8-encoded surrogates (ED A0..BF ..),
+        # which are not UTF-8, so not JSON: tokens holding one are never offered, and a token
+        # ending in ED is not followed by one starting with A0..BF (see XGrammarMatcher).
+        vocab = [
+            b"" if b is None or _SURROGATE.search(b) else b for b in tokenizer_info.token_bytes
+        ]
+        self._surrogate_guard = _SurrogateGuard(tokenizer_info)
         self._xgr_info = xgr.TokenizerInfo(
             vocab,
             xgr.VocabType.RAW,
@@ -106,7 +113,11 @@ class XGrammarBackend:
         if compiled.backend != NAME:
             raise ValueError(f"a grammar compiled by {compiled.backend} cannot run on {NAME}")
         return XGrammarMatcher(
-            xgr.GrammarMatcher(compiled.handle), self.tokenizer_info, self.options, []
+            xgr.GrammarMatcher(compiled.handle),
+            self.tokenizer_info,
+            self.options,
+            [],
+            guard=self._surrogate_guard,
         )
 
 
@@ -120,8 +131,10 @@ class XGrammarMatcher:
         options: GrammarOptions,
         history: list[int],
         terminated: bool = False,
+        guard: _SurrogateGuard | None = None,
     ) -> None:
         self._matcher = matcher
+        self._guard = guard or _SurrogateGuard(info)
         self._info = info
         self._options = options
         self._history = history
@@ -140,7 +153,12 @@ class XGrammarMatcher:
 
     def accept_token(self, token_id: int) -> bool:
         # xgrammar wraps ids past int32 around, so the range is checked here.
-        if not 0 <= token_id < self._size or not self._accept(token_id):
+        if not 0 <= token_id < self._size:
+            return False
+        history = self._history
+        if history and history[-1] in self._guard.lead and token_id in self._guard.trail:
+            return False
+        if not self._accept(token_id):
             return False
         self._history.append(token_id)
         if token_id in self._stops:
@@ -152,6 +170,10 @@ class XGrammarMatcher:
             bitmask[row] = 0
             return
         self._fill(bitmask, row)
+        history = self._history
+        if history and history[-1] in self._guard.lead:
+            for token in self._guard.trail:
+                bitmask[row, token >> 5] &= ~_bit(token & 31)
 
     def is_terminated(self) -> bool:
         return self._terminated
@@ -172,7 +194,14 @@ class XGrammarMatcher:
         return plan_jump_forward(self, self._info, forced, self._options.jump_forward_window)
 
     def fork(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self._matcher.fork(), self._info, self._options, list(self._history))
+        return XGrammarMatcher(
+            self._matcher.fork(),
+            self._info,
+            self._options,
+            list(self._history),
+            self._terminated,
+            self._guard,
+        )
 
     def violation(self) -> None:
         """Never: this grammar enforces all of its constraint itself."""
@@ -185,3 +214,21 @@ class XGrammarMatcher:
         words = self._scratch.numpy()[0]
         ids = numpy.asarray(token_ids, dtype=numpy.int64)
         return bool(((words[ids >> 5] >> (ids & 31)) & 1).any())
+
+
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+class _SurrogateGuard:
+    """Tokens ending in byte ED (`lead`) and tokens starting with A0..BF (`trail`): one after
+    the other they would spell a UTF-16 surrogate, which UTF-8 forbids."""
+
+    def __init__(self, info: TokenizerInfo) -> None:
+        table = info.token_bytes
+        self.lead = frozenset(i for i, b in enumerate(table) if b and b[-1] == 0xED)
+        self.trail = tuple(i for i, b in enumerate(table) if b and 0xA0 <= b[0] <= 0xBF)
+
+
+def _bit(position: int) -> int:
+    """Bit `position` of an int32 word, as a signed value (bit 31 is negative)."""
+    return (1 << position) - (1 << 32 if position == 31 else 0)
