@@ -113,7 +113,9 @@ def normalize_json_schema(
         ) from None
     unsatisfiable: frozenset[str] = frozenset()
     while True:
-        normalizer = _Normalizer(schema, support, max_depth, relax=relax, unsatisfiable=unsatisfiable)
+        normalizer = _Normalizer(
+            schema, support, max_depth, relax=relax, unsatisfiable=unsatisfiable
+        )
         try:
             normalized = normalizer.run()
             break
@@ -240,6 +242,7 @@ class _Normalizer:
     def check_aliases(self, root: Schema) -> None:
         """A definition that only refers on, in a circle, never reaches a schema: refuse it
         (backends would compile it into a grammar that allows nothing, or loop)."""
+
         def target(schema: Any) -> Any:
             if isinstance(schema, dict) and set(schema) == {"$ref"}:
                 ref = schema["$ref"]

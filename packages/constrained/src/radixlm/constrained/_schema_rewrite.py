@@ -142,9 +142,9 @@ def _cases(test: Any, rest: Schema) -> tuple[list[Schema], list[Schema]] | None:
             return None
         inside = {canonical(v) for v in values}
         others = [v for v in domain if canonical(v) not in inside]
-        present = {"required": [name], "properties": {name: {"enum": values}}}
-        absent = {"properties": {name: False}}
-        differ = {"required": [name], "properties": {name: {"enum": others}}}
+        present: Schema = {"required": [name], "properties": {name: {"enum": values}}}
+        absent: Schema = {"properties": {name: False}}
+        differ: Schema = {"required": [name], "properties": {name: {"enum": others}}}
         holds = [present] if name in required else [present, absent]
         fails = ([differ] if others else []) + ([absent] if name in required else [])
         if not set(required) <= {name}:

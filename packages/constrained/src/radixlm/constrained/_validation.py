@@ -41,9 +41,19 @@ _SAME_NECESSARY = ("allOf",)
 # Subschemas whose values the scanner does not locate: a deferred keyword anywhere under them
 # is checked when the value holding them closes.
 _BRANCHES = (
-    "anyOf", "oneOf", "if", "then", "else", "not", "dependentSchemas", "contains",
-    "unevaluatedProperties", "unevaluatedItems", "propertyNames", "dependencies",
-)  # fmt: skip
+    "anyOf",
+    "oneOf",
+    "if",
+    "then",
+    "else",
+    "not",
+    "dependentSchemas",
+    "contains",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "propertyNames",
+    "dependencies",
+)
 _WHITESPACE = frozenset(b" \t\n\r")
 _NUMBER_BYTES = frozenset(b"0123456789+-.eE")
 _LITERALS = {ord("t"): 4, ord("f"): 5, ord("n"): 4}
@@ -223,9 +233,12 @@ class SchemaChecks:
                     rules["uniqueItems"] = True
                 if "maxContains" in node and "contains" in node:
                     rules.setdefault("allOf", []).append(
-                        {"contains": node["contains"], "maxContains": node["maxContains"],
-                         "minContains": 0}
-                    )  # fmt: skip
+                        {
+                            "contains": node["contains"],
+                            "maxContains": node["maxContains"],
+                            "minContains": 0,
+                        }
+                    )
         return rules or None
 
     def name_rules(self, located: Located) -> list[Schema]:
@@ -291,17 +304,31 @@ class _State:
 def _copy(state: _State) -> _State:
     frames = [
         _Frame(
-            f.is_object, f.located, f.pointer, f.start_byte, f.start_token, f.checked, f.holds,
-            f.item_rules, f.name_rules, f.index, f.key, f.expect_key,
-        )  # fmt: skip
+            f.is_object,
+            f.located,
+            f.pointer,
+            f.start_byte,
+            f.start_token,
+            f.checked,
+            f.holds,
+            f.item_rules,
+            f.name_rules,
+            f.index,
+            f.key,
+            f.expect_key,
+        )
         for f in state.stack
     ]
     scalar = state.scalar
     if scalar is not None:
         scalar = _Scalar(
-            scalar.kind, scalar.start_byte, scalar.start_token, scalar.is_key,
-            scalar.escaped, scalar.left,
-        )  # fmt: skip
+            scalar.kind,
+            scalar.start_byte,
+            scalar.start_token,
+            scalar.is_key,
+            scalar.escaped,
+            scalar.left,
+        )
     return _State(frames, scalar, state.done)
 
 
@@ -607,8 +634,15 @@ class ValidatingGrammar:
         if byte in (0x7D, 0x5D):  # "}" or "]"
             if frame is not None:
                 state.stack.pop()
-                self._closed(state, frame.start_byte, frame.start_token, at + 1, frame.checked,
-                             frame.located, frame.pointer)  # fmt: skip
+                self._closed(
+                    state,
+                    frame.start_byte,
+                    frame.start_token,
+                    at + 1,
+                    frame.checked,
+                    frame.located,
+                    frame.pointer,
+                )
             return
         if frame is not None and frame.is_object and frame.expect_key and byte == 0x22:
             state.scalar = _Scalar("s", at, token, is_key=True)
@@ -620,13 +654,29 @@ class ValidatingGrammar:
         checked = holds or not state.stack
         if byte == 0x7B:  # "{"
             state.stack.append(
-                _Frame(True, located, pointer, at, token, checked, holds,
-                       name_rules=self._checks.name_rules(located))  # fmt: skip
+                _Frame(
+                    True,
+                    located,
+                    pointer,
+                    at,
+                    token,
+                    checked,
+                    holds,
+                    name_rules=self._checks.name_rules(located),
+                )
             )
         elif byte == 0x5B:  # "["
             state.stack.append(
-                _Frame(False, located, pointer, at, token, checked, holds,
-                       item_rules=self._checks.item_rules(located))  # fmt: skip
+                _Frame(
+                    False,
+                    located,
+                    pointer,
+                    at,
+                    token,
+                    checked,
+                    holds,
+                    item_rules=self._checks.item_rules(located),
+                )
             )
         elif byte == 0x22:
             state.scalar = _Scalar("s", at, token)
@@ -652,7 +702,9 @@ class ValidatingGrammar:
             if frame.name_rules:
                 error = self._checks.first_error(name, frame.name_rules)
                 if error is not None:
-                    raise _Failure(scalar.start_token, end - 1, error, _pointer(frame.pointer, name))
+                    raise _Failure(
+                        scalar.start_token, end - 1, error, _pointer(frame.pointer, name)
+                    )
             return
         located, pointer = self._child_place(state)
         checked = (self._checks.needs_check(located) if located else False) or not state.stack

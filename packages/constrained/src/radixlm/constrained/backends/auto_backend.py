@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 from radixlm.constrained._common import unsupported_kind
 from radixlm.constrained._schema import normalize_json_schema
@@ -87,7 +86,11 @@ class AutoBackend:
                     break
                 continue
             return self._chosen(spec, _Choice(name, compiled, None), compiled)
-        if spec.kind == "json_schema" and not spec.strict and all(map(_another_may_take_it, errors)):
+        if (
+            spec.kind == "json_schema"
+            and not spec.strict
+            and all(map(_another_may_take_it, errors))
+        ):
             return self._relaxed(spec, errors)
         raise _best(errors, spec)
 
@@ -119,7 +122,9 @@ class AutoBackend:
                 errors.append(error.with_context(kind=spec.kind, backend=name))
                 continue
             # outlines builds its automaton slowly for large schemas: it comes last.
-            candidates.append((name == "outlines", len(normalized.deferred), rank, name, normalized))
+            candidates.append(
+                (name == "outlines", len(normalized.deferred), rank, name, normalized)
+            )
         # The backend whose grammar leaves the least to validation (fewest rollbacks) first.
         for *_, name, normalized in sorted(candidates, key=lambda c: c[:3]):
             try:
@@ -150,7 +155,9 @@ class AutoBackend:
             return result
         raise _best(errors, spec)
 
-    def _chosen(self, spec: GrammarSpec, choice: _Choice, compiled: CompiledGrammar) -> Any:
+    def _chosen(
+        self, spec: GrammarSpec, choice: _Choice, compiled: CompiledGrammar
+    ) -> CompiledGrammar:
         result = CompiledGrammar(spec=spec, backend=NAME, handle=choice, served_by=choice.backend)
         logger.debug("grammar %r served by %s", spec, choice.backend)
         return result
@@ -209,4 +216,3 @@ def _best(errors: list[GrammarError], spec: GrammarSpec) -> GrammarError:
         path=first.path,
         limit=first.limit,
     )
-
