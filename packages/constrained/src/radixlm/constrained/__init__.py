@@ -46,6 +46,7 @@ __all__ = [
     "GrammarSpec",
     "JumpForward",
     "TokenizerInfo",
+    "Violation",
     "__version__",
     "allocate_bitmask",
     "apply_bitmask",
@@ -56,5 +57,4 @@ __all__ = [
     "registered_backends",
     "reset_bitmask",
     "unpack_bitmask",
-    "Violation",
 ]
