@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 DATA = Path(__file__).parent / "data"
-BACKENDS = ["xgrammar", "outlines"]
+BACKENDS = ["xgrammar", "llguidance", "outlines"]
 
 
 def _training_text() -> list[str]:
@@ -206,3 +207,62 @@ def walk() -> Callable[..., WalkResult]:
 @pytest.fixture(scope="session")
 def schema_corpus() -> list[dict[str, Any]]:
     return json.loads((DATA / "schemas.json").read_text(encoding="utf-8"))
+
+
+def schema_validator(schema: Any) -> Any:
+    """jsonschema's validator for the schema's draft, with format checks."""
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def validating_walk(
+    grammar: Any, info: Any, seed: int, max_steps: int = 300
+) -> tuple[str | None, int]:
+    """Uniform random choice among allowed tokens (leaning to stop and closing tokens as the
+    walk goes on), obeying violations: (the text, or None when unfinished or fatal; rollbacks).
+    Checks that no rollback takes back what the grammar called committed."""
+    from radixlm.constrained import allocate_bitmask, unpack_bitmask
+
+    rng = random.Random(seed)
+    mask = allocate_bitmask(1, info.vocab_size)
+    stops = set(info.stop_token_ids)
+    rollbacks = 0
+    for step in range(max_steps):
+        if grammar.is_terminated():
+            break
+        grammar.fill_bitmask(mask, 0)
+        allowed = unpack_bitmask(mask, info.vocab_size)[0].nonzero().flatten().tolist()
+        assert allowed, "the grammar allowed no token"
+        ending = [t for t in allowed if t in stops]
+        closing = [t for t in allowed if any(c in (info.token_bytes[t] or b"") for c in b'"]}')]
+        if ending and rng.random() < 0.5:
+            token = ending[0]
+        elif closing and rng.random() < min(0.9, step / 60):
+            token = rng.choice(closing)
+        else:
+            token = rng.choice(allowed)
+        committed = getattr(grammar, "committed", len(grammar.history))
+        assert grammar.accept_token(token)
+        found = grammar.violation()
+        if found is not None:
+            if found.fatal:
+                return None, rollbacks
+            # Nothing the grammar called committed (what an engine has streamed) is taken back.
+            assert len(grammar.history) - found.rollback >= committed
+            grammar.rollback(found.rollback)
+            rollbacks += 1
+    if not grammar.is_terminated():
+        return None, rollbacks
+    return info.decode_bytes(grammar.history).decode("utf-8"), rollbacks
+
+
+@pytest.fixture(scope="session")
+def vwalk() -> Callable[..., tuple[str | None, int]]:
+    """`validating_walk`: uniform random choice among allowed tokens, violations obeyed."""
+    return validating_walk
+
+
+@pytest.fixture(scope="session")
+def check_schema_of() -> Callable[[Any], Any]:
+    """`schema_validator`: jsonschema's validator for a schema's draft, formats checked."""
+    return schema_validator

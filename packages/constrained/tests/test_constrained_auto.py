@@ -4,10 +4,8 @@ validating each completed value and rolling back."""
 from __future__ import annotations
 
 import json
-import random
 from typing import Any
 
-import jsonschema
 import pytest
 
 from radixlm.constrained import (
@@ -25,63 +23,29 @@ def auto(info: Any) -> Any:
     return create_backend("auto", info)
 
 
-def validator(schema: Any) -> Any:
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
-
-
-def walk(grammar: Any, info: Any, seed: int, max_steps: int = 300) -> tuple[str | None, int]:
-    """Uniform random choice among allowed tokens (leaning to stop and closing tokens as the
-    walk goes on), obeying violations. (text or None when unfinished/fatal, rollbacks)."""
-    rng = random.Random(seed)
-    mask = allocate_bitmask(1, info.vocab_size)
-    stops = set(info.stop_token_ids)
-    rollbacks = 0
-    for step in range(max_steps):
-        if grammar.is_terminated():
-            break
-        grammar.fill_bitmask(mask, 0)
-        allowed = unpack_bitmask(mask, info.vocab_size)[0].nonzero().flatten().tolist()
-        assert allowed, "the grammar allowed no token"
-        ending = [t for t in allowed if t in stops]
-        closing = [t for t in allowed if any(c in (info.token_bytes[t] or b"") for c in b'"]}')]
-        if ending and rng.random() < 0.5:
-            token = ending[0]
-        elif closing and rng.random() < min(0.9, step / 60):
-            token = rng.choice(closing)
-        else:
-            token = rng.choice(allowed)
-        committed = getattr(grammar, "committed", len(grammar.history))
-        assert grammar.accept_token(token)
-        found = grammar.violation()
-        if found is not None:
-            if found.fatal:
-                return None, rollbacks
-            # Nothing the grammar called committed (what an engine has streamed) is taken back.
-            assert len(grammar.history) - found.rollback >= committed
-            grammar.rollback(found.rollback)
-            rollbacks += 1
-    if not grammar.is_terminated():
-        return None, rollbacks
-    return info.decode_bytes(grammar.history).decode("utf-8"), rollbacks
-
-
 def compile_auto(auto: Any, schema: Any, *, strict: bool = False) -> Any:
     return auto.compile(GrammarSpec("json_schema", json.dumps(schema), strict=strict))
 
 
-def assert_walks_validate(auto: Any, info: Any, schema: Any, seeds: int = 12) -> int:
-    compiled = compile_auto(auto, schema)
-    check = validator(schema)
-    finished = 0
-    for seed in range(seeds):
-        text, _ = walk(auto.matcher(compiled), info, seed)
-        if text is None:
-            continue
-        finished += 1
-        errors = [e.message for e in check.iter_errors(json.loads(text))]
-        assert not errors, f"{text!r}: {errors}"
-    return finished
+@pytest.fixture
+def walks_validate(auto: Any, info: Any, vwalk: Any, check_schema_of: Any) -> Any:
+    """walks_validate(schema, seeds): walks under auto that finish validate against the full
+    schema; returns how many finished."""
+
+    def run(schema: Any, seeds: int = 12) -> int:
+        compiled = compile_auto(auto, schema)
+        check = check_schema_of(schema)
+        finished = 0
+        for seed in range(seeds):
+            text, _ = vwalk(auto.matcher(compiled), info, seed)
+            if text is None:
+                continue
+            finished += 1
+            errors = [e.message for e in check.iter_errors(json.loads(text))]
+            assert not errors, f"{text!r}: {errors}"
+        return finished
+
+    return run
 
 
 def test_a_schema_xgrammar_enforces_is_served_by_xgrammar_without_validation(auto: Any) -> None:
@@ -96,7 +60,9 @@ def test_other_kinds_go_to_the_first_backend_that_takes_them(auto: Any) -> None:
     assert auto.compile(GrammarSpec("choice", ["x", "y"])).served_by == "xgrammar"
 
 
-def test_unique_items_is_validated_and_every_finished_walk_is_unique(auto: Any, info: Any) -> None:
+def test_unique_items_is_validated_and_every_finished_walk_is_unique(
+    auto: Any, info: Any, walks_validate: Any
+) -> None:
     schema = {
         "type": "array",
         "items": {"enum": ["a", "b", "c", "d"]},
@@ -106,13 +72,16 @@ def test_unique_items_is_validated_and_every_finished_walk_is_unique(auto: Any, 
     }
     compiled = compile_auto(auto, schema)
     assert compiled.validated == ("uniqueItems",)
-    assert assert_walks_validate(auto, info, schema, seeds=16) >= 12
+    assert walks_validate(schema, seeds=16) >= 12
 
 
 @pytest.mark.parametrize(
     ("keyword", "schema"),
     [
-        ("oneOf", {"oneOf": [{"type": "integer", "maximum": 50}, {"type": "number", "minimum": 10}]}),
+        (
+            "oneOf",
+            {"oneOf": [{"type": "integer", "maximum": 50}, {"type": "number", "minimum": 10}]},
+        ),
         (
             "not",
             {
@@ -153,11 +122,11 @@ def test_unique_items_is_validated_and_every_finished_walk_is_unique(auto: Any, 
     ],
 )
 def test_keywords_no_grammar_enforces_are_validated(
-    auto: Any, info: Any, keyword: str, schema: Any
+    auto: Any, info: Any, keyword: str, schema: Any, walks_validate: Any
 ) -> None:
     compiled = compile_auto(auto, schema)
     assert keyword in compiled.validated
-    assert assert_walks_validate(auto, info, schema) >= 6
+    assert walks_validate(schema) >= 6
 
 
 def test_strict_refuses_what_only_validation_would_enforce(auto: Any) -> None:
@@ -175,12 +144,14 @@ def test_named_backends_stay_strict(info: Any) -> None:
     assert caught.value.keyword == "uniqueItems"
 
 
-def test_unknown_formats_are_annotations_and_listed(auto: Any, info: Any) -> None:
+def test_unknown_formats_are_annotations_and_listed(
+    auto: Any, info: Any, walks_validate: Any
+) -> None:
     schema = {"type": "string", "format": "color", "maxLength": 6}
     compiled = compile_auto(auto, schema)
     assert compiled.annotations == ("color",)
     assert compiled.validated == ()
-    assert assert_walks_validate(auto, info, schema, seeds=4) == 4
+    assert walks_validate(schema, seeds=4) == 4
     with pytest.raises(GrammarError) as caught:
         compile_auto(auto, schema, strict=True)
     assert caught.value.keyword == "format"
@@ -191,7 +162,9 @@ def test_a_checkable_format_no_backend_enforces_is_validated(auto: Any) -> None:
     assert compiled.validated == ("format",)
 
 
-def test_property_names_enum_is_rewritten_into_the_grammar(auto: Any, info: Any) -> None:
+def test_property_names_enum_is_rewritten_into_the_grammar(
+    auto: Any, info: Any, walks_validate: Any
+) -> None:
     schema = {
         "type": "object",
         "properties": {"x": {"type": "integer"}},
@@ -200,10 +173,12 @@ def test_property_names_enum_is_rewritten_into_the_grammar(auto: Any, info: Any)
     }
     compiled = compile_auto(auto, schema)
     assert compiled.validated == ()
-    assert assert_walks_validate(auto, info, schema, seeds=8) >= 6
+    assert walks_validate(schema, seeds=8) >= 6
 
 
-def test_if_on_a_required_name_is_rewritten_into_the_grammar(auto: Any, info: Any) -> None:
+def test_if_on_a_required_name_is_rewritten_into_the_grammar(
+    auto: Any, info: Any, walks_validate: Any
+) -> None:
     schema = {
         "type": "object",
         "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {}},
@@ -213,10 +188,12 @@ def test_if_on_a_required_name_is_rewritten_into_the_grammar(auto: Any, info: An
     }
     compiled = compile_auto(auto, schema)
     assert compiled.validated == ()
-    assert assert_walks_validate(auto, info, schema, seeds=8) >= 6
+    assert walks_validate(schema, seeds=8) >= 6
 
 
-def test_if_on_a_const_of_a_boolean_property_is_rewritten(auto: Any, info: Any) -> None:
+def test_if_on_a_const_of_a_boolean_property_is_rewritten(
+    auto: Any, info: Any, walks_validate: Any
+) -> None:
     schema = {
         "type": "object",
         "properties": {"on": {"type": "boolean"}, "level": {"type": "integer"}},
@@ -226,7 +203,7 @@ def test_if_on_a_const_of_a_boolean_property_is_rewritten(auto: Any, info: Any) 
     }
     compiled = compile_auto(auto, schema)
     assert compiled.validated == ()
-    assert assert_walks_validate(auto, info, schema, seeds=8) >= 6
+    assert walks_validate(schema, seeds=8) >= 6
 
 
 def feed(grammar: Any, info: Any, text: str) -> None:
@@ -267,14 +244,14 @@ def test_a_duplicate_item_rolls_back_to_its_own_start_and_is_masked(auto: Any, i
     assert allowed[info.token_bytes.index(b"b")]
 
 
-def test_retries_are_bounded_then_the_violation_is_fatal(auto: Any, info: Any) -> None:
+def test_retries_are_bounded_then_the_violation_is_fatal(auto: Any, info: Any, vwalk: Any) -> None:
     # Only one item value exists, so two unique items are impossible: every walk must end in
     # a fatal violation that names the keyword, never in output.
     schema = {"type": "array", "items": {"const": "a"}, "uniqueItems": True, "minItems": 2}
     compiled = compile_auto(auto, schema)
     for seed in range(4):
         grammar = auto.matcher(compiled)
-        text, rollbacks = walk(grammar, info, seed, max_steps=2000)
+        text, rollbacks = vwalk(grammar, info, seed, max_steps=2000)
         assert text is None
         found = grammar.violation()
         assert found is not None and found.fatal, rollbacks

@@ -13,10 +13,11 @@ import pytest
 from radixlm.constrained import GrammarError, GrammarSpec
 
 CORPUS = json.loads((Path(__file__).parent / "data" / "schemas.json").read_text(encoding="utf-8"))
+NAMED = ("xgrammar", "llguidance", "outlines")
 CASES = [
     pytest.param(item, backend, id=f"{backend}-{item['name']}")
     for item in CORPUS
-    for backend in ("xgrammar", "outlines")
+    for backend in NAMED
 ]
 WALKS = 6
 
@@ -31,7 +32,7 @@ def test_corpus_holds_at_least_forty_schemas() -> None:
 
 
 def test_corpus_expects_both_outcomes_on_each_backend() -> None:
-    for backend in ("xgrammar", "outlines"):
+    for backend in NAMED:
         outcomes = {item[backend] == "ok" for item in CORPUS}
         assert outcomes == {True, False}
 

@@ -419,10 +419,22 @@ class _Normalizer:
             out["pattern"] = self.ascii_pattern(out["pattern"], path)
         if out.get("uniqueItems") is False:
             out.pop("uniqueItems")
-        for key in ("unevaluatedProperties", "unevaluatedItems"):
-            # The backends never emit members a schema does not list, so `false` holds already.
-            if out.get(key) is False:
-                out.pop(key)
+        return out
+
+    @staticmethod
+    def close_unevaluated(schema: Schema) -> Schema:
+        """`unevaluatedProperties` / `unevaluatedItems: false`, once `allOf` and `$ref` are
+        merged in (and, beside `anyOf`, pushed into each branch), close the object or array:
+        what the merged schema does not list is what nothing evaluated."""
+        out = schema
+        if out.get("unevaluatedProperties") is False:
+            out = {k: v for k, v in out.items() if k != "unevaluatedProperties"}
+            if out.get("additionalProperties", True) is True:
+                out["additionalProperties"] = False
+        if out.get("unevaluatedItems") is False:
+            out = {k: v for k, v in out.items() if k != "unevaluatedItems"}
+            if "items" not in out:
+                out["items"] = False
         return out
 
     def check_values(self, schema: Schema, path: str) -> None:
@@ -501,6 +513,8 @@ class _Normalizer:
                 target = cleaned["$ref"]
                 raise Unsatisfiable("$ref", f"the schema {target!r} points to allows no value")
             return {"$ref": self.note_ref(cleaned["$ref"], path)}
+        if "anyOf" not in cleaned and "oneOf" not in cleaned:
+            cleaned = self.close_unevaluated(cleaned)
         cleaned = self.check_keywords(cleaned, path)
         if "anyOf" in cleaned or "oneOf" in cleaned:
             return self.combinator(cleaned, path, depth)
@@ -599,7 +613,12 @@ class _Normalizer:
         drop = {key}
         if key == "patternProperties" and schema.get("additionalProperties", True) is not True:
             drop.add("additionalProperties")
-        return {k: v for k, v in schema.items() if k not in drop}
+        out = {k: v for k, v in schema.items() if k not in drop}
+        listed = schema.get("properties")
+        count = len(listed) if isinstance(listed, dict) else 0
+        if key == "minProperties" and schema[key] > count and "additionalProperties" not in out:
+            out["additionalProperties"] = {}  # backends close objects; these need more members
+        return out
 
     def rewrite(self, schema: Schema, path: str) -> Schema:
         """Forms of keywords the backend lacks that can be compiled exactly (see

@@ -87,7 +87,7 @@ XGRAMMAR_SUPPORT = SchemaSupport(
     | {
         "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
         "maxLength", "minLength", "pattern", "format", "maxItems", "minItems",
-        "maxProperties", "minProperties", "unevaluatedProperties",
+        "maxProperties", "unevaluatedProperties",
     },
     formats=frozenset(
         {"email", "duration", "uri", "uri-reference", "hostname", "ipv6", "uri-template",

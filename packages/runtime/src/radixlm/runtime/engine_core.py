@@ -238,7 +238,14 @@ class EngineCore:
         grammar = seq.grammar
         if grammar is not None:
             if not grammar.accept_token(token):
-                seq.output.abort(f"the grammar does not allow token {token}")
+                # A grammar that ran into its own limits says why (llguidance's lexer fuel).
+                check = getattr(grammar, "violation", None)
+                reason = check() if check is not None else None
+                seq.output.abort(
+                    reason.message
+                    if reason is not None
+                    else f"the grammar does not allow token {token}"
+                )
                 return "finished"
             check = getattr(grammar, "violation", None)
             violation = check() if check is not None else None
