@@ -117,11 +117,6 @@ def test_bad_constraint_is_a_400_and_a_concurrent_request_completes(
     server.assert_no_leaks()
 
 
-@pytest.mark.xfail(
-    reason="radixlm-constrained compiles this $ref cycle (llguidance, only EOS allowed) "
-    "instead of refusing it",
-    strict=False,
-)
 def test_schema_whose_ref_points_to_itself_is_a_400(http: httpx.Client, server: Any) -> None:
     _refused(http.post("/generate", json=_schema(REF_CYCLE)))
     _healthy(http)
