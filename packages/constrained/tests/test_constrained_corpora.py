@@ -110,5 +110,6 @@ def test_auto_compiles_everything_a_single_backend_does_and_more(
         assert compiled[backend] <= compiled["auto"], compiled[backend] - compiled["auto"]
         assert len(compiled["auto"]) > len(compiled[backend])
     share = len(compiled["auto"]) / len(names)
-    # Real schemas auto refuses: references to other files, draft-3 schemas in `type`.
-    assert share >= (0.85 if corpus == "real" else 1.0), sorted(set(names) - compiled["auto"])
+    # Real schemas auto refuses: references to other files (not the metaschemas, which are
+    # bundled), draft-3 schemas in `type`.
+    assert share >= (0.9 if corpus == "real" else 1.0), sorted(set(names) - compiled["auto"])

@@ -29,6 +29,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from radixlm.constrained._schema_bundle import bundle_known_documents
 from radixlm.constrained._schema_merge import (
     ALL_TYPES,
     CannotMerge,
@@ -111,10 +112,11 @@ def normalize_json_schema(
         raise GrammarError(
             "the JSON schema is nested too deeply to parse", kind="json_schema"
         ) from None
+    bundled = bundle_known_documents(schema)  # metaschemas it refers to, inlined
     unsatisfiable: frozenset[str] = frozenset()
     while True:
         normalizer = _Normalizer(
-            schema, support, max_depth, relax=relax, unsatisfiable=unsatisfiable
+            bundled, support, max_depth, relax=relax, unsatisfiable=unsatisfiable
         )
         try:
             normalized = normalizer.run()
