@@ -30,6 +30,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.constrained.bitmask import word_bit
 from radixlm.constrained.interfaces import Grammar, JumpForward, Violation
 from radixlm.constrained.tokenizer import TokenizerInfo
 
@@ -446,7 +447,7 @@ class ValidatingGrammar:
         if not bans:
             return
         for token in self._banned_tokens(bans):
-            bitmask[row, token >> 5] &= ~_bit(token & 31)
+            bitmask[row, token >> 5] &= ~word_bit(token & 31)
         if not bool(bitmask[row].any()):
             # The bans leave nothing: lift them (the value may come out the same again, and
             # the retry limit then ends the request).
@@ -527,7 +528,7 @@ class ValidatingGrammar:
         self._inner.fill_bitmask(self._scratch, 0)
         row = self._scratch[0]
         for token in self._banned_tokens(bans):
-            row[token >> 5] &= ~_bit(token & 31)
+            row[token >> 5] &= ~word_bit(token & 31)
         if bool(row.any()):
             return
         ban = min(bans, key=lambda b: b.anchor)
@@ -652,30 +653,20 @@ class ValidatingGrammar:
         # The document is checked when it closes anyway, as a safety net: every deferred
         # keyword is also checked at the value it applies to.
         checked = holds or not state.stack
-        if byte == 0x7B:  # "{"
+        if byte in (0x7B, 0x5B):  # "{" or "["
+            is_object = byte == 0x7B
+            checks = self._checks
             state.stack.append(
                 _Frame(
-                    True,
+                    is_object,
                     located,
                     pointer,
                     at,
                     token,
                     checked,
                     holds,
-                    name_rules=self._checks.name_rules(located),
-                )
-            )
-        elif byte == 0x5B:  # "["
-            state.stack.append(
-                _Frame(
-                    False,
-                    located,
-                    pointer,
-                    at,
-                    token,
-                    checked,
-                    holds,
-                    item_rules=self._checks.item_rules(located),
+                    item_rules=None if is_object else checks.item_rules(located),
+                    name_rules=checks.name_rules(located) if is_object else [],
                 )
             )
         elif byte == 0x22:
@@ -774,8 +765,3 @@ class _NotJson:
 
 def _as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
-
-
-def _bit(position: int) -> int:
-    """Bit `position` of an int32 word, as a signed value (bit 31 is negative)."""
-    return (1 << position) - (1 << 32 if position == 31 else 0)

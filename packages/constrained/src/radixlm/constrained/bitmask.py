@@ -21,6 +21,11 @@ def _torch() -> Any:
     return torch
 
 
+def word_bit(position: int) -> int:
+    """Bit `position` (0..31) of an int32 word, as a signed value (bit 31 is negative)."""
+    return (1 << position) - (1 << 32 if position == 31 else 0)
+
+
 def bitmask_width(vocab_size: int) -> int:
     """Number of int32 words per row for `vocab_size` tokens."""
     return (vocab_size + 31) // 32

@@ -254,15 +254,8 @@ class TokenizerInfo:
         prefix = self._token_bytes[token_id]
         if prefix is None:
             return []
-        keys, ids = self._sorted_vocab()
-        start = bisect.bisect_right(keys, prefix)
-        found: list[int] = []
-        for position in range(start, len(keys)):
-            if not keys[position].startswith(prefix):
-                break
-            if keys[position] != prefix:
-                found.append(ids[position])
-        return found
+        table = self._token_bytes
+        return [t for t in self.tokens_starting_with(prefix) if table[t] != prefix]
 
     def _sorted_vocab(self) -> tuple[list[bytes], list[int]]:
         if self._sorted is None:

@@ -17,7 +17,7 @@ from radixlm.constrained._common import (
 )
 from radixlm.constrained._jump_forward import plan_jump_forward
 from radixlm.constrained._schema_support import OUTLINES_SUPPORT
-from radixlm.constrained.bitmask import bitmask_width
+from radixlm.constrained.bitmask import bitmask_width, word_bit
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.interfaces import CompiledGrammar, JumpForward
 from radixlm.constrained.options import GrammarOptions
@@ -191,7 +191,7 @@ class OutlinesMatcher:
         if self._extra_stops and self._guide.is_finished():
             target = bitmask[row]
             for stop in self._extra_stops:
-                target[stop // 32] |= _bit(stop % 32)
+                target[stop // 32] |= word_bit(stop % 32)
 
     def is_terminated(self) -> bool:
         return self._terminated
@@ -273,11 +273,6 @@ class OutlinesMatcher:
                 exact = token
                 break
         return common, (index.get_next_state(state, exact) if exact is not None else None)
-
-
-def _bit(position: int) -> int:
-    """Bit `position` of an int32 word, as a signed value (bit 31 is negative)."""
-    return (1 << position) - (1 << 32 if position == 31 else 0)
 
 
 def _json_object_regex(ws: str) -> str:

@@ -20,7 +20,7 @@ from radixlm.constrained._common import (
 )
 from radixlm.constrained._jump_forward import plan_jump_forward
 from radixlm.constrained._schema_support import XGRAMMAR_SUPPORT
-from radixlm.constrained.bitmask import bitmask_width
+from radixlm.constrained.bitmask import bitmask_width, word_bit
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.interfaces import CompiledGrammar, JumpForward
 from radixlm.constrained.options import GrammarOptions
@@ -173,7 +173,7 @@ class XGrammarMatcher:
         history = self._history
         if history and history[-1] in self._guard.lead:
             for token in self._guard.trail:
-                bitmask[row, token >> 5] &= ~_bit(token & 31)
+                bitmask[row, token >> 5] &= ~word_bit(token & 31)
 
     def is_terminated(self) -> bool:
         return self._terminated
@@ -227,8 +227,3 @@ class _SurrogateGuard:
         table = info.token_bytes
         self.lead = frozenset(i for i, b in enumerate(table) if b and b[-1] == 0xED)
         self.trail = tuple(i for i, b in enumerate(table) if b and 0xA0 <= b[0] <= 0xBF)
-
-
-def _bit(position: int) -> int:
-    """Bit `position` of an int32 word, as a signed value (bit 31 is negative)."""
-    return (1 << position) - (1 << 32 if position == 31 else 0)
