@@ -1,6 +1,7 @@
 """The benchmark tools' own logic, without running a benchmark: the vLLM / SGLang adapters of
 tools/bench/engine_bench.py against stand-in modules (neither peer installs on a CPU machine),
-and tools/bench/report.py rendering and plotting from saved figures."""
+tools/bench/report.py rendering and plotting from saved figures, and the corpus part of
+tools/bench/grammar_bench.py on stand-in corpora over a tiny vocabulary."""
 
 from __future__ import annotations
 
@@ -413,3 +414,157 @@ def _render_again(report: Any, results: Path, page: Path, img: Path, monkeypatch
     monkeypatch.setattr(sys, "argv", argv)
     assert report.main() == 0
     return page.read_text()
+
+
+# --------------------------------------------------------- tools/bench/grammar_corpus_bench.py
+
+
+@pytest.fixture(scope="module")
+def corpus_bench() -> Any:
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("grammar_corpus_bench")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+# Stand-in corpora: one schema every system compiles, one whose uniqueItems only auto enforces
+# (llguidance refuses it, xgrammar and outlines-core let duplicates through), one that no
+# system compiles.
+PAIR = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+UNIQUE = {"type": "array", "items": {"enum": [1, 2]}, "minItems": 2, "maxItems": 2,
+          "uniqueItems": True}  # fmt: skip
+BROKEN = {"type": "no such type"}
+
+
+def _stand_in_corpora(tmp_path: Path) -> dict[str, Path]:
+    folder = tmp_path / "real"
+    folder.mkdir()
+    (folder / "pair.json").write_text(json.dumps(PAIR))
+    (folder / "unique.json").write_text(json.dumps(UNIQUE))
+    (folder / "MANIFEST.json").write_text(json.dumps([{"file": "pair.json"}]))
+    (folder / "half-written.json").write_text('{"type": ')
+    listed = tmp_path / "keyword.json"
+    listed.write_text(json.dumps([{"name": "broken", "keyword": "type", "schema": BROKEN},
+                                  {"name": "pair", "schema": PAIR}]))  # fmt: skip
+    return {"real": folder, "keyword": listed, "vendor": tmp_path / "not yet extracted"}
+
+
+def test_corpora_load_from_folders_and_lists_and_note_what_is_missing(
+    corpus_bench: Any, tmp_path: Path
+) -> None:
+    paths = _stand_in_corpora(tmp_path)
+    real, notes = corpus_bench.load_corpus(paths["real"])
+    assert [name for name, _ in real] == ["pair", "unique"]  # MANIFEST.json is not a schema
+    assert len(notes) == 1 and notes[0].startswith("half-written.json: not JSON")
+    listed, notes = corpus_bench.load_corpus(paths["keyword"])
+    assert [name for name, _ in listed] == ["broken", "pair"] and not notes
+    absent, notes = corpus_bench.load_corpus(paths["vendor"])
+    assert absent == [] and notes[0].endswith("absent")
+    assert [n for n, _ in corpus_bench.quick_pick(real + listed, 2)] == ["broken", "unique"]
+
+
+def test_judge_checks_formats_and_refs_it_cannot_follow(corpus_bench: Any) -> None:
+    ipv4 = corpus_bench.Judge({"type": "string", "format": "ipv4"})
+    assert ipv4(b'"10.0.0.1"') == ("valid", "")
+    assert ipv4(b'"01.20.13.062"')[0] == "invalid"
+    assert ipv4(b'"\xff"')[1].startswith("not UTF-8")
+    assert ipv4(b'"10.0.0.1"}')[1].startswith("not JSON")
+    remote = corpus_bench.Judge({"$ref": "https://example.com/schema.json"})
+    assert remote(b"1")[0] == "unverifiable"
+
+
+class _ScriptedGrammar:
+    """Allows every token of a three-token vocabulary (0 stops); after the second token it
+    reports one violation (fatal when asked), then allows only the stop token."""
+
+    def __init__(self, fatal: bool) -> None:
+        from radixlm.constrained import Violation
+
+        self.history: list[int] = []
+        self.violations = [Violation("uniqueItems", "/1", "a repeat", rollback=1, fatal=fatal)]
+        self.pending: Any = None
+
+    def fill(self, bitmask: Any) -> None:
+        bitmask[0] = 0b001 if len(self.history) >= 3 else 0b111
+
+    def accept(self, token: int) -> bool:
+        self.history.append(token)
+        if len(self.history) == 2 and self.violations:
+            self.pending = self.violations.pop()
+        return True
+
+    def error(self) -> None:
+        return None
+
+    def violation(self) -> Any:
+        return self.pending
+
+    def rollback(self, count: int) -> None:
+        del self.history[len(self.history) - count :]
+        self.pending = None
+
+
+def test_walk_rolls_back_a_violation_and_ends_on_a_fatal_one(corpus_bench: Any) -> None:
+    import random
+
+    import torch
+    from grammar_corpus_systems import Vocab, walk
+
+    vocab = Vocab([None, b"a", b"b"], [0])
+    bitmask = torch.zeros((1, 1), dtype=torch.int32)
+    done = walk(_ScriptedGrammar(fatal=False), vocab, bitmask, random.Random(0), 50)
+    assert done.outcome == "finished" and done.rollbacks == 1
+    assert done.tokens == 4 and len(done.text) == 3  # three letters, then the stop token
+    assert len(done.step_s) == 5  # the rolled-back token was sampled and timed too
+    failed = walk(_ScriptedGrammar(fatal=True), vocab, bitmask, random.Random(0), 50)
+    assert failed.outcome == "fatal" and failed.message == "a repeat" and failed.tokens == 2
+
+
+def test_corpus_part_compares_raw_systems_with_auto(
+    corpus_bench: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setattr(corpus_bench, "CORPORA", _stand_in_corpora(tmp_path))
+    limits = corpus_bench.Limits(walks=3, later_walks=1, max_tokens=60)
+    figures = corpus_bench.corpus_part(
+        ["real", "keyword", "vendor"], [600, 700], limits, isolate=False
+    )
+    records = figures["records"]
+    assert len(records) == 4 * 2 * 4  # 4 schemas in 2 corpora, 2 vocabularies, 4 systems
+    got = {(r["schema"], r["system"]): r for r in records if r["vocab"] == 600}
+    assert all(not got[("broken", s)]["compiled"] for s in corpus_bench.SYSTEMS)
+    assert not got[("unique", "llguidance")]["compiled"]
+    auto = got[("unique", "auto")]
+    assert auto["compiled"] and auto["validated"] == ["uniqueItems"]
+    assert {w["verdict"] for w in auto["walks"]} == {"valid"}
+    assert {len(r["walks"]) for r in records if r["vocab"] == 700 and r["compiled"]} == {1}
+    summary = figures["summary"]
+    rows = {(r["corpus"], r["vocab"], r["system"]): r for r in summary["systems"]}
+    first = rows[("real", 600, "auto")]
+    assert first["compiled"] == 2 and first["walks"] == 6 and first["invalid"] == 0
+    assert rows[("keyword", 600, "xgrammar")]["compiled_pct"] == 0.5
+    (choices,) = [r for r in summary["auto"] if (r["corpus"], r["vocab"]) == ("real", 600)]
+    assert choices["validated"] == 1 and choices["validated_keywords"] == {"uniqueItems": 1}
+    assert sum(choices[f"served_{s}"] for s in corpus_bench.RAW) == 2
+    goals = {(g["corpus"], g["vocab"]): g for g in summary["goals"]}
+    assert goals[("real", 600)]["validity_met"] and goals[("real", 600)]["overhead_schemas"] == 2
+    printed = capsys.readouterr().out
+    assert "vendor: skipped" in printed and "## goals for auto" in printed
+    assert "| real | 600 | auto | 2/2 (100%) |" in printed
+    json.dumps(figures)  # what --json writes
+
+
+def test_a_compile_past_the_time_limit_counts_as_not_compiled(corpus_bench: Any) -> None:
+    from grammar_corpus_systems import Job, Worker
+
+    schema = json.dumps({"type": "object", "properties": {f"k{i}": {"type": "string"}
+                                                          for i in range(8)}})  # fmt: skip
+    worker = Worker("outlines", 600)
+    try:
+        late = worker.run(Job(schema, corpus_bench.Limits(walks=1, compile_s=1e-4), False))
+        assert late["timeout"] and not late["compiled"]
+        # The killed worker was replaced: the next schema compiles.
+        again = worker.run(Job(schema, corpus_bench.Limits(walks=1, max_tokens=40), False))
+        assert again["compiled"] and len(again["walks"]) == 1
+    finally:
+        worker.close()

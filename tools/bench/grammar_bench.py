@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Benchmark radixlm-constrained beside calling xgrammar / outlines-core directly.
+"""Benchmark radixlm-constrained beside calling xgrammar / llguidance / outlines-core directly.
 
-Four parts, each printed as a table:
+Five parts, each printed as tables:
 
 1. compile: time to compile JSON schemas, per backend — the backend called directly (its own
    cache off), ours cold (`backend.compile`: schema normalization, then the same backend
@@ -15,9 +15,15 @@ Four parts, each printed as a table:
    placed by jump-forward, model calls without and with it, and the time `jump_forward()`
    takes when it finds a jump (retokenization and replay included) and when it finds none.
 4. overhead: ours over direct, the goal being <= 10%.
+5. corpus (grammar_corpus_bench.py): raw xgrammar, llguidance and outlines-core beside our
+   `auto` backend over corpora of real-world and generated JSON schemas — schemas compiled,
+   random walks valid, compile and per-token times, auto's choices and goals.
 
-    .venv/bin/python tools/bench/grammar_bench.py              # about 30 s on 2 cores
+A backend of ours that cannot be built here (not installed) is skipped with a note.
+
+    .venv/bin/python tools/bench/grammar_bench.py              # about 15 min on 2 cores
     .venv/bin/python tools/bench/grammar_bench.py --quick      # smaller, for a smoke run
+    .venv/bin/python tools/bench/grammar_bench.py --parts corpus --corpus real --walks 2
     .venv/bin/python tools/bench/grammar_bench.py --json out.json
 """
 
@@ -110,6 +116,12 @@ UNION = {
         }
     },
     "required": ["pet"],
+}
+BACKENDS = ("xgrammar", "llguidance", "outlines")
+LLGUIDANCE_COMPACT: Any = {
+    "whitespace_flexible": False,
+    "item_separator": ",",
+    "key_separator": ":",
 }
 SCHEMAS = {"person": PERSON, "order": ORDER, "12 enums": ENUMS, "oneOf union": UNION}
 TARGETS = {
@@ -239,32 +251,80 @@ def direct_outlines(info: TokenizerInfo) -> Any:
     return outlines_core.Vocabulary(info.stop_token_ids[0], table)
 
 
+class _ByteTokenizer:
+    """What llguidance's TokenizerWrapper reads: tokens as bytes (special ones named after a
+    0xFF byte, as llguidance marks them), the stop token and an encoder."""
+
+    def __init__(self, info: TokenizerInfo) -> None:
+        self.tokens = [b if b is not None else b"\xff<special_%d>" % i
+                       for i, b in enumerate(info.token_bytes)]  # fmt: skip
+        self.special_token_ids = [i for i, b in enumerate(info.token_bytes) if b is None]
+        self.eos_token_id = info.stop_token_ids[0]
+        self.bos_token_id = None
+        self._encode = greedy_encoder(list(info.token_bytes))
+
+    def __call__(self, text: str) -> list[int]:
+        return self._encode(text)
+
+
+def direct_llguidance(info: TokenizerInfo) -> Any:
+    import llguidance
+
+    wrapper = llguidance.TokenizerWrapper(_ByteTokenizer(info))
+    return llguidance.LLTokenizer(
+        wrapper, n_vocab=info.vocab_size, eos_token=list(info.stop_token_ids)
+    )
+
+
+def ours(info: TokenizerInfo) -> dict[str, Any]:
+    """radixlm's named backends that can be built here (llguidance may not exist yet)."""
+    found = {}
+    for name in BACKENDS:
+        try:
+            found[name] = create_backend(name, info)
+        except ImportError as error:
+            print(f"  (skipping radixlm's {name} backend: {error})")
+    return found
+
+
 # ------------------------------------------------------------------------------------ parts
 
 
-def direct_compile(name: str, compiler: Any, vocab: Any, text: str) -> Callable[[], Any]:
-    """Compile `text` with the backend itself, the way it would be called without us."""
+def direct_compile(name: str, direct: Any, text: str) -> Callable[[], Any]:
+    """Compile `text` with the backend itself, the way it would be called without us
+    (`direct`: its compiler, tokenizer or vocabulary, see `direct_of`)."""
     if name == "xgrammar":
-        return lambda: compiler.compile_json_schema(
+        return lambda: direct.compile_json_schema(
             text, any_whitespace=False, separators=(",", ":"), strict_mode=True
         )
+    if name == "llguidance":
+        from llguidance import LLMatcher
+
+        return lambda: LLMatcher(
+            direct, LLMatcher.grammar_from_json_schema(text, defaults=LLGUIDANCE_COMPACT)
+        )
     return lambda: outlines_core.Index(
-        outlines_core.json_schema.build_regex_from_schema(text, ""), vocab
+        outlines_core.json_schema.build_regex_from_schema(text, ""), direct
     )
+
+
+def direct_of(name: str, info: TokenizerInfo) -> Any:
+    return {"xgrammar": direct_xgrammar, "llguidance": direct_llguidance}.get(
+        name, direct_outlines
+    )(info)
 
 
 def bench_compile(info: TokenizerInfo, repeat: int) -> list[dict[str, Any]]:
     rows = []
-    xcompiler, ovocab = direct_xgrammar(info), direct_outlines(info)
-    for name in ("xgrammar", "outlines"):
-        backend = create_backend(name, info)
+    for name, backend in ours(info).items():
+        direct = direct_of(name, info)
         with GrammarCompiler(backend) as compiler:
             for label, schema in SCHEMAS.items():
                 text = json.dumps(schema)
                 spec = GrammarSpec("json_schema", text)
                 compiler.compile(spec)
                 direct_s, ours_s = paired_medians(
-                    [direct_compile(name, xcompiler, ovocab, text), partial(backend.compile, spec)],
+                    [direct_compile(name, direct, text), partial(backend.compile, spec)],
                     repeat,
                 )
                 cached_s = median_time(partial(compiler.compile, spec), 200)
@@ -306,6 +366,17 @@ def time_direct(name: str, handle: Any, tokens: list[int], bitmask: Any) -> tupl
             accept += time.perf_counter() - middle
             fill += middle - start
         return fill, accept
+    if name == "llguidance":
+        matcher = handle.deep_copy()
+        row = (bitmask[0].data_ptr(), bitmask[0].numel() * 4)
+        for token in tokens:
+            start = time.perf_counter()
+            matcher.unsafe_compute_mask_ptr(*row)
+            middle = time.perf_counter()
+            assert matcher.consume_token(token), matcher.get_error()
+            accept += time.perf_counter() - middle
+            fill += middle - start
+        return fill, accept
     guide = outlines_core.Guide(handle.index, max_rollback=1 << 30)
     width = bitmask.shape[1]
     for token in tokens[:-1]:  # outlines-core has no transition for the stop token
@@ -323,12 +394,16 @@ def bench_mask(info: TokenizerInfo, repeat: int) -> list[dict[str, Any]]:
     tokens = [*encode(compact(TARGETS["person"])), info.stop_token_ids[0]]
     bitmask = allocate_bitmask(1, info.vocab_size)
     rows = []
-    for name in ("xgrammar", "outlines"):
-        backend = create_backend(name, info)
+    for name, backend in ours(info).items():
         compiled = backend.compile(GrammarSpec("json_schema", json.dumps(PERSON)))
+        # The backend's own matcher over the same compiled grammar; llguidance's is built from
+        # the schema (its handle is the backend's business).
+        handle = compiled.handle
+        if name == "llguidance":
+            handle = direct_compile(name, direct_llguidance(info), json.dumps(PERSON))()
         samples: dict[str, list[tuple[float, float]]] = {"direct": [], "ours": []}
         for _ in range(repeat):  # in turn, so that load lands on both alike
-            samples["direct"].append(time_direct(name, compiled.handle, tokens, bitmask))
+            samples["direct"].append(time_direct(name, handle, tokens, bitmask))
             samples["ours"].append(time_ours(backend.matcher(compiled), tokens, bitmask))
         results = {}
         for label, pairs in samples.items():
@@ -425,8 +500,7 @@ def bench_jump_forward(vocab_size: int) -> list[dict[str, Any]]:
     tokenizer = trained_tokenizer(vocab_size)
     info = TokenizerInfo.from_hf(tokenizer)
     rows = []
-    for name in ("xgrammar", "outlines"):
-        backend = create_backend(name, info)
+    for name, backend in ours(info).items():
         for label, schema in SCHEMAS.items():
             compiled = backend.compile(GrammarSpec("json_schema", json.dumps(schema)))
             target = compact(TARGETS[label])
@@ -469,13 +543,71 @@ def table(title: str, rows: list[dict[str, Any]], columns: list[tuple[str, str, 
         print("| " + " | ".join(cells) + " |")
 
 
+def existing_parts(args: argparse.Namespace, figures: dict[str, Any]) -> None:
+    """Parts 1-4 (see the module doc)."""
+    first = TokenizerInfo.from_vocab(synthetic_vocab(args.vocab[0]), stop_token_ids=[0])
+    figures["compile"] = bench_compile(first, args.repeat)
+    table(
+        f"compile a JSON schema (vocab {args.vocab[0]}, median of {args.repeat})",
+        figures["compile"],
+        [("backend", "backend", "s"), ("schema", "schema", "s"), ("direct ms", "direct_ms", ".2f"),
+         ("ours cold ms", "ours_cold_ms", ".2f"), ("ours cached µs", "ours_cached_us", ".1f")],
+    )  # fmt: skip
+    figures["mask"] = []
+    for size in args.vocab:
+        info = TokenizerInfo.from_vocab(synthetic_vocab(size), stop_token_ids=[0], encode=None)
+        figures["mask"] += bench_mask(info, args.repeat)
+    table(
+        "per output token: fill the bitmask, accept the token (µs, person schema)",
+        figures["mask"],
+        [("backend", "backend", "s"), ("vocab", "vocab", "d"),
+         ("direct fill", "direct_fill_us", ".1f"), ("ours fill", "ours_fill_us", ".1f"),
+         ("direct accept", "direct_accept_us", ".1f"), ("ours accept", "ours_accept_us", ".1f")],
+    )  # fmt: skip
+    figures["jump_forward"] = bench_jump_forward(args.jf_vocab)
+    table(
+        f"jump-forward on schema-constrained generation (trained BPE, vocab {args.jf_vocab})",
+        figures["jump_forward"],
+        [("backend", "backend", "s"), ("schema", "schema", "s"), ("output tokens", "tokens", "d"),
+         ("placed by jump-forward", "jumped_fraction", ".0%"),
+         ("model calls without", "calls_plain", "d"), ("with", "calls_jump", "d"),
+         ("calls saved", "calls_saved", ".0%"), ("µs per jump", "jump_us", ".0f"),
+         ("same schema again", "jump_again_us", ".0f"),
+         ("µs per check without one", "no_jump_us", ".0f")],
+    )  # fmt: skip
+    overhead = []
+    for name in dict.fromkeys(r["backend"] for r in figures["compile"]):
+        rows = [r for r in figures["compile"] if r["backend"] == name]
+        compile_ratio = statistics.median(r["ours_cold_ms"] / r["direct_ms"] - 1 for r in rows)
+        per_token = statistics.median(
+            (r["ours_fill_us"] + r["ours_accept_us"])
+            / (r["direct_fill_us"] + r["direct_accept_us"])
+            - 1
+            for r in figures["mask"]
+            if r["backend"] == name
+        )
+        overhead.append({"backend": name, "compile": compile_ratio, "per_token": per_token})
+    figures["overhead"] = overhead
+    table(
+        "overhead of ours over calling the backend directly (goal <= 10%)",
+        overhead,
+        [("backend", "backend", "s"), ("compile (median over schemas)", "compile", "+.1%"),
+         ("per token, fill + accept (median over vocabs)", "per_token", "+.1%")],
+    )  # fmt: skip
+
+
 def main() -> int:
+    from grammar_corpus_bench import add_arguments, corpus_part_from_args
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 152000])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--jf-vocab", type=int, default=4000, help="trained BPE vocabulary size")
     parser.add_argument("--quick", action="store_true", help="vocab 32k only, fewer repeats")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--parts", nargs="+", choices=["backends", "corpus"],
+                        default=["backends", "corpus"], help="backends: parts 1-4")  # fmt: skip
+    add_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.vocab, args.repeat = [32000], 3
@@ -484,78 +616,14 @@ def main() -> int:
 
     print(
         f"radixlm-constrained grammar benchmark: xgrammar {version('xgrammar')}, "
-        f"outlines-core {version('outlines-core')}, torch {torch.__version__}, "
-        f"{os.cpu_count()} CPUs, 1 torch thread"
+        f"llguidance {version('llguidance')}, outlines-core {version('outlines-core')}, "
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, 1 torch thread"
     )
     figures: dict[str, Any] = {}
-    first = TokenizerInfo.from_vocab(synthetic_vocab(args.vocab[0]), stop_token_ids=[0])
-    figures["compile"] = bench_compile(first, args.repeat)
-    table(
-        f"compile a JSON schema (vocab {args.vocab[0]}, median of {args.repeat})",
-        figures["compile"],
-        [
-            ("backend", "backend", "s"),
-            ("schema", "schema", "s"),
-            ("direct ms", "direct_ms", ".2f"),
-            ("ours cold ms", "ours_cold_ms", ".2f"),
-            ("ours cached µs", "ours_cached_us", ".1f"),
-        ],
-    )
-    figures["mask"] = []
-    for size in args.vocab:
-        info = TokenizerInfo.from_vocab(synthetic_vocab(size), stop_token_ids=[0], encode=None)
-        figures["mask"] += bench_mask(info, args.repeat)
-    table(
-        "per output token: fill the bitmask, accept the token (µs, person schema)",
-        figures["mask"],
-        [
-            ("backend", "backend", "s"),
-            ("vocab", "vocab", "d"),
-            ("direct fill", "direct_fill_us", ".1f"),
-            ("ours fill", "ours_fill_us", ".1f"),
-            ("direct accept", "direct_accept_us", ".1f"),
-            ("ours accept", "ours_accept_us", ".1f"),
-        ],
-    )
-    figures["jump_forward"] = bench_jump_forward(args.jf_vocab)
-    table(
-        f"jump-forward on schema-constrained generation (trained BPE, vocab {args.jf_vocab})",
-        figures["jump_forward"],
-        [
-            ("backend", "backend", "s"),
-            ("schema", "schema", "s"),
-            ("output tokens", "tokens", "d"),
-            ("placed by jump-forward", "jumped_fraction", ".0%"),
-            ("model calls without", "calls_plain", "d"),
-            ("with", "calls_jump", "d"),
-            ("calls saved", "calls_saved", ".0%"),
-            ("µs per jump", "jump_us", ".0f"),
-            ("same schema again", "jump_again_us", ".0f"),
-            ("µs per check without one", "no_jump_us", ".0f"),
-        ],
-    )
-    overhead = []
-    for name in ("xgrammar", "outlines"):
-        rows = [r for r in figures["compile"] if r["backend"] == name]
-        compile_ratio = statistics.median(r["ours_cold_ms"] / r["direct_ms"] - 1 for r in rows)
-        masks = [r for r in figures["mask"] if r["backend"] == name]
-        per_token = statistics.median(
-            (r["ours_fill_us"] + r["ours_accept_us"])
-            / (r["direct_fill_us"] + r["direct_accept_us"])
-            - 1
-            for r in masks
-        )
-        overhead.append({"backend": name, "compile": compile_ratio, "per_token": per_token})
-    figures["overhead"] = overhead
-    table(
-        "overhead of ours over calling the backend directly (goal <= 10%)",
-        overhead,
-        [
-            ("backend", "backend", "s"),
-            ("compile (median over schemas)", "compile", "+.1%"),
-            ("per token, fill + accept (median over vocabs)", "per_token", "+.1%"),
-        ],
-    )
+    if "backends" in args.parts:
+        existing_parts(args, figures)
+    if "corpus" in args.parts:
+        figures["corpus"] = corpus_part_from_args(args)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
     return 0
