@@ -261,7 +261,11 @@ class SchemaChecks:
             validator = self._validators.get(id(schema))
             if validator is None:
                 validator = self._validators[id(schema)] = self.validator.evolve(schema=schema)
-            error = best_match(validator.iter_errors(value))
+            try:
+                error = best_match(validator.iter_errors(value))
+            except (ArithmeticError, ValueError, RecursionError) as caught:
+                # e.g. multipleOf of a number that overflowed to infinity: not a valid value.
+                return _NotJson(f"the value cannot be checked: {caught}")
             if error is not None:
                 return error
         return None
@@ -417,11 +421,16 @@ class ValidatingGrammar:
             return False
         position = len(self._history)
         self._history.append(token_id)
-        state = _copy(self._state)
         start = len(self._buffer)
         data = self._info.token_bytes[token_id] or b""
         self._buffer += data
         self._ends.append(len(self._buffer))
+        if self._leaves_state_alone(data):  # most tokens: inside a string or a number
+            self._states.append(self._state)
+            if self._bans:
+                self._check_dead_end()
+            return True
+        state = _copy(self._state)
         try:
             for offset, byte in enumerate(data):
                 self._feed(state, byte, start + offset, position)
@@ -437,6 +446,16 @@ class ValidatingGrammar:
         if self._bans:
             self._check_dead_end()
         return True
+
+    def _leaves_state_alone(self, data: bytes) -> bool:
+        """Whether feeding `data` would change nothing but the buffer: string contents without
+        quotes or escapes, or more digits of a number."""
+        scalar = self._state.scalar
+        if scalar is None or not data or scalar.escaped:
+            return False
+        if scalar.kind == "s":
+            return b'"' not in data and b"\\" not in data
+        return scalar.kind == "n" and not data.strip(b"0123456789+-.eE")
 
     def fill_bitmask(self, bitmask: Any, row: int = 0) -> None:
         if self._pending is not None:
