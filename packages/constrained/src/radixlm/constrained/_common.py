@@ -102,6 +102,16 @@ def regex_literal(text: str) -> str:
     return "".join(out)
 
 
+def strip_anchors(regex: str) -> str:
+    """A whole-output regex without its `^` / `$` (the output must match it as a whole anyway;
+    outlines-core refuses a leading `^`)."""
+    if regex.startswith("^"):
+        regex = regex[1:]
+    if regex.endswith("$") and not regex.endswith("\\$"):
+        regex = regex[:-1]
+    return regex
+
+
 def structural_tag_json(
     spec: GrammarSpec, support: SchemaSupport, options: GrammarOptions
 ) -> dict[str, Any]:

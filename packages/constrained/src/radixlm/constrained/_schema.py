@@ -44,6 +44,7 @@ from radixlm.constrained._schema_rewrite import rewrite_for_grammar
 from radixlm.constrained._schema_support import (
     DEF_CONTAINERS,
     FORMAT_PATTERNS,
+    LLGUIDANCE_SUPPORT,
     OUTLINES_SUPPORT,
     VALIDATION_KEYWORDS,
     XGRAMMAR_SUPPORT,
@@ -200,7 +201,7 @@ class _Normalizer:
 
     def unsupported(self, path: str, keyword: str, detail: str = "") -> GrammarError:
         hint = "remove it or express it with keywords the backend supports"
-        for other in (XGRAMMAR_SUPPORT, OUTLINES_SUPPORT):
+        for other in (XGRAMMAR_SUPPORT, LLGUIDANCE_SUPPORT, OUTLINES_SUPPORT):
             if other.backend != self.support.backend and keyword in other.keywords and not detail:
                 hint += f", or use the {other.backend} backend, which enforces it"
         return self.reject(

@@ -134,10 +134,7 @@ LLGUIDANCE_SUPPORT = SchemaSupport(
 
 def support_of(backend: str) -> SchemaSupport:
     """What backend `backend` enforces of JSON Schema."""
-    supports = {s.backend: s for s in (XGRAMMAR_SUPPORT, OUTLINES_SUPPORT)}
-    extra = globals().get("LLGUIDANCE_SUPPORT")
-    if isinstance(extra, SchemaSupport):
-        supports[extra.backend] = extra
+    supports = {s.backend: s for s in (XGRAMMAR_SUPPORT, LLGUIDANCE_SUPPORT, OUTLINES_SUPPORT)}
     try:
         return supports[backend]
     except KeyError:

@@ -14,7 +14,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
-from radixlm.constrained._common import regex_literal
+from radixlm.constrained._common import regex_literal, strip_anchors
 from radixlm.constrained.errors import GrammarError
 
 if TYPE_CHECKING:
@@ -51,15 +51,6 @@ def _regex_text(text: str) -> str:
     return regex_literal(text).replace("/", "\\/")
 
 
-def _strip_anchors(regex: str) -> str:
-    """The output must match the regex as a whole anyway."""
-    if regex.startswith("^"):
-        regex = regex[1:]
-    if regex.endswith("$") and not regex.endswith("\\$"):
-        regex = regex[:-1]
-    return regex
-
-
 # JSON Schema's (and xgrammar's) ASCII shorthands; Rust regex nests classes, so these also
 # work inside [...].
 _SHORTHANDS = {
@@ -72,7 +63,7 @@ def lark_regex(regex: str) -> str:
     """A whole-output regex as the body of a Lark `/.../`: anchors off, `/` and control
     characters escaped, \\d \\w \\s ASCII. (llguidance's `regex_to_lark` drops a trailing
     backslash, turning a bad regex into a different good one.)"""
-    regex = _strip_anchors(regex)
+    regex = strip_anchors(regex)
     if (len(regex) - len(regex.rstrip("\\"))) % 2:
         raise GrammarError("the regex ends in a lone backslash", kind="regex", backend=NAME)
     out = []

@@ -13,6 +13,7 @@ from radixlm.constrained._common import (
     check_size,
     prepare_schema,
     regex_literal,
+    strip_anchors,
     unsupported_kind,
 )
 from radixlm.constrained._jump_forward import plan_jump_forward
@@ -93,7 +94,7 @@ class OutlinesBackend:
         elif spec.kind == "choice":
             regex = "|".join(f"({regex_literal(choice)})" for choice in spec.source)
         else:
-            regex = _strip_anchors(str(spec.source))
+            regex = strip_anchors(str(spec.source))
             self._check_regex(regex, spec)
         if len(regex) > _MAX_REGEX_CHARS:
             raise GrammarError(
@@ -289,12 +290,3 @@ def _json_object_regex(ws: str) -> str:
         return f"\\[{ws}({value}({ws},{ws}{value})*)?{ws}\\]"
 
     return obj(f"({scalar}|{obj(scalar)}|{arr(scalar)})")
-
-
-def _strip_anchors(regex: str) -> str:
-    """The output must match the regex as a whole anyway; outlines-core refuses a leading `^`."""
-    if regex.startswith("^"):
-        regex = regex[1:]
-    if regex.endswith("$") and not regex.endswith("\\$"):
-        regex = regex[:-1]
-    return regex
