@@ -244,6 +244,51 @@ def test_a_duplicate_item_rolls_back_to_its_own_start_and_is_masked(auto: Any, i
     assert allowed[info.token_bytes.index(b"b")]
 
 
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("1", "1.0"),
+        ("1", "true"),
+        ("0", "false"),
+        ("null", "false"),
+        ('{"a":1,"b":[2]}', '{"b":[2.0],"a":1}'),
+        ('{"a":1}', '{"a":1,"b":1}'),
+        ("[1,[true]]", "[1.0,[true]]"),
+        ("[1,[true]]", "[1,[1]]"),
+        ('"1"', "1"),
+        ("100000000000000000000", "1e20"),
+    ],
+)
+def test_item_uniqueness_is_json_equality_as_jsonschema_has_it(
+    auto: Any, info: Any, first: str, second: str
+) -> None:
+    import jsonschema
+
+    schema = {"type": "array", "uniqueItems": True}
+    grammar = auto.matcher(compile_auto(auto, schema))
+    feed(grammar, info, f"[{first},{second}")
+    if grammar.violation() is None:  # a number or literal item closes at the next byte
+        feed(grammar, info, "]")
+    expected = jsonschema.Draft202012Validator(schema).is_valid(json.loads(f"[{first},{second}]"))
+    found = grammar.violation()
+    assert (found is None) == expected, (first, second, found)
+    if found is not None:
+        assert (found.keyword, found.pointer) == ("uniqueItems", "/1")
+
+
+def test_max_contains_is_counted_item_by_item(auto: Any, info: Any) -> None:
+    schema = {"type": "array", "contains": {"type": "integer"}, "maxContains": 2}
+    grammar = auto.matcher(compile_auto(auto, schema))
+    feed(grammar, info, '[1,"x",2,"y"')
+    assert grammar.violation() is None
+    feed(grammar, info, ",3")
+    assert grammar.violation() is None  # a number closes at the next byte
+    feed(grammar, info, ",")
+    found = grammar.violation()
+    assert found is not None and (found.keyword, found.pointer) == ("maxContains", "/4")
+    assert found.rollback == 2  # `3,` back to the item's start
+
+
 def test_retries_are_bounded_then_the_violation_is_fatal(auto: Any, info: Any, vwalk: Any) -> None:
     # Only one item value exists, so two unique items are impossible: every walk must end in
     # a fatal violation that names the keyword, never in output.

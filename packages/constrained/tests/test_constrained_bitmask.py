@@ -12,6 +12,7 @@ from radixlm.constrained import (
     reset_bitmask,
     unpack_bitmask,
 )
+from radixlm.constrained.bitmask import clear_tokens
 
 
 def pack(allowed: torch.Tensor) -> torch.Tensor:
@@ -74,3 +75,17 @@ def test_wrong_dtype_or_row_count_is_refused() -> None:
         apply_bitmask(torch.zeros(1, 32), torch.zeros(1, 1, dtype=torch.int64))
     with pytest.raises(ValueError, match="rows"):
         apply_bitmask(torch.zeros(2, 32), allocate_bitmask(1, 32))
+
+
+def test_clear_tokens_disallows_exactly_those_tokens() -> None:
+    vocab = 200
+    generator = torch.Generator().manual_seed(0)
+    allowed = torch.rand((1, vocab), generator=generator) < 0.7
+    cleared = [0, 1, 31, 32, 63, 64, 95, 130, 131, 199]  # bit 31 and several per word
+    row = pack(allowed)[0].clone()
+    clear_tokens(row, cleared)
+    expected = allowed.clone()
+    expected[0, cleared] = False
+    assert torch.equal(row, pack(expected)[0])
+    clear_tokens(row, [])
+    assert torch.equal(row, pack(expected)[0])

@@ -101,3 +101,22 @@ def test_from_vocab_builds_a_synthetic_vocabulary() -> None:
 def test_stop_token_outside_the_vocabulary_is_refused() -> None:
     with pytest.raises(ValueError, match="outside"):
         TokenizerInfo.from_vocab(["a"], stop_token_ids=[5])
+
+
+@pytest.mark.parametrize("prefix", [b"", b"a", b"ab", b"\xff", b"a\xff", b"\xff\xff", b"zz", b"b"])
+def test_tokens_starting_with_are_exactly_those_with_the_prefix(prefix: bytes) -> None:
+    vocab = [
+        b"a",
+        b"ab",
+        b"abc",
+        b"a\xff",
+        b"a\xff\x00",
+        b"b",
+        b"\xff",
+        b"\xff\xff",
+        b"\xffa",
+        b"ba",
+    ]
+    built = TokenizerInfo.from_vocab([*vocab, None], stop_token_ids=[len(vocab)])
+    expected = {i for i, b in enumerate(vocab) if b.startswith(prefix)}
+    assert set(built.tokens_starting_with(prefix)) == expected

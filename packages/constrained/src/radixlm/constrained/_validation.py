@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.constrained.bitmask import word_bit
+from radixlm.constrained.bitmask import clear_tokens
 from radixlm.constrained.interfaces import Grammar, JumpForward, Violation
 from radixlm.constrained.tokenizer import TokenizerInfo
 
@@ -58,6 +58,7 @@ _BRANCHES = (
 _WHITESPACE = frozenset(b" \t\n\r")
 _NUMBER_BYTES = frozenset(b"0123456789+-.eE")
 _LITERALS = {ord("t"): 4, ord("f"): 5, ord("n"): 4}
+_KEEP_MASKS = 8  # ban masks cached per sequence
 
 
 class SchemaChecks:
@@ -82,7 +83,7 @@ class SchemaChecks:
         self.max_retries = max_retries
         self._children: dict[tuple[tuple[int, ...], str | int], Located] = {}
         self._validators: dict[int, Any] = {}
-        self._item_rules: dict[tuple[int, ...], Schema | None] = {}
+        self._item_rules: dict[tuple[int, ...], ItemRules | None] = {}
         self._needs: dict[tuple[int, ...], bool] = {}
         self._expanded: dict[int, list[Schema]] = {}
 
@@ -218,29 +219,23 @@ class SchemaChecks:
                 stack.extend(item)
         return False
 
-    def item_rules(self, located: Located) -> Schema | None:
-        """What every prefix of an array here must meet (uniqueItems, maxContains), or None.
-        Cached: validators are cached by the identity of their schema, which must stay alive."""
+    def item_rules(self, located: Located) -> ItemRules | None:
+        """What every prefix of an array here must meet (uniqueItems, maxContains), or None."""
         key = tuple(map(id, located))
         if key not in self._item_rules:
             self._item_rules[key] = self._make_item_rules(located)
         return self._item_rules[key]
 
-    def _make_item_rules(self, located: Located) -> Schema | None:
-        rules: dict[str, Any] = {}
+    def _make_item_rules(self, located: Located) -> ItemRules | None:
+        unique = False
+        limits: list[tuple[Schema, int]] = []
         for schema in located:
             for node in self.expand(schema):
-                if node.get("uniqueItems") is True:
-                    rules["uniqueItems"] = True
-                if "maxContains" in node and "contains" in node:
-                    rules.setdefault("allOf", []).append(
-                        {
-                            "contains": node["contains"],
-                            "maxContains": node["maxContains"],
-                            "minContains": 0,
-                        }
-                    )
-        return rules or None
+                unique = unique or node.get("uniqueItems") is True
+                limit = node.get("maxContains")
+                if "contains" in node and isinstance(limit, int) and not isinstance(limit, bool):
+                    limits.append((node["contains"], limit))
+        return ItemRules(unique, tuple(limits)) if unique or limits else None
 
     def name_rules(self, located: Located) -> list[Schema]:
         """The `propertyNames` schemas every member name of an object here must meet."""
@@ -271,6 +266,32 @@ class SchemaChecks:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class ItemRules:
+    """What an array's items must meet as each closes: all distinct (`uniqueItems`, with
+    JSON equality: 1 == 1.0, true != 1), and at most `limit` matching `schema` for each
+    (`contains`, `maxContains`). Checked item by item, never by revalidating the prefix."""
+
+    unique: bool
+    max_contains: tuple[tuple[Schema, int], ...]
+
+
+def _canonical(value: Any) -> Any:
+    """A hashable stand-in for a JSON value; equal exactly when the values are equal in JSON
+    Schema's sense (numbers by value, booleans apart from numbers, objects unordered)."""
+    if isinstance(value, bool):
+        return ("b", value)
+    if isinstance(value, int | float):
+        return ("n", value)
+    if isinstance(value, str):
+        return ("s", value)
+    if isinstance(value, list):
+        return ("a", tuple(_canonical(v) for v in value))
+    if isinstance(value, dict):
+        return ("o", frozenset((k, _canonical(v)) for k, v in value.items()))
+    return ("z", None)
+
+
 @dataclass(slots=True)
 class _Frame:
     """An open object or array."""
@@ -282,11 +303,13 @@ class _Frame:
     start_token: int
     checked: bool
     holds: bool  # a violation found when this value closes may take it back
-    item_rules: Schema | None = None
+    item_rules: ItemRules | None = None
     name_rules: list[Schema] = field(default_factory=list)
     index: int = 0  # the next item's index (arrays)
     key: str | None = None  # the member being written (objects)
     expect_key: bool = True  # objects: a name comes next (else a value)
+    seen: frozenset[Any] = frozenset()  # uniqueItems: the items so far, canonical
+    counts: tuple[int, ...] = ()  # maxContains: items so far matching each `contains`
 
 
 @dataclass(slots=True)
@@ -321,6 +344,8 @@ def _copy(state: _State) -> _State:
             f.index,
             f.key,
             f.expect_key,
+            f.seen,
+            f.counts,
         )
         for f in state.stack
     ]
@@ -378,7 +403,9 @@ class ValidatingGrammar:
         self._total_retries = 0
         self._pending: Violation | None = None
         self._last_keyword = self._last_pointer = ""
-        self._scratch: Any = None
+        self._scratch: Any = None  # a one-row bitmask for _check_dead_end
+        self._primed = False  # whether _scratch holds the banned mask of the current state
+        self._keep_masks: dict[tuple[bytes, ...], Any] = {}
 
     def _initial(self) -> _State:
         return _State([], None, False)
@@ -415,6 +442,7 @@ class ValidatingGrammar:
         return self._inner.is_terminated()
 
     def accept_token(self, token_id: int) -> bool:
+        self._primed = False
         if self._pending is not None or (self._bans and self._banned(token_id)):
             return False
         if not self._inner.accept_token(token_id):
@@ -461,12 +489,14 @@ class ValidatingGrammar:
         if self._pending is not None:
             bitmask[row] = 0
             return
-        self._inner.fill_bitmask(bitmask, row)
         bans = self._active_bans()
+        if bans and self._primed:  # _check_dead_end filled the mask for this very state
+            bitmask[row] = self._scratch[0]
+            return
+        self._inner.fill_bitmask(bitmask, row)
         if not bans:
             return
-        for token in self._banned_tokens(bans):
-            bitmask[row, token >> 5] &= ~word_bit(token & 31)
+        bitmask[row] &= self._keep_mask(bans)
         if not bool(bitmask[row].any()):
             # The bans leave nothing: lift them (the value may come out the same again, and
             # the retry limit then ends the request).
@@ -479,6 +509,7 @@ class ValidatingGrammar:
         self._pending = None
         if not num_tokens:
             return
+        self._primed = False
         self._inner.rollback(num_tokens)
         keep = len(self._history) - num_tokens
         del self._history[keep:]
@@ -525,14 +556,25 @@ class ValidatingGrammar:
             and ban.rejected.startswith(bytes(buffer[ban.anchor_byte :]))
         ]
 
-    def _banned_tokens(self, bans: list[_Ban]) -> set[int]:
-        """Tokens that would complete a ban's rejected bytes from here."""
+    def _keep_mask(self, bans: list[_Ban]) -> Any:
+        """A bitmask row without the tokens that would complete a ban's rejected bytes from
+        here (cached by those bytes: the same rests come back on every retry)."""
         size = len(self._buffer)
-        found: set[int] = set()
-        for ban in bans:
-            rest = ban.rejected[size - ban.anchor_byte :]
-            found.update(self._info.tokens_starting_with(rest))
-        return found
+        rests = tuple(sorted({ban.rejected[size - ban.anchor_byte :] for ban in bans}))
+        cache = self._keep_masks
+        keep = cache.get(rests)
+        if keep is None:
+            from radixlm.constrained.bitmask import allocate_bitmask
+
+            ids: set[int] = set()
+            for rest in rests:
+                ids.update(self._info.tokens_starting_with(rest))
+            keep = allocate_bitmask(1, self._info.vocab_size)[0]
+            clear_tokens(keep, sorted(ids))
+            if len(cache) >= _KEEP_MASKS:
+                cache.pop(next(iter(cache)))
+            cache[rests] = keep
+        return keep
 
     def _check_dead_end(self) -> None:
         """When the bans leave no token here, what was written since the ban's anchor is
@@ -546,9 +588,9 @@ class ValidatingGrammar:
             self._scratch = allocate_bitmask(1, self._info.vocab_size)
         self._inner.fill_bitmask(self._scratch, 0)
         row = self._scratch[0]
-        for token in self._banned_tokens(bans):
-            row[token >> 5] &= ~word_bit(token & 31)
+        row &= self._keep_mask(bans)
         if bool(row.any()):
+            self._primed = True
             return
         ban = min(bans, key=lambda b: b.anchor)
         doomed = bytes(self._buffer[ban.anchor_byte :])
@@ -748,12 +790,31 @@ class ValidatingGrammar:
             parent.key = None
             return
         parent.index += 1
-        if parent.item_rules is not None:
-            items = self._parse(parent.start_byte, end, start_token, pointer, b"]")
-            error = self._checks.first_error(items, [parent.item_rules])
-            if error is not None:
+        rules = parent.item_rules
+        if rules is not None:
+            if not parsed:
+                value = self._parse(start_byte, end, start_token, pointer)
+            self._check_item(parent, rules, value, start_token, end, pointer)
+
+    def _check_item(
+        self, array: _Frame, rules: ItemRules, item: Any, start_token: int, end: int, pointer: str
+    ) -> None:
+        if rules.unique:
+            key = _canonical(item)
+            if key in array.seen:
+                error = _NotJson("the item repeats an earlier item", "uniqueItems")
                 raise _Failure(start_token, end - 1, error, pointer)
-        del value, parsed
+            array.seen = array.seen | {key}
+        if rules.max_contains:
+            counts = list(array.counts or (0,) * len(rules.max_contains))
+            for number, (schema, limit) in enumerate(rules.max_contains):
+                if self._checks.first_error(item, [schema]) is not None:
+                    continue
+                counts[number] += 1
+                if counts[number] > limit:
+                    text = f"more than {limit} items (maxContains) match 'contains'"
+                    raise _Failure(start_token, end - 1, _NotJson(text, "maxContains"), pointer)
+            array.counts = tuple(counts)
 
     def _parse(
         self, start: int, end: int, start_token: int, pointer: str, tail: bytes = b""
@@ -775,7 +836,8 @@ class ValidatingGrammar:
 
 @dataclass(frozen=True, slots=True)
 class _NotJson:
-    """Stands in for a jsonschema error when the bytes are not JSON at all."""
+    """Stands in for a jsonschema error: bytes that are not JSON at all, or a failed check
+    made here rather than by jsonschema (an item's `uniqueItems`, `maxContains`)."""
 
     message: str
     validator: str = "type"

@@ -26,6 +26,20 @@ def word_bit(position: int) -> int:
     return (1 << position) - (1 << 32 if position == 31 else 0)
 
 
+def clear_tokens(row: Any, token_ids: list[int]) -> None:
+    """Disallow `token_ids` (distinct) in one bitmask row (a 1-D int32 tensor), in place."""
+    if not token_ids:
+        return
+    torch = _torch()
+    ids = torch.tensor(token_ids, dtype=torch.int64)
+    bits = torch.zeros(row.shape[0], dtype=torch.int64)
+    bits.index_add_(
+        0, ids >> 5, torch.ones_like(ids) << (ids & 31)
+    )  # distinct bits: a sum is an or
+    signed = bits - ((bits >> 31) << 32)  # as int32 words (bit 31 negative)
+    row &= ~signed.to(torch.int32, copy=False).to(row.device)
+
+
 def bitmask_width(vocab_size: int) -> int:
     """Number of int32 words per row for `vocab_size` tokens."""
     return (vocab_size + 31) // 32

@@ -243,12 +243,13 @@ class TokenizerInfo:
         """Ordinary tokens whose bytes start with `prefix` (all of them for b"")."""
         keys, ids = self._sorted_vocab()
         start = bisect.bisect_left(keys, prefix)
-        found: list[int] = []
-        for position in range(start, len(keys)):
-            if not keys[position].startswith(prefix):
-                break
-            found.append(ids[position])
-        return found
+        # Every key with the prefix sorts before the prefix's successor (its last byte below
+        # 0xff raised by one); a prefix of 0xff bytes only is followed by the end.
+        head = prefix.rstrip(b"\xff")
+        if not head:
+            return ids[start:] if prefix else list(ids)
+        end = bisect.bisect_left(keys, head[:-1] + bytes([head[-1] + 1]), start)
+        return ids[start:end]
 
     def _find_extensions(self, token_id: int) -> list[int]:
         prefix = self._token_bytes[token_id]
