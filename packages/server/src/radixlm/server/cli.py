@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from radixlm.server._version import __version__
-from radixlm.server.config import LOG_LEVELS, TOOL_CALL_PARSERS, ServerConfig
+from radixlm.server.config import (
+    LOG_LEVELS,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    ServerConfig,
+)
 
 #: `--grammar-backend`: the runtime's `GRAMMAR_BACKENDS` (this package may not import the
 #: runtime; an integration test keeps the two lists equal).
@@ -118,6 +123,12 @@ def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
         default="hermes",
         help="tool-call format of the model's output (hermes/qwen: <tool_call>{json}</tool_call>)",
     )
+    server.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="reasoning format of the model's output (<think>...</think>), returned in chat "
+        "answers as reasoning_content (default: none, all output is content)",
+    )
     server.add_argument("--enable-metrics", action="store_true", help="serve /metrics")
     server.add_argument(
         "--enable-custom-logit-processor",
@@ -149,6 +160,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key,
         chat_template=read_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         enable_metrics=args.enable_metrics,
         enable_custom_logit_processor=args.enable_custom_logit_processor,
         host=args.host,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 TOOL_CALL_PARSERS = ("hermes", "qwen", "qwen25", "llama3")
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -22,18 +23,25 @@ class ServerConfig:
     - `tool_call_parser`: how tool calls are recognised in the output of `tool_choice: "auto"`:
       `hermes` / `qwen` / `qwen25` (`<tool_call>{json}</tool_call>`) or `llama3` (a bare JSON
       object `{"name": ..., "parameters": ...}`, optionally after `<|python_tag|>`).
+    - `reasoning_parser`: how the reasoning of a reasoning model is found in chat output
+      (`qwen3`, `deepseek-r1`: `<think>...</think>`); it is returned as `reasoning_content`.
+      None: the output is all content.
     - `enable_metrics`: serve Prometheus metrics on `/metrics`.
     - `enable_custom_logit_processor`: accept `custom_logit_processor` in requests (refused with
       a 400 otherwise).
     - `health_generate_timeout`: seconds `/health_generate` waits for its one-token generation.
     - `host`, `port`, `log_level`: used by the launcher (`radixlm serve`) only.
     - `log_requests`: log one info line per finished request (tokens, cache hits, latency).
+    - `response_store_size`: how many Responses API responses (`store: true`) are kept in
+      memory for `previous_response_id` and `GET /v1/responses/{id}`; the least recently used
+      go first; 0 keeps none.
     """
 
     served_model_name: str | None = None
     api_key: str | None = None
     chat_template: str | None = None
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
     enable_metrics: bool = False
     enable_custom_logit_processor: bool = False
     health_generate_timeout: float = 20.0
@@ -41,12 +49,18 @@ class ServerConfig:
     port: int = 30000
     log_level: str = "info"
     log_requests: bool = True
+    response_store_size: int = 1024
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
                 f"got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
+                f"got {self.reasoning_parser!r}"
             )
         if self.log_level not in LOG_LEVELS:
             raise ValueError(
@@ -56,6 +70,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 1..65535; got {self.port}")
         if self.health_generate_timeout <= 0:
             raise ValueError("health_generate_timeout must be positive")
+        if self.response_store_size < 0:
+            raise ValueError(f"response_store_size must be >= 0; got {self.response_store_size}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty; omit it to disable authentication")
 

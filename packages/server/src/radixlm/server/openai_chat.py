@@ -1,5 +1,6 @@
 """`POST /v1/chat/completions`: messages through the chat template, constraints from
-response_format and tool_choice, tool calls parsed out of the output (streamed as deltas)."""
+response_format and tool_choice, reasoning and tool calls parsed out of the output (streamed as
+deltas)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from radixlm.server.openai_common import (
     usage,
 )
 from radixlm.server.openai_models import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from radixlm.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
 from radixlm.server.state import ServerState, read_json, read_object, renamed_prompt_errors
 from radixlm.server.streams import (
     EngineJSONResponse,
@@ -124,6 +126,11 @@ class _Chat:
             request.chat_template_kwargs,
         )
         input_ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        self.reasoning: ReasoningFormat | None = None
+        if request.separate_reasoning:
+            self.reasoning = reasoning_format(
+                state.config.reasoning_parser, prompt, request.chat_template_kwargs
+            )
         params = sampling_params(
             request,
             "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
@@ -144,6 +151,8 @@ class _Chat:
         )
         self.item = state.prepare(item)
         self.readers: dict[int, ToolCallReader] = {}
+        self.reasoning_streams: dict[int, ReasoningStream] = {}
+        self.contents: dict[int, str] = {}  # streamed content so far, per choice
 
     def _constraint(self, tools: Any, choice: Any) -> str | None:
         request = self.request
@@ -215,6 +224,10 @@ class _Chat:
             completion += int(meta.get("completion_tokens", 0))
             text = str(chunk.get("text", ""))
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.reasoning is not None:
+                reasoning, text = self.reasoning.split(text)
+                message["reasoning_content"] = reasoning or None
+                message["content"] = text
             reason = finish_reason(meta)
             reader = self.reader(index)
             if reader is not None:
@@ -254,15 +267,22 @@ class _Chat:
                  "finish_reason": None}
             )  # fmt: skip
         delta: dict[str, Any] = {}
+        fresh = text[progress.chars :]
+        if self.reasoning is not None:
+            parser = self.reasoning_streams.setdefault(index, self.reasoning.stream())
+            thought, fresh = parser.feed(fresh, final=reason is not None)
+            if thought:
+                delta["reasoning_content"] = thought
         reader = self.reader(index)
         if reader is not None:
-            content, calls = reader.deltas(text, final=reason is not None)
+            self.contents[index] = self.contents.get(index, "") + fresh
+            content, calls = reader.deltas(self.contents[index], final=reason is not None)
             if content:
                 delta["content"] = content
             if calls:
                 delta["tool_calls"] = calls
-        elif len(text) > progress.chars:
-            delta["content"] = text[progress.chars :]
+        elif fresh:
+            delta["content"] = fresh
         logprobs = self.logprobs(meta, progress.tokens, output_len)
         progress.chars = max(progress.chars, len(text))
         progress.tokens = max(progress.tokens, output_len)

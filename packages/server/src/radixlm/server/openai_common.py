@@ -42,6 +42,7 @@ _DIRECT = (
     "regex",
     "ebnf",
     "strict_constraint",
+    "thinking_token_budget",
     "custom_params",
 )
 # SamplingParams field -> the OpenAI request field it came from (for error messages).

@@ -62,6 +62,7 @@ class SamplingFields(BaseModel):
     ebnf: str | None = None
     structural_tag: str | dict[str, Any] | None = None
     strict_constraint: bool | None = None
+    thinking_token_budget: int | None = None
     custom_params: dict[str, Any] | None = None
     custom_logit_processor: str | None = None
     rid: str | None = None
@@ -258,6 +259,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's: with --reasoning-parser, return the reasoning apart as reasoning_content.
+    separate_reasoning: bool = True
     modalities: list[str] | None = None
 
     metadata: Any = None
