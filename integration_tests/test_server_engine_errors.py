@@ -89,9 +89,9 @@ BAD_INPUT: list[Case] = [
     ("/generate", "native text longer than the context",
      {"text": LONG_TEXT, "sampling_params": {"max_new_tokens": 2}}, 400, None),
     # unknown model
-    ("/v1/completions", "unknown model", {"model": "gpt-4", "prompt": "x"}, 400, "model"),
+    ("/v1/completions", "unknown model", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ("/v1/chat/completions", "unknown model",
-     {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+     {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
 ]  # fmt: skip
 
 

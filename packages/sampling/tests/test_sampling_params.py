@@ -14,7 +14,7 @@ from radixlm.sampling import InvalidRequest, RepetitionDetection, SamplingParams
 BOUNDARIES: dict[str, tuple[list[Any], list[Any]]] = {
     "temperature": ([0.0, 1e-6, 1.0, 100.0], [-1e-6, -1.0]),
     "top_p": ([1e-6, 0.5, 1.0], [0.0, -0.1, 1.000001]),
-    "top_k": ([-1, 1, 50, 10**6], [0, -2, -100]),
+    "top_k": ([-1, 0, 1, 50, 10**6], [-2, -100]),  # 0: no cap (vLLM), as -1
     "min_p": ([0.0, 0.5, 1.0], [-1e-6, 1.000001]),
     "frequency_penalty": ([-2.0, 0.0, 2.0], [-2.000001, 2.000001]),
     "presence_penalty": ([-2.0, 0.0, 2.0], [-2.000001, 2.000001]),
@@ -22,8 +22,8 @@ BOUNDARIES: dict[str, tuple[list[Any], list[Any]]] = {
     "max_new_tokens": ([0, 1, 128, None], [-1]),
     "min_new_tokens": ([0, 1, 128], [-1]),
     "n": ([1, 2, 64], [0, -1]),
-    "logprobs": ([0, 5, None], [-1]),
-    "prompt_logprobs": ([0, 5, None], [-1]),
+    "logprobs": ([-1, 0, 5, None], [-2]),  # -1: the whole vocabulary (vLLM)
+    "prompt_logprobs": ([-1, 0, 5, None], [-2]),
     "thinking_token_budget": ([0, 100, None], [-1]),
 }
 

@@ -60,7 +60,7 @@ BAD_INPUT: dict[str, tuple[str, Any, int, str | None]] = {
         "custom_logit_processor",
     ),
     "completions: unknown model": (
-        COMPLETIONS, {"model": "gpt-9", "prompt": "a"}, 400, "model"
+        COMPLETIONS, {"model": "gpt-9", "prompt": "a"}, 404, "model"
     ),
     "completions: no prompt": (COMPLETIONS, {"model": "toy"}, 400, "prompt"),
     "completions: unknown field": (COMPLETIONS, {"prompt": "a", "temprature": 1}, 400, "temprature"),
@@ -152,7 +152,8 @@ def test_bad_input_is_a_4xx_and_the_server_stays_healthy(http: httpx.Client, cas
     response = post(http, route, body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert error["message"] and error["type"] == "invalid_request_error"
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    assert error["message"] and error["type"] == kind
     assert set(error) == {"message", "type", "param", "code"}
     if param is not None:
         assert error["param"] == param, error
@@ -167,9 +168,10 @@ def test_streamed_request_with_bad_input_is_a_400_before_streaming(http: httpx.C
 
 
 def test_openai_client_sees_bad_request_errors(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as raised:
+    with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-9", messages=USER)  # type: ignore[arg-type]
-    assert raised.value.code == "model_not_found"
+    assert missing.value.code == "model_not_found"
+    assert "'toy'" in str(missing.value)  # names the served model
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="toy", messages=USER, temperature=-1)
 

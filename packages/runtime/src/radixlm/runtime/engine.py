@@ -154,6 +154,8 @@ class Engine:
                 eos_token_ids=self.eos_token_ids,
                 custom_logit_processors=config.runner.sampler.enable_custom_logit_processor,
                 prefix_sharing=not config.cache.disable_radix_cache,
+                clamp_max_tokens=config.clamp_max_tokens,
+                max_logprobs=config.max_logprobs,
             ),
             config.incremental_streaming_output,
         )

@@ -150,6 +150,11 @@ class EngineConfig:
       values) or `openai` (SamplingParams' own defaults only).
     - `incremental_streaming_output`: streamed chunks carry only the new text and ids instead
       of the cumulative ones (SGLang's default is cumulative).
+    - `clamp_max_tokens`: a max_new_tokens that the context cannot hold after the prompt is
+      cut to what it holds; by default such a request is refused (OpenAI's and vLLM's 400).
+    - `max_logprobs`: the most logprobs per token that vLLM-style `logprobs` /
+      `prompt_logprobs` may ask for (-1 for the whole vocabulary is counted as its size);
+      -1: no limit.
     - `tokenizer_path`: where the tokenizer is, if not beside the model.
     """
 
@@ -159,6 +164,8 @@ class EngineConfig:
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     sampling_defaults: str = "model"
     incremental_streaming_output: bool = False
+    clamp_max_tokens: bool = False
+    max_logprobs: int = 20
     tokenizer_path: str | None = None
     served_model_name: str | None = None
     log_level: str = "warning"
@@ -168,6 +175,8 @@ class EngineConfig:
             raise ValueError(
                 f"sampling_defaults must be model or openai; got {self.sampling_defaults!r}"
             )
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0; got {self.max_logprobs}")
 
     @property
     def model_path(self) -> str:
@@ -266,6 +275,8 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     # engine
     "sampling_defaults": ("engine", "sampling_defaults", None),
     "incremental_streaming_output": ("engine", "incremental_streaming_output", None),
+    "clamp_max_tokens": ("engine", "clamp_max_tokens", bool),
+    "max_logprobs": ("engine", "max_logprobs", int),
     "tokenizer_path": ("engine", "tokenizer_path", None),
     "served_model_name": ("engine", "served_model_name", None),
     "log_level": ("engine", "log_level", None),

@@ -31,13 +31,19 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool, str]] = {
     "max_new_tokens": (0, True, None, False, "0 only scores the prompt"),
     "min_new_tokens": (0, True, None, False, "0 disables it"),
     "n": (1, True, None, False, "the number of completions per prompt"),
-    "logprobs": (0, True, None, False, "the number of top logprobs per output token"),
-    "prompt_logprobs": (0, True, None, False, "the number of top logprobs per prompt token"),
+    "logprobs": (-1, True, None, False, "top logprobs per output token; -1: the whole vocabulary"),
+    "prompt_logprobs": (
+        -1,
+        True,
+        None,
+        False,
+        "top logprobs per prompt token; -1: the whole vocabulary",
+    ),
     "thinking_token_budget": (0, True, None, False, "tokens allowed before the thinking ends"),
 }
 LOGIT_BIAS_LIMIT = 100.0
-# vLLM's names accepted for SGLang's fields.
-_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+# Other names accepted for SGLang's fields: vLLM's, and SGLang's own `sampling_seed`.
+_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "sampling_seed": "seed"}
 
 #: The structured-output constraints; at most one may be set on a request.
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag", "choice")
@@ -175,8 +181,10 @@ class SamplingParams(BaseModel):
     @field_validator("top_k", mode="after")
     @classmethod
     def _top_k(cls, value: int) -> int:
-        if value == 0 or value < -1:
-            raise ValueError(f"must be -1 (disabled) or a positive number of tokens; got {value}")
+        if value < -1:
+            raise ValueError(
+                f"must be -1 or 0 (no cap, vLLM's 0) or a positive number of tokens; got {value}"
+            )
         return value
 
     @field_validator("logit_bias", mode="after")
@@ -325,4 +333,7 @@ class SamplingParams(BaseModel):
         for field in ("logprobs", "prompt_logprobs"):
             count = getattr(self, field)
             if count is not None and count > vocab_size:
-                raise InvalidRequest(field, f"must not exceed the vocabulary size {vocab_size}")
+                raise InvalidRequest(
+                    field,
+                    f"must not exceed the vocabulary size {vocab_size} (-1 asks for all of it)",
+                )

@@ -76,6 +76,17 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "action": "store_true",
         "help": "decode forced grammar tokens one by one (for comparison)",
     },
+    "clamp_max_tokens": {
+        "action": "store_true",
+        "help": "cut a max_tokens the context cannot hold to what it holds (default: a 400 "
+        "naming the context length, as OpenAI and vLLM answer)",
+    },
+    "max_logprobs": {
+        "type": int,
+        "metavar": "N",
+        "help": "most logprobs per token a request's logprobs / prompt_logprobs may ask for "
+        "(-1 asks for the whole vocabulary; default 20; -1 here: no limit)",
+    },
     "sampling_defaults": {
         "choices": ["model", "openai"],
         "help": "model: generation_config.json under the request; openai: constants only",

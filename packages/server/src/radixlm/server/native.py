@@ -15,7 +15,7 @@ from radixlm.sampling import GenerateRequest, SamplingParams
 from radixlm.server._version import __version__
 from radixlm.server.errors import APIError, as_api_error
 from radixlm.server.metrics import CONTENT_TYPE
-from radixlm.server.state import ServerState, finish_type, read_json, read_object
+from radixlm.server.state import ServerState, finish_type, read_json, read_object, renamed_errors
 from radixlm.server.streams import (
     DONE_EVENT,
     EngineJSONResponse,
@@ -24,6 +24,9 @@ from radixlm.server.streams import (
     cancel_on_disconnect,
     sse,
 )
+
+# Errors about SamplingParams fields name them as /generate's body holds them.
+_SAMPLING_NAMES = {name: f"sampling_params.{name}" for name in SamplingParams.model_fields}
 
 
 def _schema_of(model: Any) -> dict[str, Any]:
@@ -88,12 +91,13 @@ def native_router(state: ServerState) -> APIRouter:
     async def generate(http: Request) -> Response:
         """SGLang's `/generate`: text or token ids, single or batch, streamed as SSE on request."""
         request = GenerateRequest.parse(read_object(await read_json(http)))
-        call = _Generate(state, request)
-        streams = state.streams("/generate", call.items)
-        if request.stream:
-            await cancel_on_disconnect(http, streams.start())
-            return EventStreamResponse(call.events(streams))
-        return EngineJSONResponse(await cancel_on_disconnect(http, call.collect(streams)))
+        with renamed_errors(_SAMPLING_NAMES):  # the engine names bare SamplingParams fields
+            call = _Generate(state, request)
+            streams = state.streams("/generate", call.items)
+            if request.stream:
+                await cancel_on_disconnect(http, streams.start())
+                return EventStreamResponse(call.events(streams))
+            return EngineJSONResponse(await cancel_on_disconnect(http, call.collect(streams)))
 
     @router.get("/health", tags=["native"])
     async def health() -> Response:

@@ -19,14 +19,16 @@ from radixlm.server.openai_common import (
     finish_reason,
     new_entries,
     now,
+    param_names,
     parse_body,
+    requested_constraints,
     sampling_params,
     stream_events,
     usage,
 )
 from radixlm.server.openai_models import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from radixlm.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
-from radixlm.server.state import ServerState, read_json, read_object, renamed_prompt_errors
+from radixlm.server.state import ServerState, read_json, read_object, renamed_errors
 from radixlm.server.streams import (
     EngineJSONResponse,
     EngineStreams,
@@ -34,8 +36,6 @@ from radixlm.server.streams import (
     cancel_on_disconnect,
 )
 from radixlm.server.tool_calls import ToolCallReader, tool_call_constraint
-
-_about_messages = renamed_prompt_errors("messages")
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
@@ -131,9 +131,11 @@ class _Chat:
             self.reasoning = reasoning_format(
                 state.config.reasoning_parser, prompt, request.chat_template_kwargs
             )
+        self.constraint_param: str | None = None
         params = sampling_params(
             request,
-            "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
+            self.max_tokens_name,
+            unset_max_tokens=None,  # until a stop or the context is full, as OpenAI's chat
             max_new_tokens=request.max_completion_tokens,
             json_schema=self._constraint(tools, choice),
         )
@@ -154,7 +156,19 @@ class _Chat:
         self.reasoning_streams: dict[int, ReasoningStream] = {}
         self.contents: dict[int, str] = {}  # streamed content so far, per choice
 
+    @property
+    def max_tokens_name(self) -> str:
+        if self.request.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "max_tokens"
+
+    def param_names(self) -> dict[str, str]:
+        """SamplingParams fields -> this request's fields (for errors)."""
+        names = param_names(self.request, self.max_tokens_name, self.constraint_param)
+        return {"text": "messages", "input_ids": "messages", **names}
+
     def _constraint(self, tools: Any, choice: Any) -> str | None:
+        """The constraint response_format or the tools set (json_schema text), or None."""
         request = self.request
         found: list[tuple[str, str | None]] = []
         if request.response_format is not None and request.response_format.type != "text":
@@ -168,16 +182,16 @@ class _Chat:
         )
         if tool_schema is not None:
             found.append(("tool_choice", tool_schema))
-        found += [
-            (name, "") for name in ("regex", "json_schema", "ebnf", "structural_tag")
-            if getattr(request, name) is not None
-        ]  # fmt: skip
+        found += [(c.param, None) for c in requested_constraints(request)]
         if len(found) > 1:
             raise InvalidRequest(
                 found[1][0],
                 f"only one constraint may shape the output; got {', '.join(n for n, _ in found)}",
             )
-        return found[0][1] or None if found else None  # extras travel in their own fields
+        if not found or found[0][1] is None:
+            return None  # the extras travel in their own fields
+        self.constraint_param = found[0][0]
+        return found[0][1]
 
     def reader(self, index: int) -> ToolCallReader | None:
         if self.reader_mode is None:
@@ -303,8 +317,9 @@ class _Chat:
 async def create_chat_completion(state: ServerState, http: Request) -> Response:
     request = parse_body(ChatCompletionRequest, read_object(await read_json(http)))
     state.check_model(request.model)
-    with _about_messages():
+    with renamed_errors({"text": "messages", "input_ids": "messages", **param_names(request)}):
         call = _Chat(state, request)
+    with renamed_errors(call.param_names()):
         streams = state.streams("/v1/chat/completions", [call.item])
         if request.stream:
             await cancel_on_disconnect(http, streams.start())

@@ -24,6 +24,7 @@ _DIRECT = (
     "top_p",
     "stop",
     "seed",
+    "sampling_seed",
     "presence_penalty",
     "frequency_penalty",
     "n",
@@ -39,14 +40,97 @@ _DIRECT = (
     "include_stop_str_in_output",
     "allowed_token_ids",
     "bad_words",
-    "regex",
-    "ebnf",
     "strict_constraint",
     "thinking_token_budget",
     "custom_params",
 )
 # SamplingParams field -> the OpenAI request field it came from (for error messages).
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+# (request field, the SamplingParams constraint it sets): SGLang's and radixlm's own names,
+# then vLLM's `structured_outputs` keys and its older `guided_*` fields.
+_CONSTRAINTS = (
+    ("regex", "regex"),
+    ("json_schema", "json_schema"),
+    ("ebnf", "ebnf"),
+    ("structural_tag", "structural_tag"),
+    ("choice", "choice"),
+    ("guided_json", "json_schema"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "choice"),
+    ("guided_grammar", "ebnf"),
+)
+_STRUCTURED_OUTPUTS = (
+    ("json_", "json", "json_schema"),
+    ("regex", "regex", "regex"),
+    ("choice", "choice", "choice"),
+    ("grammar", "grammar", "ebnf"),
+    ("structural_tag", "structural_tag", "structural_tag"),
+)
+_JSON_FIELDS = ("json_schema", "structural_tag")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A structured-output constraint as the client sent it: the request field (for errors)
+    and the SamplingParams field and value it becomes."""
+
+    param: str
+    field: str
+    value: Any
+
+
+def requested_constraints(request: SamplingFields) -> list[Constraint]:
+    """Every constraint the request's fields set, in field order (at most one is allowed)."""
+    found: list[Constraint] = []
+
+    def add(param: str, target: str, value: Any) -> None:
+        if value is not None:
+            found.append(
+                Constraint(param, target, _json_text(value) if target in _JSON_FIELDS else value)
+            )
+
+    for name, target in _CONSTRAINTS:
+        add(name, target, getattr(request, name))
+    outputs = request.structured_outputs
+    if outputs is not None:
+        for attribute, key, target in _STRUCTURED_OUTPUTS:
+            add(f"structured_outputs.{key}", target, getattr(outputs, attribute))
+        if outputs.json_object:
+            add("structured_outputs.json_object", "json_schema", {"type": "object"})
+    unsupported = [
+        ("structured_outputs.whitespace_pattern", outputs.whitespace_pattern if outputs else None),
+        ("guided_whitespace_pattern", request.guided_whitespace_pattern),
+    ]
+    for param, value in unsupported:
+        if value is not None:
+            raise InvalidRequest(
+                param,
+                "is not supported per request; JSON whitespace is the server's setting "
+                "(--json-whitespace compact|any); omit it",
+            )
+    if request.guided_decoding_backend is not None:
+        raise InvalidRequest(
+            "guided_decoding_backend",
+            "is not chosen per request; the server's --grammar-backend picks the backend "
+            "(auto by default); omit it",
+        )
+    return found
+
+
+def param_names(
+    request: SamplingFields, max_tokens_name: str = "max_tokens", constraint: str | None = None
+) -> dict[str, str]:
+    """SamplingParams field -> the request field the client sent it as, for the errors of one
+    OpenAI call (the engine's errors name SamplingParams fields). `constraint` names the field
+    a route-derived constraint came from (response_format, tool_choice)."""
+    names = {**_OPENAI_NAMES, "max_new_tokens": max_tokens_name}
+    if request.sampling_seed is not None and request.seed is None:
+        names["seed"] = "sampling_seed"
+    for found in requested_constraints(request):
+        names[found.field] = found.param
+    if constraint is not None:
+        names["json_schema"] = constraint
+    return names
 
 
 def parse_body(model: type[M], body: Mapping[str, Any]) -> M:
@@ -62,17 +146,34 @@ def _json_text(value: str | dict[str, Any]) -> str:
 
 
 def sampling_params(
-    request: SamplingFields, max_tokens_name: str = "max_tokens", **overrides: Any
+    request: SamplingFields,
+    max_tokens_name: str = "max_tokens",
+    *,
+    unset_max_tokens: Any = ...,
+    **overrides: Any,
 ) -> SamplingParams:
     """SamplingParams from the fields the client sent (unsent ones keep the engine's defaults).
 
     `overrides` are SamplingParams fields the route derived (a constraint, max_new_tokens).
+    `unset_max_tokens`, when given, is max_new_tokens for a request that sent no max_tokens
+    (None: until the context is full).
     """
     values: dict[str, Any] = {}
     sent = request.model_fields_set
     for name in _DIRECT:
         if name in sent and getattr(request, name) is not None:
             values[name] = getattr(request, name)
+    constraints = requested_constraints(request)
+    derived = overrides.get("json_schema")
+    if len(constraints) + (derived is not None) > 1:
+        names = [c.param for c in constraints]
+        raise InvalidRequest(
+            names[1] if derived is None else names[0],
+            f"only one constraint may shape the output; got {', '.join(names)}"
+            + ("" if derived is None else " besides the route's own (response_format or tools)"),
+        )
+    for found in constraints:
+        values[found.field] = found.value
     if request.max_tokens is not None:
         values["max_new_tokens"] = request.max_tokens
     if request.min_tokens is not None:
@@ -87,19 +188,16 @@ def sampling_params(
                     "logit_bias", f"keys must be token ids (integers as strings); got {key!r}"
                 ) from None
         values["logit_bias"] = bias
-    for name in ("json_schema", "structural_tag"):
-        value = getattr(request, name)
-        if value is not None:
-            values[name] = _json_text(value)
     if request.repetition_detection is not None:
         values["repetition_detection"] = request.repetition_detection.model_dump()
     values.update({k: v for k, v in overrides.items() if v is not None})
+    if "max_new_tokens" not in values and unset_max_tokens is not ...:
+        values["max_new_tokens"] = unset_max_tokens
     try:
         return SamplingParams.parse(values)
     except InvalidRequest as error:
-        names = {**_OPENAI_NAMES, "max_new_tokens": max_tokens_name}
-        field_name = names.get(error.field, error.field)
-        raise InvalidRequest(field_name, error.message) from None
+        names = param_names(request, max_tokens_name)
+        raise InvalidRequest(names.get(error.field, error.field), error.message) from None
 
 
 def finish_reason(meta: Mapping[str, Any]) -> str | None:

@@ -15,13 +15,14 @@ from radixlm.server.openai_common import (
     finish_reason,
     new_entries,
     now,
+    param_names,
     parse_body,
     sampling_params,
     stream_events,
     usage,
 )
 from radixlm.server.openai_models import CompletionRequest
-from radixlm.server.state import ServerState, read_json, read_object, renamed_prompt_errors
+from radixlm.server.state import ServerState, read_json, read_object, renamed_errors
 from radixlm.server.streams import (
     EngineJSONResponse,
     EngineStreams,
@@ -29,8 +30,9 @@ from radixlm.server.streams import (
     cancel_on_disconnect,
 )
 
-_about_prompt = renamed_prompt_errors("prompt")
 Prompt = tuple[str | None, list[int] | None]
+#: max_tokens when a request sends none: OpenAI's legacy completions default (SGLang's too).
+DEFAULT_MAX_TOKENS = 16
 
 
 def _prompts(request: CompletionRequest) -> list[Prompt]:
@@ -52,7 +54,7 @@ class _Completion:
         self.created = now()
         self.prompts = _prompts(request)
         self.n = request.n
-        params = sampling_params(request)
+        params = sampling_params(request, unset_max_tokens=DEFAULT_MAX_TOKENS)
         logprobs = request.logprobs
         self.items: list[GenerateRequest] = []
         for i, (text, ids) in enumerate(self.prompts):
@@ -172,7 +174,8 @@ class _Completion:
 async def create_completion(state: ServerState, http: Request) -> Response:
     request = parse_body(CompletionRequest, read_object(await read_json(http)))
     state.check_model(request.model)
-    with _about_prompt():
+    names = {"text": "prompt", "input_ids": "prompt", **param_names(request)}
+    with renamed_errors(names):
         call = _Completion(state, request)
         streams = state.streams("/v1/completions", call.items)
         if request.stream:

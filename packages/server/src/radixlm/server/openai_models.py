@@ -21,6 +21,23 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` object: one constraint, named by its key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    whitespace_pattern: str | None = None
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+
+
 class SamplingFields(BaseModel):
     """Fields shared by both routes that map onto `radixlm.sampling.SamplingParams`."""
 
@@ -38,6 +55,7 @@ class SamplingFields(BaseModel):
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    sampling_seed: int | None = None
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -61,6 +79,14 @@ class SamplingFields(BaseModel):
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
     structural_tag: str | dict[str, Any] | None = None
+    choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
     strict_constraint: bool | None = None
     thinking_token_budget: int | None = None
     custom_params: dict[str, Any] | None = None

@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -23,6 +23,7 @@ from radixlm.server.config import ServerConfig
 from radixlm.server.errors import APIError, invalid_json
 from radixlm.server.metrics import ServerMetrics
 from radixlm.server.protocol import EngineClient
+from radixlm.server.response_store import ResponseStore
 from radixlm.server.streams import EngineStreams, close_iterator
 
 logger = logging.getLogger("radixlm.server")
@@ -44,20 +45,23 @@ def read_object(body: Any) -> dict[str, Any]:
     return body
 
 
+@contextmanager
+def renamed_errors(names: Mapping[str, str]) -> Iterator[None]:
+    """Re-raise InvalidRequest about a field in `names` as about the field it maps to: the
+    engine names SamplingParams fields and `text` / `input_ids`, which each route calls by
+    the names its clients sent (`max_tokens`, `response_format`, `sampling_params.regex`)."""
+    try:
+        yield
+    except InvalidRequest as error:
+        if error.field not in names:
+            raise
+        raise InvalidRequest(names[error.field], error.message) from None
+
+
 def renamed_prompt_errors(field: str) -> Callable[[], AbstractContextManager[None]]:
     """A context that re-raises InvalidRequest about `text` / `input_ids` as about `field`
     (the OpenAI routes build those from `prompt` / `messages`)."""
-
-    @contextmanager
-    def rename() -> Iterator[None]:
-        try:
-            yield
-        except InvalidRequest as error:
-            if error.field not in ("text", "input_ids"):
-                raise
-            raise InvalidRequest(field, error.message) from None
-
-    return rename
+    return lambda: renamed_errors({"text": field, "input_ids": field})
 
 
 def finish_type(chunk: dict[str, Any]) -> str | None:
@@ -78,6 +82,7 @@ class ServerState:
         if config.enable_metrics:
             self.metrics = ServerMetrics(engine.server_info, lambda: len(self.inflight))
         self._model_info: dict[str, Any] | None = None
+        self.responses = ResponseStore(config.response_store_size)  # /v1/responses
 
     # Model facts.
 
@@ -104,9 +109,11 @@ class ServerState:
         return int(value) if isinstance(value, int) else None
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
+        """None, "default" (SGLang's documentation's name) and the served name are served;
+        any other name is a 404 naming the served model."""
+        if name is not None and name not in ("default", self.served_model_name):
             raise APIError(
-                400,
+                404,
                 f"the model {name!r} is not served here; this server serves "
                 f"{self.served_model_name!r} (see /v1/models)",
                 param="model",

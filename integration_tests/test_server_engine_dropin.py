@@ -1,0 +1,232 @@
+"""Drop-in behaviour for SGLang, vLLM and OpenAI clients (issue 15's numbered items), on the
+real engine, each request sent the way the named client sends it (the `openai` client's
+`extra_body` for SGLang / vLLM fields, SGLang's `/generate` body as its frontend sends it)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+
+USER: Any = [{"role": "user", "content": "Say something."}]
+
+
+def test_chat_without_max_tokens_runs_until_the_context_is_full(
+    client: openai.OpenAI, server: Any
+) -> None:
+    # Item 1: OpenAI's chat has no token cap by default (random weights: no EOS).
+    reply = client.chat.completions.create(
+        model="tiny-llama", messages=USER, extra_body={"ignore_eos": True}
+    )
+    usage = reply.usage
+    assert usage is not None and reply.choices[0].finish_reason == "length"
+    assert usage.prompt_tokens + usage.completion_tokens == server.engine.context_length
+
+
+def test_completions_without_max_tokens_stop_at_openais_sixteen(client: openai.OpenAI) -> None:
+    reply = client.completions.create(
+        model="tiny-llama", prompt="Once", extra_body={"ignore_eos": True}
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 16
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(
+    client: openai.OpenAI, server: Any, route: str
+) -> None:
+    # Item 2: OpenAI / vLLM answer 400, not a clamped 200.
+    context = server.engine.context_length
+    with pytest.raises(openai.BadRequestError) as raised:
+        if route == "chat":
+            client.chat.completions.create(model="tiny-llama", messages=USER, max_tokens=context)
+        else:
+            client.completions.create(model="tiny-llama", prompt="Once", max_tokens=context)
+    error = raised.value
+    assert error.param == "max_tokens", error.body
+    assert f"maximum context length is {context} tokens" in str(error)
+    assert "you requested" in str(error)
+
+
+def test_generate_max_new_tokens_beyond_the_context_is_a_400(http: Any, server: Any) -> None:
+    context = server.engine.context_length
+    body = {"text": "Once", "sampling_params": {"max_new_tokens": context}}
+    response = http.post("/generate", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "sampling_params.max_new_tokens"
+
+
+def test_the_clamp_opt_in_cuts_max_tokens_to_the_context(serve: Any) -> None:
+    import httpx
+
+    served = serve(clamp_max_tokens=True)
+    context = served.engine.context_length
+    body = {"text": "Once", "sampling_params": {"max_new_tokens": context, "ignore_eos": True}}
+    with httpx.Client(base_url=served.url, timeout=120) as http:
+        meta = http.post("/generate", json=body).json()["meta_info"]
+    assert meta["prompt_tokens"] + meta["completion_tokens"] == context
+
+
+def test_sampling_seed_is_sglangs_name_for_seed(http: Any, client: openai.OpenAI) -> None:
+    # Item 3: SGLang's frontend sends sampling_params.sampling_seed.
+    def native(params: dict[str, Any]) -> list[int]:
+        body = {"text": "Once", "sampling_params": {"max_new_tokens": 6, **params}}
+        response = http.post("/generate", json=body)
+        assert response.status_code == 200, response.text
+        return list(response.json()["output_ids"])
+
+    assert native({"sampling_seed": 7, "temperature": 1.0}) == native(
+        {"seed": 7, "temperature": 1.0}
+    )
+    one = client.completions.create(
+        model="tiny-llama", prompt="Once", max_tokens=6, extra_body={"sampling_seed": 3}
+    )
+    two = client.completions.create(model="tiny-llama", prompt="Once", max_tokens=6, seed=3)
+    assert one.choices[0].text == two.choices[0].text
+
+
+def test_model_default_is_the_served_model_and_unknown_names_are_404(
+    client: openai.OpenAI,
+) -> None:
+    # Item 4: SGLang's documentation calls the model "default".
+    reply = client.chat.completions.create(model="default", messages=USER, max_tokens=2)
+    assert reply.model == "tiny-llama"
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.chat.completions.create(model="gpt-4o", messages=USER, max_tokens=2)
+    assert "tiny-llama" in str(raised.value)
+
+
+def test_logprob_token_ids_alone_turn_logprobs_on(http: Any) -> None:
+    # Item 6: asking for the logprobs of given ids asks for logprobs.
+    body = {
+        "text": "Once",
+        "sampling_params": {"max_new_tokens": 3, "logprob_token_ids": [5, 9]},
+    }
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    rows = meta["output_token_ids_logprobs"]
+    assert len(rows) == 3 and all(sorted(e[1] for e in row) == [5, 9] for row in rows)
+    assert len(meta["output_token_logprobs"]) == 3
+
+
+def test_vllm_zero_and_minus_one_values(serve: Any, http: Any, server: Any) -> None:
+    # Item 7: top_k=0 is no cap (as -1); logprobs=-1 / prompt_logprobs=-1 the whole vocabulary.
+    def ids(params: dict[str, Any], client: Any = http) -> Any:
+        body = {"text": "Once", "sampling_params": {"max_new_tokens": 4, "seed": 1, **params}}
+        return client.post("/generate", json=body)
+
+    assert ids({"top_k": 0}).json()["output_ids"] == ids({"top_k": -1}).json()["output_ids"]
+    refused = ids({"logprobs": -1})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "sampling_params.logprobs" and "--max-logprobs" in error["message"]
+    import httpx
+
+    vocab = server.engine.model_info()["vocab_size"]
+    unlimited = serve(max_logprobs=-1)
+    with httpx.Client(base_url=unlimited.url, timeout=60) as other:
+        meta = ids({"logprobs": -1, "prompt_logprobs": -1}, other).json()["meta_info"]
+    assert all(len(row) == vocab for row in meta["output_top_logprobs"])
+    assert all(len(row) == vocab for row in meta["input_top_logprobs"][1:])
+
+
+def test_vllm_logprobs_within_the_limit_work(http: Any) -> None:
+    body = {"text": "Once", "sampling_params": {"max_new_tokens": 2, "logprobs": 20}}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    assert [len(row) for row in meta["output_top_logprobs"]] == [20, 20]
+
+
+CHOICES = ["red", "green", "blue"]
+CONSTRAINT_BODIES: dict[str, Any] = {
+    "choice": {"choice": CHOICES},
+    "structured_outputs.choice": {"structured_outputs": {"choice": CHOICES}},
+    "guided_choice": {"guided_choice": CHOICES},
+    "structured_outputs.regex": {"structured_outputs": {"regex": "(red|green|blue)"}},
+    "guided_regex": {"guided_regex": "(red|green|blue)"},
+    "structured_outputs.json": {
+        "structured_outputs": {"json": {"type": "string", "enum": CHOICES}}
+    },
+    "guided_json": {"guided_json": {"type": "string", "enum": CHOICES}},
+    "structured_outputs.grammar": {
+        "structured_outputs": {"grammar": 'root ::= "red" | "green" | "blue"'}
+    },
+    "guided_grammar": {"guided_grammar": 'root ::= "red" | "green" | "blue"'},
+}
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINT_BODIES))
+def test_vllm_and_sglang_constraint_fields_on_both_openai_routes(
+    client: openai.OpenAI, name: str
+) -> None:
+    # Item 8: choice, structured_outputs and guided_* all map onto the one constraint.
+    extra = CONSTRAINT_BODIES[name]
+    chat = client.chat.completions.create(
+        model="tiny-llama", messages=USER, max_tokens=12, extra_body=extra
+    )
+    text = chat.choices[0].message.content or ""
+    completion = client.completions.create(
+        model="tiny-llama", prompt="Colour:", max_tokens=12, extra_body=extra
+    )
+    for output in (text, completion.choices[0].text):
+        value = json.loads(output) if name.endswith("json") else output
+        assert value in CHOICES, (name, output)
+
+
+def test_two_constraints_are_refused_naming_the_second(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(
+            model="tiny-llama",
+            prompt="x",
+            max_tokens=2,
+            extra_body={"guided_regex": "a+", "structured_outputs": {"choice": ["a"]}},
+        )
+    assert raised.value.param == "structured_outputs.choice"
+
+
+def test_grammar_errors_name_the_field_the_client_sent(client: openai.OpenAI, http: Any) -> None:
+    # Item 10: one naming: the request's own field, on every route.
+    bad_regex = "(unclosed"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(
+            model="tiny-llama", prompt="x", max_tokens=2, extra_body={"guided_regex": bad_regex}
+        )
+    assert raised.value.param == "guided_regex"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model="tiny-llama", messages=USER, max_tokens=2, extra_body={"regex": bad_regex}
+        )
+    assert raised.value.param == "regex"
+    bad_schema = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model="tiny-llama",
+            messages=USER,
+            max_tokens=2,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": bad_schema},
+            },  # type: ignore[typeddict-item]
+        )
+    assert raised.value.param == "response_format"
+    native = http.post(
+        "/generate",
+        json={"text": "x", "sampling_params": {"max_new_tokens": 2, "regex": bad_regex}},
+    )
+    assert native.status_code == 400
+    assert native.json()["error"]["param"] == "sampling_params.regex"
+
+
+def test_logprob_start_len_beyond_the_prompt_is_a_400(http: Any) -> None:
+    # Item 11: not clamped silently.
+    body = {
+        "input_ids": [1, 2, 3],
+        "return_logprob": True,
+        "logprob_start_len": 3,
+        "sampling_params": {"max_new_tokens": 1},
+    }
+    response = http.post("/generate", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "logprob_start_len" and "3 tokens" in error["message"]
+    body["logprob_start_len"] = 2
+    assert http.post("/generate", json=body).status_code == 200
