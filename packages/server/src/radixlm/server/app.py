@@ -17,6 +17,8 @@ from radixlm.server.native import native_router
 from radixlm.server.openai_chat import create_chat_completion
 from radixlm.server.openai_completions import create_completion
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
+from radixlm.server.openai_responses import create_response, delete_response, stored_response
+from radixlm.server.openai_responses_models import ResponsesRequest
 from radixlm.server.protocol import EngineClient
 from radixlm.server.state import ServerState
 from radixlm.server.streams import ClientDisconnected
@@ -92,6 +94,22 @@ def _openai_router(state: ServerState) -> APIRouter:
     async def chat_completions(http: Request) -> Response:
         """OpenAI's chat completions: chat template, response_format, tools, streaming."""
         return await create_chat_completion(state, http)
+
+    @router.post("/responses", openapi_extra=body_schema(ResponsesRequest))
+    async def responses(http: Request) -> Response:
+        """OpenAI's Responses API: input items, instructions, text.format, function tools,
+        streaming events, previous_response_id over an in-memory store."""
+        return await create_response(state, http)
+
+    @router.get("/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict[str, Any]:
+        """A stored response (store: true) by id; 404 once dropped from the in-memory store."""
+        return stored_response(state, response_id)
+
+    @router.delete("/responses/{response_id}")
+    async def remove_response(response_id: str) -> dict[str, Any]:
+        """Drop a stored response; 404 when it is not stored."""
+        return delete_response(state, response_id)
 
     return router
 
