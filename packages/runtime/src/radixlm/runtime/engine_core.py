@@ -230,6 +230,9 @@ class EngineCore:
             token_ids_logprob=handle.logprobs.token_ids,
             custom_logit_processor=handle.custom_logit_processor,
             seed=seq.seed,
+            forced_token_id=(
+                None if seq.thinking is None else seq.thinking.forced_token(seq.req.output_ids)
+            ),
         )
 
     def _append(self, seq: SequenceState, token: int, logprob: Any = None) -> Appended:

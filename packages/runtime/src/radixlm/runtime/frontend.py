@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from radixlm.runtime.grammar import GrammarService
 from radixlm.runtime.output import LogprobOptions, RequestHandle, SequenceState, Sink
 from radixlm.runtime.scheduler import Req
+from radixlm.runtime.thinking import THINK_END, ThinkingBudget, end_of_thinking_token
 from radixlm.runtime.tokenizer import SequenceOutput, TextDecoder
 from radixlm.sampling import (
     CustomLogitProcessor,
@@ -69,10 +70,7 @@ class RequestPreparer:
         prompt_ids = self._prompt_ids(item)
         params = self.defaults.apply(item.sampling_params)  # type: ignore[arg-type]
         params.check(self.limits.vocab_size)
-        if params.thinking_token_budget is not None:
-            raise InvalidRequest(
-                "thinking_token_budget", "is not enforced by this engine; remove it"
-            )
+        thinking_end = self._thinking_end(params)
         custom = _one(item.custom_logit_processor, str)
         if custom:
             self._check_custom(custom)
@@ -117,6 +115,9 @@ class RequestPreparer:
                 seed=seed,
                 grammar_future=future,
                 bad_words_ids=bad_words,
+                thinking=None
+                if thinking_end is None or params.thinking_token_budget is None
+                else ThinkingBudget(thinking_end, params.thinking_token_budget),
             )
             req.payload = seq
             seq.record_input_logprobs([])  # the first prompt token's entry has no logprob
@@ -163,6 +164,25 @@ class RequestPreparer:
                 "least one generated token; shorten the prompt",
             )
         return ids
+
+    def _thinking_end(self, params: SamplingParams) -> int | None:
+        """The token that ends the thinking, when the request sets a thinking_token_budget."""
+        if params.thinking_token_budget is None:
+            return None
+        if params.constraint is not None:
+            raise InvalidRequest(
+                "thinking_token_budget",
+                "cannot be combined with a structured-output constraint (the grammar would "
+                "also shape the thinking); remove one of them",
+            )
+        end = end_of_thinking_token(self.tokenizer)
+        if end is None or end >= self.limits.vocab_size:
+            raise InvalidRequest(
+                "thinking_token_budget",
+                f"is not enforced for this model: its tokenizer has no single {THINK_END!r} "
+                "token to end the thinking with; remove it",
+            )
+        return end
 
     def _check_custom(self, custom: str) -> None:
         if not self.limits.custom_logit_processors:

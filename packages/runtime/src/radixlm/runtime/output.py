@@ -9,6 +9,7 @@ from typing import Any
 
 from radixlm.runtime.logprobs import TokenLogprob
 from radixlm.runtime.scheduler import Req
+from radixlm.runtime.thinking import ThinkingBudget
 from radixlm.runtime.tokenizer import FinishReason, SequenceOutput, TextDecoder
 from radixlm.sampling import SamplingParams
 
@@ -80,6 +81,7 @@ class SequenceState:
     grammar_info: dict[str, Any] | None = None
     grammar_rollbacks: int = 0
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    thinking: ThinkingBudget | None = None
     output_logprobs: list[Triple] = field(default_factory=list)
     output_top: list[list[Triple]] = field(default_factory=list)
     output_ids_logprobs: list[list[Triple]] = field(default_factory=list)

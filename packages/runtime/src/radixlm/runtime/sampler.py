@@ -2,7 +2,8 @@
 
 Order of operations on each row: custom logit processor (when enabled) -> repetition penalty
 (prompt + output, HF semantics) -> frequency and presence penalties (output) -> logit_bias ->
-bans (min_new_tokens stop ids, bad words) -> allowed_token_ids -> grammar bitmask -> greedy
+bans (min_new_tokens stop ids, bad words) -> allowed_token_ids -> grammar bitmask -> a forced
+token (the end of thinking once `thinking_token_budget` is spent) -> greedy
 argmax, or temperature -> softmax -> top-k -> top-p (over the top-k survivors) -> min-p ->
 inverse-CDF draw with the row's uniform.
 """
@@ -49,7 +50,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
 
 
 def apply_masks(logits: torch.Tensor, batch: SamplingBatch) -> None:
-    """logit_bias, banned tokens, allowed tokens and the grammar bitmask. Mutates `logits`."""
+    """logit_bias, banned tokens, allowed tokens, the grammar bitmask, then forced tokens
+    (which override all of them). Mutates `logits`."""
     if batch.logit_bias is not None:
         logits += batch.logit_bias
     if batch.banned is not None:
@@ -58,6 +60,9 @@ def apply_masks(logits: torch.Tensor, batch: SamplingBatch) -> None:
         logits.masked_fill_(~batch.allowed, float("-inf"))
     if batch.grammar_bitmask is not None:
         apply_token_bitmask_inplace(logits, batch.grammar_bitmask)
+    if batch.forced_rows is not None and batch.forced_ids is not None:
+        logits[batch.forced_rows] = float("-inf")
+        logits[batch.forced_rows, batch.forced_ids] = 0.0
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,8 @@ class SamplingRequest:
     `output_ids` are the tokens generated so far (their count is the step used for the seed
     and for `min_new_tokens`). `bad_words_ids` are the request's `bad_words` tokenized by the
     engine. `seed` overrides `params.seed` (the engine derives one per completion when n > 1).
+    `forced_token_id`: the one token this step may produce (the end of thinking once a
+    `thinking_token_budget` is spent); it overrides every other mask.
     """
 
     params: SamplingParams
@@ -51,6 +53,7 @@ class SamplingRequest:
     token_ids_logprob: Sequence[int] | None = None
     custom_logit_processor: str | None = None
     seed: int | None = None
+    forced_token_id: int | None = None
 
     @property
     def effective_seed(self) -> int | None:
@@ -90,6 +93,8 @@ class SamplingBatch:
     banned: torch.Tensor | None = None  # [B, V] bool
     allowed: torch.Tensor | None = None  # [B, V] bool
     grammar_bitmask: torch.Tensor | None = None  # [B, words] int32
+    forced_rows: torch.Tensor | None = None  # [F] int64: rows that must produce one token
+    forced_ids: torch.Tensor | None = None  # [F] int64: that token
     return_logprob: bool = False
     logprob_rows: list[bool] = field(default_factory=list)
     top_logprobs_nums: list[int] = field(default_factory=list)
@@ -208,6 +213,14 @@ class SamplingBatch:
         allow_rows: list[int] = []
         allow_cols: list[int] = []
         restricted: list[int] = []
+        forced = [
+            (row, r.forced_token_id)
+            for row, r in enumerate(requests)
+            if r.forced_token_id is not None and 0 <= r.forced_token_id < vocab
+        ]
+        if forced:
+            self.forced_rows = self._index([row for row, _ in forced])
+            self.forced_ids = self._index([token for _, token in forced])
         for row, request in enumerate(requests):
             p = request.params
             for token, bias in (p.logit_bias or {}).items():
