@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from radixlm.server import ServerConfig
+from radixlm.server.response_store import ResponseStore, StoredResponse
 
 WEATHER_TOOL = {
     "type": "function",
@@ -352,3 +353,41 @@ def test_another_model_name_is_refused(http: httpx.Client) -> None:
     response = http.post("/v1/responses", json={"model": "gpt-5", "input": "Hi"})
     assert response.status_code in (400, 404)
     assert response.json()["error"]["param"] == "model"
+
+
+def test_response_store_size_flag_reaches_the_config() -> None:
+    from radixlm.server.cli import build_parser, server_config
+
+    args = build_parser().parse_args(["--response-store-size", "7"])
+    assert server_config(args).response_store_size == 7
+    assert server_config(build_parser().parse_args([])).response_store_size == 1024
+
+
+def test_response_store_drops_the_least_recently_used() -> None:
+    store = ResponseStore(2)
+    for name in "abc":
+        if name == "c":
+            assert store.get("a") is not None  # a is now more recent than b
+        store.put(name, StoredResponse({"id": name}, ()))
+        store.check_invariants()
+    assert [n for n in "abc" if store.get(n) is not None] == ["a", "c"]
+    assert store.delete("a") and not store.delete("a")
+    empty = ResponseStore(0)
+    empty.put("x", StoredResponse({}, ()))
+    assert empty.get("x") is None
+
+
+def test_reasoning_comes_first_as_a_reasoning_item(make_server: Any) -> None:
+    live, _ = make_server(ServerConfig(reasoning_parser="qwen3"))
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0)
+    result = client.responses.create(model="default", input=say("<think>hmm</think>Answer"))
+    reasoning, message = result.output
+    assert reasoning.type == "reasoning" and reasoning.content is not None
+    assert reasoning.content[0].text.strip() == "hmm"
+    assert message.type == "message" and result.output_text.strip() == "Answer"
+    with client.responses.stream(model="default", input=say("<think>hmm</think>Answer")) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.reasoning_text.delta" in kinds and "response.reasoning_text.done" in kinds
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output_text.strip() == "Answer"

@@ -146,6 +146,13 @@ def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
         action="store_true",
         help="accept custom_logit_processor in requests",
     )
+    server.add_argument(
+        "--response-store-size",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="Responses API responses kept in memory for previous_response_id (0: none)",
+    )
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     engine = parser.add_argument_group("engine")
     for dest, spec in ENGINE_FLAGS.items():
@@ -177,6 +184,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        response_store_size=args.response_store_size,
     )
 
 

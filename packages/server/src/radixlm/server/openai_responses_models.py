@@ -196,16 +196,6 @@ class TextConfig(BaseModel):
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted, ignored
 
 
-# Sent by OpenAI clients, accepted, and ignored.
-IGNORED_RESPONSES_FIELDS = (
-    "include",
-    "reasoning",
-    "service_tier",
-    "safety_identifier",
-    "prompt_cache_key",
-    "prompt_cache_retention",
-    "truncation",
-)
 # Sent by OpenAI clients and refused when set (this server cannot honour them).
 UNSUPPORTED_RESPONSES_FIELDS = ("conversation", "prompt", "max_tool_calls", "stream_options")
 
@@ -243,20 +233,20 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
-    background: bool | None = None
+    background: bool | None = Field(default=None, description="refused when true")
 
-    include: Any = None
-    reasoning: Any = None
-    service_tier: Any = None
-    safety_identifier: Any = None
-    prompt_cache_key: Any = None
-    prompt_cache_retention: Any = None
-    truncation: Any = None
+    include: Any = Field(default=None, description="accepted and ignored")
+    reasoning: Any = Field(default=None, description="accepted and ignored")
+    service_tier: Any = Field(default=None, description="accepted and ignored")
+    safety_identifier: Any = Field(default=None, description="accepted and ignored")
+    prompt_cache_key: Any = Field(default=None, description="accepted and ignored")
+    prompt_cache_retention: Any = Field(default=None, description="accepted and ignored")
+    truncation: Any = Field(default=None, description="accepted and ignored")
 
-    conversation: Any = None
-    prompt: Any = None
-    max_tool_calls: Any = None
-    stream_options: Any = None
+    conversation: Any = Field(default=None, description="not supported: refused when set")
+    prompt: Any = Field(default=None, description="not supported: refused when set")
+    max_tool_calls: Any = Field(default=None, description="not supported: refused when set")
+    stream_options: Any = Field(default=None, description="not supported: refused when set")
 
     @field_validator("input", mode="wrap")
     @classmethod
