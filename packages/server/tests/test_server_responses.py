@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import server_fake_engine as fake  # loaded by conftest.py
+from starlette.testclient import TestClient
 
-from radixlm.server import ServerConfig
+from radixlm.server import ServerConfig, create_app
 from radixlm.server.response_store import ResponseStore, StoredResponse
 
 WEATHER_TOOL = {
@@ -391,3 +394,39 @@ def test_reasoning_comes_first_as_a_reasoning_item(make_server: Any) -> None:
     assert "response.reasoning_text.delta" in kinds and "response.reasoning_text.done" in kinds
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output_text.strip() == "Answer"
+
+
+def test_constraint_clashes_name_the_responses_fields(http: httpx.Client) -> None:
+    body = {
+        "model": "toy",
+        "input": "Hi",
+        "text": {"format": {"type": "json_object"}},
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "required",
+    }
+    error = http.post("/v1/responses", json=body).json()["error"]
+    assert error["param"] == "tool_choice" and "text.format" in error["message"]
+
+
+class FailingEngine(fake.FakeEngine):  # type: ignore[misc]
+    """Fails after its first streamed chunk."""
+
+    async def generate(self, request: Any) -> AsyncIterator[dict[str, Any]]:
+        async for chunk in super().generate(request):
+            yield chunk
+            raise RuntimeError("the GPU caught fire")
+
+
+def test_an_engine_failure_mid_stream_sends_error_then_failed(tokenizer: Any) -> None:
+    app = create_app(FailingEngine(tokenizer), ServerConfig(served_model_name="toy"))
+    body = {"model": "toy", "input": say("some words"), "stream": True}
+    with (
+        TestClient(app) as test_client,
+        test_client.stream("POST", "/v1/responses", json=body) as response,
+    ):
+        text = response.read().decode()
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert "the GPU caught fire" in events[-2]["message"]
+    assert events[-1]["response"]["status"] == "failed"
+    assert app.state.radixlm.responses.get(events[-1]["response"]["id"]) is None

@@ -47,10 +47,17 @@ _FIELD_NAMES = {
 
 
 def _renamed(error: InvalidRequest) -> InvalidRequest:
+    """`error` about the Responses fields the client sent (its field and the names it cites)."""
     head, _, rest = error.field.partition(".")
-    if head not in _FIELD_NAMES:
+    field = (
+        _FIELD_NAMES[head] + (f".{rest}" if rest else "") if head in _FIELD_NAMES else error.field
+    )
+    message = error.message
+    for chat_name in ("max_completion_tokens", "response_format"):
+        message = message.replace(chat_name, _FIELD_NAMES[chat_name])
+    if (field, message) == (error.field, error.message):
         return error
-    return InvalidRequest(_FIELD_NAMES[head] + (f".{rest}" if rest else ""), error.message)
+    return InvalidRequest(field, message)
 
 
 def chat_messages(items: list[ConversationItem], instructions: str | None) -> list[dict[str, Any]]:
