@@ -230,3 +230,30 @@ def test_logprob_start_len_beyond_the_prompt_is_a_400(http: Any) -> None:
     assert error["param"] == "logprob_start_len" and "3 tokens" in error["message"]
     body["logprob_start_len"] = 2
     assert http.post("/generate", json=body).status_code == 200
+
+
+def test_streamed_logprobs_are_the_new_tokens_only_with_a_running_length(http: Any) -> None:
+    # Item 5: SGLang streams each chunk's new logprobs plus output_token_logprobs_length.
+    body: dict[str, Any] = {
+        "text": "Once",
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    }
+    whole = http.post("/generate", json=body).json()["meta_info"]
+    assert whole["output_token_logprobs_length"] == 8
+    entries: list[Any] = []
+    tops: list[Any] = []
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            meta = json.loads(line[5:])["meta_info"]
+            new = meta["output_token_logprobs"]
+            assert meta["output_token_logprobs_length"] == len(entries) + len(new)
+            assert len(meta["output_top_logprobs"]) == len(new)
+            entries += new
+            tops += meta["output_top_logprobs"]
+    assert [e[1] for e in entries] == [e[1] for e in whole["output_token_logprobs"]]
+    assert [e[0] for e in entries] == pytest.approx([e[0] for e in whole["output_token_logprobs"]])
+    assert len(tops) == 8

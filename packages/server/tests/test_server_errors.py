@@ -44,7 +44,7 @@ BAD_INPUT: dict[str, tuple[str, Any, int, str | None]] = {
     ),
     "generate: logit_bias id outside the vocabulary": (
         "/generate", {"text": "a", "sampling_params": {"logit_bias": {"999999": 1}}}, 400,
-        "logit_bias",
+        "sampling_params.logit_bias",  # as the body holds it, like every sampling error
     ),
     "generate: token-id prompt longer than the context": (
         "/generate", {"input_ids": [5] * 600}, 400, "input_ids"

@@ -42,6 +42,8 @@ class FrontendLimits:
     eos_token_ids: tuple[int, ...]
     custom_logit_processors: bool
     prefix_sharing: bool  # n > 1 siblings wait for the first prefill (only with the cache)
+    clamp_max_tokens: bool = False  # max_new_tokens past the context: cut it, not a 400
+    max_logprobs: int = 20  # vLLM-style logprobs / prompt_logprobs counts; -1: no limit
 
 
 class RequestPreparer:
@@ -75,9 +77,18 @@ class RequestPreparer:
         if custom:
             self._check_custom(custom)
         logprobs = self._logprob_options(item, params, len(prompt_ids))
-        future = self.grammar.submit(params)
         room = self.limits.context_length - len(prompt_ids)
-        max_new = room if params.max_new_tokens is None else min(params.max_new_tokens, room)
+        wanted = params.max_new_tokens
+        if wanted is not None and wanted > room and not self.limits.clamp_max_tokens:
+            limit = self.limits.context_length
+            raise InvalidRequest(
+                "max_new_tokens",
+                f"this model's maximum context length is {limit} tokens; you requested "
+                f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} "
+                "to generate); lower max_new_tokens or shorten the prompt",
+            )
+        future = self.grammar.submit(params)
+        max_new = room if wanted is None else min(wanted, room)
         rid = _one(item.rid, str) or uuid.uuid4().hex
         handle = RequestHandle(
             rid=rid,
@@ -196,22 +207,46 @@ class RequestPreparer:
         except ValueError as error:
             raise InvalidRequest("custom_logit_processor", str(error)) from None
 
-    @staticmethod
+    def _logprob_count(self, params: SamplingParams, field: str) -> int | None:
+        """vLLM's `logprobs` / `prompt_logprobs`: -1 is the whole vocabulary; both are bounded
+        by the engine's `max_logprobs`."""
+        count = getattr(params, field)
+        if count is None:
+            return None
+        count = self.limits.vocab_size if count == -1 else count
+        limit = self.limits.max_logprobs
+        if limit != -1 and count > limit:
+            raise InvalidRequest(
+                field,
+                f"asks for {count} logprobs per token but this server returns at most {limit} "
+                "(its --max-logprobs); ask for fewer",
+            )
+        return count
+
     def _logprob_options(
-        item: GenerateRequest, params: SamplingParams, prompt_len: int
+        self, item: GenerateRequest, params: SamplingParams, prompt_len: int
     ) -> LogprobOptions:
-        enabled = bool(_one(item.return_logprob, bool)) or params.logprobs is not None
-        enabled = enabled or params.prompt_logprobs is not None
-        top = max(_one(item.top_logprobs_num, int) or 0, params.logprobs or 0)
+        output_count = self._logprob_count(params, "logprobs")
+        prompt_count = self._logprob_count(params, "prompt_logprobs")
         ids = item.token_ids_logprob or params.logprob_token_ids
+        enabled = bool(_one(item.return_logprob, bool)) or output_count is not None
+        # Asking for the logprobs of given token ids asks for logprobs.
+        enabled = enabled or prompt_count is not None or bool(ids)
+        top = max(_one(item.top_logprobs_num, int) or 0, output_count or 0)
         start: int | None = None
         start_len = _one(item.logprob_start_len, int)
         start_len = -1 if start_len is None else start_len
-        if _one(item.return_logprob, bool) and start_len >= 0:
-            start = min(start_len, prompt_len - 1)
-        if params.prompt_logprobs is not None:
+        if enabled and start_len >= prompt_len:
+            raise InvalidRequest(
+                "logprob_start_len",
+                f"is {start_len} but the prompt has {prompt_len} tokens; give a position "
+                f"below {prompt_len} (or -1 for output logprobs only)",
+            )
+        if enabled and start_len >= 0:
+            start = start_len
+        if prompt_count is not None:
             start = 0
-            top = max(top, params.prompt_logprobs)
+            top = max(top, prompt_count)
         if top > 0 and not enabled:
             enabled = bool(_one(item.return_logprob, bool))
         return LogprobOptions(

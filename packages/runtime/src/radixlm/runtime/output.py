@@ -172,7 +172,9 @@ class SequenceState:
         # count) cannot be unsent: start from the current end rather than past it.
         start_text = min(self.sent_text, len(text)) if incremental else 0
         start_ids = min(self.sent_ids, num_ids) if incremental else 0
-        start_lp = min(self.sent_logprobs, num_lp) if incremental else 0
+        # Streamed logprobs are always only the new tokens' (SGLang's), with the running count
+        # in output_token_logprobs_length: resending every list each chunk is quadratic.
+        start_lp = min(self.sent_logprobs, num_lp) if handle.stream else 0
         meta: dict[str, Any] = {
             "id": handle.rid,
             "prompt_tokens": len(self.req.prompt_ids),
@@ -185,6 +187,7 @@ class SequenceState:
             meta["grammar"] = {**self.grammar_info, "rollbacks": self.grammar_rollbacks}
         if handle.logprobs.enabled:
             meta["output_token_logprobs"] = self.output_logprobs[start_lp:num_lp]
+            meta["output_token_logprobs_length"] = num_lp
             meta["output_top_logprobs"] = self.output_top[start_lp:num_lp]
             if handle.logprobs.token_ids is not None:
                 meta["output_token_ids_logprobs"] = self.output_ids_logprobs[start_lp:num_lp]

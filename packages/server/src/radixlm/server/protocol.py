@@ -29,10 +29,10 @@ Output chunks are plain dicts in SGLang's `/generate` response shape:
 
 A sequence's last chunk has a non-null `finish_reason`. A sequence's `text` only ever grows:
 each chunk's text starts with the previous one's (hold back what a stop string may still trim,
-and incomplete UTF-8), since the server sends clients the difference. Logprob lists are
-cumulative like
-`text` and `output_ids` (one entry per output token so far); the server also accepts lists that
-hold only the new tokens' entries. `[logprob, token_id, text]` triples carry the text when the
+and incomplete UTF-8), since the server sends clients the difference. Output logprob lists
+may be cumulative like `text` (one entry per output token so far) or hold only the new tokens'
+entries (radixlm's engine streams them so, as SGLang does, with the running count in
+`output_token_logprobs_length`); the server accepts both. `[logprob, token_id, text]` triples carry the text when the
 request set `return_text_in_logprobs` (the server sets it on OpenAI routes; it decodes the token
 itself when the text is None).
 
