@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixlm.server.openai_models import NamedToolChoice, Tool
 from radixlm.server.tool_calls import (
@@ -82,9 +84,15 @@ def test_hermes_result_reads_several_calls() -> None:
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
 
 
-def test_hermes_result_with_invalid_json_is_plain_content() -> None:
+def test_hermes_call_with_invalid_arguments_stays_a_call_as_streamed() -> None:
+    # Streaming sends the call once it is named, so the answer keeps it too (OpenAI's
+    # arguments may be invalid JSON as well); a block naming no function is content.
     text = '<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>'
-    assert ToolCallReader("qwen").result(text) == (text, [])
+    content, calls = ToolCallReader("qwen").result(text)
+    assert content is None
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": }'}
+    nameless = 'Hi <tool_call>{"city": "x"}</tool_call>'
+    assert ToolCallReader("qwen").result(nameless) == (nameless, [])
 
 
 def test_output_without_calls_is_content() -> None:
@@ -177,3 +185,63 @@ def test_max_calls_keeps_only_the_first_call() -> None:
     text = f"<tool_call>{WEATHER}</tool_call><tool_call>{WEATHER}</tool_call>"
     _, calls = ToolCallReader("hermes", max_calls=1).result(text)
     assert len(calls) == 1
+
+
+# Random outputs around tool calls: content, whitespace, named calls (valid, malformed,
+# unclosed), blocks naming no function, partial tags; streamed in random pieces.
+_PIECES = [
+    "Sure.",
+    " ",
+    "\n",
+    "  ",
+    "Let me check",
+    "<",
+    "<tool",
+    "ok</",
+    " done",
+    f"<tool_call>{WEATHER}</tool_call>",
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    '<tool_call> {"name": "get_time", "arguments": {"a": "x y "} } </tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>',
+    '<tool_call>{"city": "Paris"}</tool_call>',
+    '<tool_call>{"name": "get_time", "arguments": {"a": "cut ',
+    '{"name": "get_weather", "parameters": {"city": "Rome"}}',
+    '<|python_tag|>{"name": "get_time", "parameters": {}}; ',
+    '[{"name": "get_time", "parameters": {"x": 1}}',
+    "]",
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    mode=st.sampled_from(["hermes", "llama3", "required", "named"]),
+    pieces=st.lists(st.sampled_from(_PIECES), max_size=7),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12),
+    one_call=st.booleans(),
+)
+def test_streamed_deltas_always_add_up_to_the_answer(
+    mode: str, pieces: list[str], cuts: list[int], one_call: bool
+) -> None:
+    text = "".join(pieces)
+    ends = sorted({c for c in cuts if 0 < c < len(text)} | {len(text)})
+    name = "get_weather" if mode == "named" else None
+    limit = 1 if one_call else None
+    streamed = ToolCallReader(mode, name, limit)
+    content = ""
+    calls: dict[int, dict[str, str]] = {}
+    for end in ends:
+        piece, deltas = streamed.deltas(text[:end], final=end == len(text))
+        content += piece
+        for delta in deltas:
+            call = calls.setdefault(delta["index"], {"name": "", "arguments": ""})
+            function = delta.get("function", {})
+            if "id" in delta:
+                call["name"] = function["name"]
+            call["arguments"] += function.get("arguments", "")
+    answer, answer_calls = ToolCallReader(mode, name, limit).result(text)
+    assert content == (answer or ""), text
+    expected = [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+        for c in answer_calls
+    ]
+    assert [calls[i] for i in sorted(calls)] == expected, text

@@ -163,12 +163,18 @@ def hermes_view(text: str, final: bool) -> OutputView:
         body_start = begin + len(start_tag)
         close = text.find(end_tag, body_start)
         body = text[body_start : len(text) if close < 0 else close]
+        if close < 0 and not final:  # the end tag may be arriving
+            body = body[: len(body) - _held_back(body, end_tag)]
         call, end = scan_call(body, 0, ("arguments", "parameters"))
         if close >= 0:
             call.complete = call.complete and end is not None and not body[end:].strip()
         else:
             call.complete = False
-        view.calls.append(call)
+        if call.name is None and (close >= 0 or final):
+            # A block that names no function is not a call: it is shown as it came.
+            view.content += text[begin : len(text) if close < 0 else close + len(end_tag)]
+        else:
+            view.calls.append(call)
         if close < 0:
             break
         pos = close + len(end_tag)
@@ -190,6 +196,8 @@ def llama3_view(text: str, final: bool) -> OutputView:
     pos = 0
     while True:
         call, end = scan_call(stripped, pos, ("parameters", "arguments"))
+        if call.name is None and end is not None:
+            break  # an object naming no function ends the calls
         view.calls.append(call)
         if end is None:
             break
@@ -199,6 +207,8 @@ def llama3_view(text: str, final: bool) -> OutputView:
             if _skip_ws(stripped, pos) < len(stripped):
                 continue
         break
+    if final and not any(call.name is not None for call in view.calls):
+        return OutputView(content=text)  # JSON that names no function is plain content
     return view
 
 
@@ -259,13 +269,6 @@ def tool_call_constraint(
     return json.dumps(schema)
 
 
-def _valid_arguments(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except json.JSONDecodeError:
-        return False
-
-
 class ToolCallReader:
     """Reads one choice's growing output in one format; gives OpenAI deltas or the final answer.
 
@@ -306,15 +309,12 @@ class ToolCallReader:
         return self._ids[index]
 
     def result(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """Content and tool calls of a finished output (OpenAI's `message` fields).
-
-        Calls whose arguments are not a JSON object make the whole output plain content, as
-        nothing reliable can be said about it then.
-        """
+        """Content and tool calls of a finished output (OpenAI's `message` fields): exactly
+        what `deltas` sends for the same output, however it arrives. A call's arguments are
+        as generated (OpenAI's too may not be valid JSON, e.g. when cut by max_tokens);
+        content is stripped of surrounding whitespace."""
         view = self.view(text, final=True)
         calls = [c for c in view.calls if c.name is not None]
-        if not calls or not all(_valid_arguments(c.arguments) for c in calls):
-            return (text if self.mode in PARSERS else text or None), []
         tool_calls = [
             {
                 "id": self._call_id(i),
@@ -326,10 +326,14 @@ class ToolCallReader:
         return view.content.strip() or None, tool_calls
 
     def deltas(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
-        """New content and tool-call deltas since the previous call, for cumulative `text`."""
+        """New content and tool-call deltas since the previous call, for cumulative `text`.
+
+        Whitespace that would end the content (or a call's arguments) is held back until
+        something follows it, so the deltas add up to `result(text)`."""
         view = self.view(text, final)
-        content = view.content[self._content_sent :]
-        self._content_sent = max(self._content_sent, len(view.content))
+        shown = view.content.strip()
+        content = shown[self._content_sent :]
+        self._content_sent = max(self._content_sent, len(shown))
         out: list[dict[str, Any]] = []
         for index, call in enumerate(view.calls):
             if call.name is None:
@@ -340,9 +344,7 @@ class ToolCallReader:
                 self._names_sent[index] = True
                 delta.update(id=call_id, type="function")
                 delta["function"] = {"name": call.name, "arguments": ""}
-            fresh = call.arguments[self._args_sent[index] :]
-            if final or call.complete:
-                fresh = fresh.rstrip()
+            fresh = call.arguments.strip()[self._args_sent[index] :]
             if fresh:
                 self._args_sent[index] += len(fresh)
                 delta.setdefault("function", {})["arguments"] = fresh
