@@ -257,3 +257,44 @@ def test_streamed_logprobs_are_the_new_tokens_only_with_a_running_length(http: A
     assert [e[1] for e in entries] == [e[1] for e in whole["output_token_logprobs"]]
     assert [e[0] for e in entries] == pytest.approx([e[0] for e in whole["output_token_logprobs"]])
     assert len(tops) == 8
+
+
+def test_sglangs_documented_custom_logit_processor_example_runs(http: Any, serve: Any) -> None:
+    # Item 12: SGLang's example, with radixlm's base class, the class defined right here (so
+    # it travels by value, SGLang's dill form) and sent as SGLang's client sends it.
+    from radixlm.sampling import CustomLogitProcessor
+
+    class DeterministicLogitProcessor(CustomLogitProcessor):
+        """A dummy logit processor that changes the logits to always sample the given token id."""
+
+        def __call__(self, logits: Any, custom_param_list: Any) -> Any:
+            # Check that the number of logits matches the number of custom parameters
+            assert logits.shape[0] == len(custom_param_list)
+            key = "token_id"
+            for i, param_dict in enumerate(custom_param_list):
+                # Mask all other tokens
+                logits[i, :] = -float("inf")
+                # Assign highest probability to the specified token
+                logits[i, param_dict[key]] = 0.0
+            return logits
+
+    body = {
+        "text": "The capital of France is",
+        "custom_logit_processor": DeterministicLogitProcessor().to_str(),
+        "sampling_params": {
+            "temperature": 0.0,
+            "max_new_tokens": 8,
+            "custom_params": {"token_id": 5},
+            "ignore_eos": True,
+        },
+    }
+    response = http.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["output_ids"] == [5] * 8
+    import httpx
+
+    locked = serve()  # custom logit processors not enabled: refused, as SGLang does
+    with httpx.Client(base_url=locked.url, timeout=60) as other:
+        refused = other.post("/generate", json=body)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "custom_logit_processor"
