@@ -16,11 +16,20 @@ import contextlib
 import dataclasses
 import queue
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar, overload
 
 from radixlm.cache import RadixCache
+from radixlm.runtime.beam_search import (
+    BeamSearch,
+    BeamSearchParams,
+    EarlyStopping,
+    result_chunks,
+    step_candidates,
+    step_request,
+)
 from radixlm.runtime.engine_config import EngineConfig
 from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.executor import ModelExecutor
@@ -29,8 +38,14 @@ from radixlm.runtime.grammar import GrammarService
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import END, RequestHandle
 from radixlm.runtime.scheduler import Scheduler
-from radixlm.runtime.tokenizer import load_tokenizer
-from radixlm.sampling import EngineOverloaded, GenerateRequest, SamplingDefaults, SamplingParams
+from radixlm.runtime.tokenizer import TextDecoder, load_tokenizer
+from radixlm.sampling import (
+    EngineOverloaded,
+    GenerateRequest,
+    InvalidRequest,
+    SamplingDefaults,
+    SamplingParams,
+)
 
 T = TypeVar("T")
 Chunk = dict[str, Any]
@@ -218,8 +233,6 @@ class Engine:
                 r for i, r in enumerate(rids) if r in rids[:i]
             ]
             if clash:
-                from radixlm.sampling import InvalidRequest
-
                 raise InvalidRequest("rid", f"request id {clash[0]!r} is already in use")
             self._live.update(rids)
         for handle in handles:
@@ -391,6 +404,122 @@ class Engine:
             if open_:
                 for handle in handles:
                     self._core.post("abort", handle.rid)
+
+    # ----------------------------------------------------------------------- beam search
+
+    @overload
+    def beam_search(
+        self,
+        prompt: GenerateRequest,
+        beam_width: int,
+        *,
+        length_penalty: float = 1.0,
+        early_stopping: EarlyStopping = False,
+    ) -> Coroutine[Any, Any, list[Chunk]]: ...
+
+    @overload
+    def beam_search(
+        self,
+        prompt: str | list[int],
+        beam_width: int,
+        max_tokens: int = 16,
+        length_penalty: float = 1.0,
+        early_stopping: EarlyStopping = False,
+        *,
+        ignore_eos: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> list[Chunk]: ...
+
+    def beam_search(
+        self,
+        prompt: str | list[int] | GenerateRequest,
+        beam_width: int,
+        max_tokens: int = 16,
+        length_penalty: float = 1.0,
+        early_stopping: EarlyStopping = False,
+        *,
+        ignore_eos: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> Any:
+        """Beam search (vLLM's `LLM.beam_search`, scored as transformers' `num_beams`), blocking:
+        the `beam_width` best sequences, best first, as `/generate` final chunks whose
+        `meta_info` adds `score` (cumulative logprob / generated_len ** length_penalty) and
+        `cumulative_logprob`. `beam_width=1` is greedy decoding.
+
+        Each step is one batch of single-token requests, one per live beam; the radix cache
+        shares the beams' common prefixes, so a step prefills only each beam's newest token.
+
+        Given a `GenerateRequest` (the server's `EngineClient` form), returns a coroutine; the
+        prompt, `max_new_tokens` (default: up to the context), `ignore_eos`, `rid` and
+        `skip_special_tokens` come from the request, other sampling parameters do not apply.
+        """
+        if isinstance(prompt, GenerateRequest):
+            return self._beam_search_async(prompt, beam_width, length_penalty, early_stopping)
+        prompt_ids = self._preparer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        search = self._new_search(
+            prompt_ids, beam_width, max_tokens, length_penalty, early_stopping, ignore_eos
+        )
+        cached = 0
+        while not search.done:
+            request = step_request(prompt_ids, search)
+            outputs = _collect(request, list(self._stream_sync(request)))
+            cached = cached or int(outputs[0]["meta_info"]["cached_tokens"])
+            search.advance(step_candidates(outputs))
+        decoder = TextDecoder(self._tokenizer, skip_special_tokens)
+        return result_chunks(search, uuid.uuid4().hex, prompt_ids, cached, decoder)
+
+    async def _beam_search_async(
+        self,
+        request: GenerateRequest,
+        beam_width: int,
+        length_penalty: float,
+        early_stopping: EarlyStopping,
+    ) -> list[Chunk]:
+        if not request.is_single:
+            raise InvalidRequest("text", "beam search takes one prompt; send one")
+        loop = asyncio.get_running_loop()
+        if request.text is not None:
+            prompt_ids = await loop.run_in_executor(None, self._preparer.encode, str(request.text))
+        else:
+            prompt_ids = [int(t) for t in request.input_ids or []]  # type: ignore[arg-type]
+        params = request.params
+        max_tokens = params.max_new_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.context_length - len(prompt_ids))
+        search = self._new_search(
+            prompt_ids, beam_width, max_tokens, length_penalty, early_stopping, params.ignore_eos
+        )
+        cached = 0
+        while not search.done:
+            step = step_request(prompt_ids, search)
+            outputs = _collect(step, [chunk async for chunk in self._stream_async(step)])
+            cached = cached or int(outputs[0]["meta_info"]["cached_tokens"])
+            search.advance(step_candidates(outputs))
+        decoder = TextDecoder(self._tokenizer, params.skip_special_tokens)
+        rid = request.rid if isinstance(request.rid, str) else uuid.uuid4().hex
+        return result_chunks(search, rid, prompt_ids, cached, decoder)
+
+    def _new_search(
+        self,
+        prompt_ids: list[int],
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float,
+        early_stopping: EarlyStopping,
+        ignore_eos: bool,
+    ) -> BeamSearch:
+        params = BeamSearchParams(
+            beam_width, max_tokens, length_penalty, early_stopping, ignore_eos
+        )
+        total = len(prompt_ids) + max_tokens
+        if total > self.context_length:
+            raise InvalidRequest(
+                "max_new_tokens",
+                f"this model's maximum context length is {self.context_length} tokens; you "
+                f"requested {total} tokens ({len(prompt_ids)} in the prompt, {max_tokens} to "
+                "generate); lower max_tokens or shorten the prompt",
+            )
+        return BeamSearch(params, self.eos_token_ids)
 
     # --------------------------------------------------------------------------- control
 
