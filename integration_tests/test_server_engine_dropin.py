@@ -298,3 +298,56 @@ def test_sglangs_documented_custom_logit_processor_example_runs(http: Any, serve
         refused = other.post("/generate", json=body)
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "custom_logit_processor"
+
+
+def _stream_chunks(http: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
+    chunks = []
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                chunks.append(json.loads(line[5:]))
+    return chunks
+
+
+def test_stream_interval_sends_n_tokens_per_chunk_first_and_last_at_once(
+    http: Any, serve: Any
+) -> None:
+    # vLLM's stream_interval, per request and as the engine's default.
+    params = {"max_new_tokens": 10, "ignore_eos": True, "temperature": 0}
+    body: dict[str, Any] = {"text": "Once", "sampling_params": {**params, "stream_interval": 4}}
+    sizes = [len(c["output_ids"]) for c in _stream_chunks(http, body)]  # cumulative ids
+    assert sizes == [1, 5, 9, 10], sizes
+    every = [
+        len(c["output_ids"]) for c in _stream_chunks(http, {**body, "sampling_params": params})
+    ]
+    assert every == list(range(1, 11))
+    import httpx
+
+    served = serve(stream_interval=3)
+    with httpx.Client(base_url=served.url, timeout=60) as other:
+        sizes = [
+            len(c["output_ids"])
+            for c in _stream_chunks(other, {"text": "Once", "sampling_params": params})
+        ]
+    assert sizes == [1, 4, 7, 10], sizes
+
+
+def test_detokenize_false_returns_token_ids_only(http: Any) -> None:
+    body = {"text": "Once", "sampling_params": {"max_new_tokens": 5, "detokenize": False}}
+    out = http.post("/generate", json=body).json()
+    assert out["text"] == "" and len(out["output_ids"]) == out["meta_info"]["completion_tokens"]
+    body["sampling_params"]["stop"] = ["x"]  # type: ignore[index]
+    refused = http.post("/generate", json=body)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "sampling_params.stop"
+
+
+def test_extra_args_reach_the_custom_logit_processor(http: Any) -> None:
+    from radixlm.runtime.fixtures import ForceTokenProcessor
+
+    body = {
+        "text": "Once",
+        "custom_logit_processor": ForceTokenProcessor.to_str(),
+        "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "extra_args": {"token_id": 7}},
+    }
+    assert http.post("/generate", json=body).json()["output_ids"] == [7] * 4

@@ -171,6 +171,7 @@ class Engine:
                 prefix_sharing=not config.cache.disable_radix_cache,
                 clamp_max_tokens=config.clamp_max_tokens,
                 max_logprobs=config.max_logprobs,
+                stream_interval=config.stream_interval,
             ),
             config.incremental_streaming_output,
         )

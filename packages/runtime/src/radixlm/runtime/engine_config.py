@@ -155,6 +155,8 @@ class EngineConfig:
     - `max_logprobs`: the most logprobs per token that vLLM-style `logprobs` /
       `prompt_logprobs` may ask for (-1 for the whole vocabulary is counted as its size);
       -1: no limit.
+    - `stream_interval`: output tokens per streamed chunk (the first and the last chunk go at
+      once); a request's `stream_interval` overrides it (vLLM's `--stream-interval`).
     - `tokenizer_path`: where the tokenizer is, if not beside the model.
     """
 
@@ -166,6 +168,7 @@ class EngineConfig:
     incremental_streaming_output: bool = False
     clamp_max_tokens: bool = False
     max_logprobs: int = 20
+    stream_interval: int = 1
     tokenizer_path: str | None = None
     served_model_name: str | None = None
     log_level: str = "warning"
@@ -175,6 +178,8 @@ class EngineConfig:
             raise ValueError(
                 f"sampling_defaults must be model or openai; got {self.sampling_defaults!r}"
             )
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1 tokens; got {self.stream_interval}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0; got {self.max_logprobs}")
 
@@ -277,6 +282,7 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "incremental_streaming_output": ("engine", "incremental_streaming_output", None),
     "clamp_max_tokens": ("engine", "clamp_max_tokens", bool),
     "max_logprobs": ("engine", "max_logprobs", int),
+    "stream_interval": ("engine", "stream_interval", int),
     "tokenizer_path": ("engine", "tokenizer_path", None),
     "served_model_name": ("engine", "served_model_name", None),
     "log_level": ("engine", "log_level", None),

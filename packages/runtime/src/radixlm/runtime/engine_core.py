@@ -354,7 +354,8 @@ class EngineCore:
             if not seq.dirty:
                 continue
             if handle.stream or seq.finish is not None:
-                if handle.stream and seq.finish is None and not seq.has_news():
+                due = seq.has_news(handle.stream_interval)
+                if handle.stream and seq.finish is None and not due:
                     continue
                 handle.sink(seq.chunk())
         if handle.finished:

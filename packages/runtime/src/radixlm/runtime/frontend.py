@@ -44,6 +44,7 @@ class FrontendLimits:
     prefix_sharing: bool  # n > 1 siblings wait for the first prefill (only with the cache)
     clamp_max_tokens: bool = False  # max_new_tokens past the context: cut it, not a 400
     max_logprobs: int = 20  # vLLM-style logprobs / prompt_logprobs counts; -1: no limit
+    stream_interval: int = 1  # output tokens per streamed chunk, unless the request says
 
 
 class RequestPreparer:
@@ -97,6 +98,7 @@ class RequestPreparer:
             sink=sink,
             stream=item.stream,
             incremental=self.incremental_streaming,
+            stream_interval=params.stream_interval or self.limits.stream_interval,
             logprobs=logprobs,
             custom_logit_processor=custom,
         )

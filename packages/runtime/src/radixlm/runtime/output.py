@@ -47,6 +47,7 @@ class RequestHandle:
     sink: Sink
     stream: bool = False
     incremental: bool = False
+    stream_interval: int = 1  # output tokens per streamed chunk after the first
     logprobs: LogprobOptions = field(default_factory=LogprobOptions)
     custom_logit_processor: str | None = None
     created: float = field(default_factory=time.monotonic)
@@ -155,10 +156,21 @@ class SequenceState:
             ids = min(ids, committed)
         return self.output.stream_text(committed), ids, min(ids, len(self.output_logprobs))
 
-    def has_news(self) -> bool:
-        """Whether a streamed chunk now would carry text or ids not sent yet."""
+    def has_news(self, interval: int = 1) -> bool:
+        """Whether a streamed chunk is due: it would carry text or ids not sent yet, and (after
+        the first chunk) at least `interval` new output ids."""
         text, ids, _ = self._visible()
+        if not self.detokenize:
+            text = ""
+        if self.sent_ids == 0 and self.sent_text == 0:
+            return ids > 0 or len(text) > 0
+        if interval > 1:
+            return ids - self.sent_ids >= interval
         return ids > self.sent_ids or len(text) > self.sent_text
+
+    @property
+    def detokenize(self) -> bool:
+        return self.handle.params.detokenize
 
     def chunk(self) -> dict[str, Any]:
         """The sequence's output now: cumulative, or only what is new since the last chunk
@@ -166,6 +178,8 @@ class SequenceState:
         handle = self.handle
         final = self.finish is not None
         text, num_ids, num_lp = self._visible()
+        if not self.detokenize:
+            text = ""  # vLLM's detokenize=false: token ids only
         ids = self.req.output_ids[:num_ids]
         incremental = handle.stream and handle.incremental
         # Tokens taken back after they were sent (only when the grammar gives no committed

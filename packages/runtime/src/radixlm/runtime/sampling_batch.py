@@ -267,7 +267,7 @@ class SamplingBatch:
             if name:
                 group = groups.setdefault(name, CustomProcessorGroup(name, [], []))
                 group.rows.append(row)
-                group.params.append(request.params.custom_params)
+                group.params.append(request.params.processor_params)
         self.custom_processors = list(groups.values())
 
 

@@ -40,6 +40,7 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool, str]] = {
         "top logprobs per prompt token; -1: the whole vocabulary",
     ),
     "thinking_token_budget": (0, True, None, False, "tokens allowed before the thinking ends"),
+    "stream_interval": (1, True, None, False, "output tokens per streamed chunk"),
 }
 LOGIT_BIAS_LIMIT = 100.0
 # Other names accepted for SGLang's fields: vLLM's, and SGLang's own `sampling_seed`.
@@ -127,17 +128,24 @@ class SamplingParams(BaseModel):
     #: rollback of completed values); None: the server's default (`--strict-constraints`).
     strict_constraint: bool | None = None
 
-    # Detokenization.
+    # Detokenization and streaming.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    #: vLLM's: False returns token ids only (the text stays empty).
+    detokenize: bool = True
+    #: vLLM's: output tokens per streamed chunk (the first and the last are sent at once);
+    #: None: the engine's `stream_interval`.
+    stream_interval: int | None = None
 
     # Log probabilities (vLLM style; the /generate request has SGLang's own fields too).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logprob_token_ids: list[int] | None = None
 
-    # Free-form parameters for a custom logit processor.
+    # Free-form parameters for a custom logit processor (SGLang's), and vLLM's name for the
+    # same: `extra_args` reach the processor too, under `custom_params`' keys.
     custom_params: dict[str, Any] | None = None
+    extra_args: dict[str, Any] | None = None
 
     @classmethod
     def parse(cls, data: Mapping[str, Any] | None, field_prefix: str = "") -> SamplingParams:
@@ -270,6 +278,16 @@ class SamplingParams(BaseModel):
                     f"only one structured-output constraint may be set; got {', '.join(given)}",
                 )
             )
+        if not self.detokenize:
+            needs_text = [n for n in ("stop", "stop_regex", "bad_words") if getattr(self, n)]
+            if needs_text:
+                problems.append(
+                    FieldError(
+                        needs_text[0],
+                        "needs the output text, but detokenize is false; use stop_token_ids "
+                        "or set detokenize to true",
+                    )
+                )
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             problems.append(
                 FieldError(
@@ -308,6 +326,14 @@ class SamplingParams(BaseModel):
             if value is not None:
                 return name, value
         return None
+
+    @property
+    def processor_params(self) -> dict[str, Any] | None:
+        """What a custom logit processor receives for this request: `extra_args` under
+        `custom_params` (None when neither is set)."""
+        if self.extra_args is None:
+            return self.custom_params
+        return {**self.extra_args, **(self.custom_params or {})}
 
     @property
     def keeps_stop_string(self) -> bool:

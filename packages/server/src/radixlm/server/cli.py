@@ -81,6 +81,12 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "help": "cut a max_tokens the context cannot hold to what it holds (default: a 400 "
         "naming the context length, as OpenAI and vLLM answer)",
     },
+    "stream_interval": {
+        "type": int,
+        "metavar": "N",
+        "help": "output tokens per streamed chunk (first and last chunks at once; default 1); "
+        "a request's stream_interval overrides it",
+    },
     "max_logprobs": {
         "type": int,
         "metavar": "N",
