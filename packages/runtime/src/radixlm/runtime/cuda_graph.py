@@ -113,11 +113,14 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A pure decode batch that fits a captured bucket and wants no prompt logprobs."""
+        """A pure decode batch that fits a captured bucket and wants no prompt logprobs, no
+        hidden states and no given embeddings."""
         return (
             bool(self.graphs)
             and batch.is_decode
             and not batch.input_logprobs
+            and not batch.hidden_state_requests
+            and batch.input_embeds is None
             and batch.batch_size <= self.max_batch_size
         )
 

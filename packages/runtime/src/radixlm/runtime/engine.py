@@ -172,6 +172,7 @@ class Engine:
                 clamp_max_tokens=config.clamp_max_tokens,
                 max_logprobs=config.max_logprobs,
                 stream_interval=config.stream_interval,
+                hidden_size=self.runner.info.arch.hidden_size,
             ),
             config.incremental_streaming_output,
         )
@@ -276,6 +277,8 @@ class Engine:
         custom_logit_processor: str | list[str | None] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        input_embeds: Any = None,
+        return_hidden_states: bool | list[bool] = False,
     ) -> Any: ...
 
     def generate(
@@ -292,6 +295,8 @@ class Engine:
         custom_logit_processor: str | list[str | None] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        input_embeds: Any = None,
+        return_hidden_states: bool | list[bool] = False,
     ) -> Any:
         """Generate, SGLang's way, blocking: a dict for one prompt (n == 1), a list of dicts
         for a batch or n > 1 (prompt-major), or with `stream=True` an iterator of chunks
@@ -315,6 +320,11 @@ class Engine:
                 custom_logit_processor=custom_logit_processor,
                 stream=stream,
                 rid=rid,
+                # A tensor [seq, hidden] (or [batch, seq, hidden]) is taken too.
+                input_embeds=input_embeds.tolist()
+                if hasattr(input_embeds, "tolist")
+                else input_embeds,
+                return_hidden_states=return_hidden_states,
             ),
         )
         chunks = self._stream_sync(request)
@@ -336,6 +346,8 @@ class Engine:
         custom_logit_processor: str | list[str | None] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        input_embeds: Any = None,
+        return_hidden_states: bool | list[bool] = False,
     ) -> Any:
         """`generate` for asyncio: awaits the result, or with `stream=True` returns an async
         iterator of chunks (`async for chunk in await engine.async_generate(..., stream=True)`)."""
@@ -352,6 +364,11 @@ class Engine:
                 custom_logit_processor=custom_logit_processor,
                 stream=stream,
                 rid=rid,
+                # A tensor [seq, hidden] (or [batch, seq, hidden]) is taken too.
+                input_embeds=input_embeds.tolist()
+                if hasattr(input_embeds, "tolist")
+                else input_embeds,
+                return_hidden_states=return_hidden_states,
             ),
         )
         chunks = self._stream_async(request)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Literal
 
-from radixlm.runtime.executor import InputLogprobAsk, ModelExecutor
+from radixlm.runtime.executor import EntryInputs, InputLogprobAsk, ModelExecutor
 from radixlm.runtime.grammar import GrammarService
 from radixlm.runtime.output import END, RequestHandle, SequenceState
 from radixlm.runtime.sampling_batch import SamplingRequest
@@ -182,9 +182,11 @@ class EngineCore:
         sampling: list[SamplingRequest | None] = []
         asks: list[InputLogprobAsk | None] = []
         grammars: list[Any] = []
+        inputs: list[EntryInputs | None] = []
         for entry in batch.entries:
             seq: SequenceState = entry.req.payload
             options = seq.handle.logprobs
+            inputs.append(_entry_inputs(seq.handle))
             asks.append(
                 InputLogprobAsk(options.top, options.token_ids)
                 if entry.logprob_targets is not None
@@ -195,15 +197,29 @@ class EngineCore:
                 grammars.append(seq.grammar)
             else:
                 sampling.append(None)
-        result = self.executor.run(batch, sampling, asks, self.grammar.bitmask(grammars))
+        result = self.executor.run(
+            batch,
+            sampling,
+            asks,
+            self.grammar.bitmask(grammars),
+            inputs if any(inputs) else None,
+        )
         self.scheduler.after_forward(batch)
-        for entry, token, logprob, scored in zip(
-            batch.entries, result.tokens, result.logprobs, result.input_logprobs, strict=True
+        hidden = result.hidden_states or [None] * len(batch.entries)
+        for entry, token, logprob, scored, rows in zip(
+            batch.entries,
+            result.tokens,
+            result.logprobs,
+            result.input_logprobs,
+            hidden,
+            strict=True,
         ):
             req = entry.req
             seq = req.payload
             if req.status is not ReqStatus.RUNNING:
                 continue
+            if rows is not None and seq.hidden_states is not None:
+                seq.hidden_states.record(entry.prefix_len, rows)
             if entry.logprob_targets is not None:
                 seq.record_input_logprobs(scored or [])
             if not entry.sample or token is None:
@@ -382,3 +398,10 @@ class EngineCore:
         failed = {req.payload.handle.rid: req.payload.handle for req in self.scheduler.running}
         for handle in failed.values():
             self._close_with_error(handle, RuntimeError(f"the engine step failed: {error}"))
+
+
+def _entry_inputs(handle: RequestHandle) -> EntryInputs | None:
+    """What the executor needs besides ids (None for a plain token request: no cost)."""
+    if handle.input_embeds is None and not handle.return_hidden_states:
+        return None
+    return EntryInputs(handle.input_embeds, handle.return_hidden_states)

@@ -22,6 +22,8 @@ class StepResult:
     tokens: list[int | None]
     logprobs: list[TokenLogprob | None]
     input_logprobs: list[list[TokenLogprob] | None]
+    #: Per entry: the final hidden states [new tokens, hidden] (float32, CPU) when it asked.
+    hidden_states: list[torch.Tensor | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,16 @@ class InputLogprobAsk:
 
     top: int = 0
     token_ids: Sequence[int] | None = None
+
+
+@dataclass(frozen=True)
+class EntryInputs:
+    """What an entry's sequence brings besides token ids: its prompt as embeddings
+    ([prompt_len, hidden], for the prompt positions among its new tokens) and whether its
+    hidden states are returned."""
+
+    prompt_embeds: torch.Tensor | None = None
+    return_hidden_states: bool = False
 
 
 class ModelExecutor:
@@ -47,18 +59,28 @@ class ModelExecutor:
         sampling: Sequence[SamplingRequest | None],
         input_asks: Sequence[InputLogprobAsk | None],
         bitmask: torch.Tensor | None = None,
+        inputs: Sequence[EntryInputs | None] | None = None,
     ) -> StepResult:
         """Compute the step. `sampling[i]` describes entry i when it samples (None otherwise);
-        `bitmask` has one row per sampling entry, in order. Mutates the KV pool and the
+        `bitmask` has one row per sampling entry, in order; `inputs[i]` (optional) gives
+        entry i's prompt embeddings and hidden-state ask. Mutates the KV pool and the
         request table."""
         runner = self.runner
         table = runner.req_to_token_pool
         entries: list[BatchEntry] = []
-        for entry, ask in zip(batch.entries, input_asks, strict=True):
+        extras = inputs if inputs is not None else [None] * len(batch.entries)
+        for entry, ask, extra in zip(batch.entries, input_asks, extras, strict=True):
             if entry.row_write is not None:
                 start, slots = entry.row_write
                 table.write(entry.row, start, slots)
             ask = ask or InputLogprobAsk()
+            extra = extra or EntryInputs()
+            embeds = extra.prompt_embeds
+            if embeds is not None:
+                # The new tokens that are prompt positions take the given embeddings.
+                start = entry.prefix_len
+                end = min(start + len(entry.input_ids), embeds.shape[0])
+                embeds = embeds[start:end] if end > start else None
             entries.append(
                 BatchEntry(
                     req_pool_index=entry.row,
@@ -69,6 +91,8 @@ class ModelExecutor:
                     input_logprob_targets=entry.logprob_targets,
                     top_logprobs_num=ask.top,
                     token_ids_logprob=ask.token_ids,
+                    input_embeds=embeds,
+                    return_hidden_states=extra.return_hidden_states,
                 )
             )
         forward = ForwardBatch.build(entries, table.req_to_token)
@@ -94,4 +118,4 @@ class ModelExecutor:
                 if sampled.logprobs is not None:
                     logprobs[row] = sampled.logprobs[k]
         input_logprobs = out.input_logprobs or [None] * len(entries)
-        return StepResult(tokens, logprobs, list(input_logprobs))
+        return StepResult(tokens, logprobs, list(input_logprobs), out.hidden_states)

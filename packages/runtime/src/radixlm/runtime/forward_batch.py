@@ -36,6 +36,11 @@ class BatchEntry:
     input_logprob_targets: Sequence[int] | None = None
     top_logprobs_num: int = 0
     token_ids_logprob: Sequence[int] | None = None
+    #: [k, hidden] embeddings that replace the id lookup of the first k new tokens (a prompt
+    #: given as `input_embeds`; its ids are cache-key pseudo ids, never looked up).
+    input_embeds: torch.Tensor | None = None
+    #: Return the final hidden states of this request's new tokens.
+    return_hidden_states: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,11 @@ class ForwardBatch:
     extend_lens_cpu: tuple[int, ...]
     req_pool_indices_cpu: tuple[int, ...]
     input_logprobs: tuple[InputLogprobRequest, ...] = ()
+    #: Given embeddings [E, hidden] and the rows of the new tokens they stand for [E].
+    input_embeds: torch.Tensor | None = None
+    input_embeds_rows: torch.Tensor | None = None
+    #: Batch indices of the requests whose new tokens' hidden states are returned.
+    hidden_state_requests: tuple[int, ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -105,6 +115,8 @@ class ForwardBatch:
         positions: list[int] = []
         slots: list[int] = []
         logprob_requests: list[InputLogprobRequest] = []
+        embeds: list[torch.Tensor] = []
+        embeds_rows: list[int] = []
         for index, entry in enumerate(entries):
             count = len(entry.input_ids)
             if count == 0:
@@ -113,7 +125,16 @@ class ForwardBatch:
                 raise ValueError(
                     f"request {index}: {len(entry.out_slots)} output slots for {count} new tokens"
                 )
+            offset = len(input_ids)
             input_ids.extend(entry.input_ids)
+            if entry.input_embeds is not None and len(entry.input_embeds):
+                given = len(entry.input_embeds)
+                if given > count:
+                    raise ValueError(f"request {index}: {given} embeddings for {count} new tokens")
+                embeds.append(entry.input_embeds)
+                embeds_rows.extend(range(offset, offset + given))
+                # Their ids are pseudo ids (outside the vocabulary): look up a valid row instead.
+                input_ids[offset : offset + given] = [0] * given
             positions.extend(range(entry.prefix_len, entry.prefix_len + count))
             slots.extend(entry.out_slots)
             if entry.input_logprob_targets is not None:
@@ -158,6 +179,9 @@ class ForwardBatch:
             extend_lens_cpu=tuple(extend),
             req_pool_indices_cpu=tuple(e.req_pool_index for e in entries),
             input_logprobs=tuple(logprob_requests),
+            input_embeds=torch.cat(embeds).to(device, non_blocking=True) if embeds else None,
+            input_embeds_rows=tensor(embeds_rows) if embeds else None,
+            hidden_state_requests=tuple(i for i, e in enumerate(entries) if e.return_hidden_states),
         )
 
     def write_req_to_token(self) -> None:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from radixlm.runtime.grammar import GrammarService
+from radixlm.runtime.hidden_states import HiddenStates
+from radixlm.runtime.input_embeds import input_embeds_cache_ids, parse_input_embeds
 from radixlm.runtime.output import LogprobOptions, RequestHandle, SequenceState, Sink
 from radixlm.runtime.scheduler import Req
 from radixlm.runtime.thinking import THINK_END, ThinkingBudget, end_of_thinking_token
@@ -45,6 +47,7 @@ class FrontendLimits:
     clamp_max_tokens: bool = False  # max_new_tokens past the context: cut it, not a 400
     max_logprobs: int = 20  # vLLM-style logprobs / prompt_logprobs counts; -1: no limit
     stream_interval: int = 1  # output tokens per streamed chunk, unless the request says
+    hidden_size: int = 0  # the width of `input_embeds` rows (0: embeddings are refused)
 
 
 class RequestPreparer:
@@ -70,7 +73,9 @@ class RequestPreparer:
     def prepare(self, item: GenerateRequest, sink: Sink) -> RequestHandle:
         """Validate and tokenize; start compiling the grammar. Raises InvalidRequest."""
         self._refuse_unsupported(item)
-        prompt_ids = self._prompt_ids(item)
+        embeds = self._input_embeds(item)
+        prompt_ids = self._prompt_ids(item, embeds)
+        hidden = bool(_one(item.return_hidden_states, bool))
         params = self.defaults.apply(item.sampling_params)  # type: ignore[arg-type]
         params.check(self.limits.vocab_size)
         thinking_end = self._thinking_end(params)
@@ -78,6 +83,13 @@ class RequestPreparer:
         if custom:
             self._check_custom(custom)
         logprobs = self._logprob_options(item, params, len(prompt_ids))
+        if embeds is not None and logprobs.input_start is not None:
+            field = "prompt_logprobs" if params.prompt_logprobs is not None else "logprob_start_len"
+            raise InvalidRequest(
+                field,
+                "prompt logprobs need the prompt's token ids, and an input_embeds prompt has "
+                "none; ask for output logprobs only (logprob_start_len -1)",
+            )
         room = self.limits.context_length - len(prompt_ids)
         wanted = params.max_new_tokens
         if wanted is not None and wanted > room and not self.limits.clamp_max_tokens:
@@ -101,6 +113,8 @@ class RequestPreparer:
             stream_interval=params.stream_interval or self.limits.stream_interval,
             logprobs=logprobs,
             custom_logit_processor=custom,
+            input_embeds=embeds,
+            return_hidden_states=hidden,
         )
         decoder = TextDecoder(
             self.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
@@ -114,6 +128,8 @@ class RequestPreparer:
                 max_new,
                 input_logprob_start=logprobs.input_start,
                 wait_for=first if self.limits.prefix_sharing else None,
+                # Every prompt position's hidden state is returned: none comes from the cache.
+                reuse_prefix=not hidden,
             )
             output = SequenceOutput(
                 params, decoder, self.limits.eos_token_ids, max_new, output_ids=req.output_ids
@@ -131,6 +147,7 @@ class RequestPreparer:
                 thinking=None
                 if thinking_end is None or params.thinking_token_budget is None
                 else ThinkingBudget(thinking_end, params.thinking_token_budget),
+                hidden_states=HiddenStates(len(prompt_ids)) if hidden else None,
             )
             req.payload = seq
             seq.record_input_logprobs([])  # the first prompt token's entry has no logprob
@@ -142,7 +159,6 @@ class RequestPreparer:
     @staticmethod
     def _refuse_unsupported(item: GenerateRequest) -> None:
         refused = {
-            "input_embeds": "input embeddings are not supported; send text or input_ids",
             "image_data": "this engine serves text-only models; remove image_data",
             "audio_data": "this engine serves text-only models; remove audio_data",
             "lora_path": "LoRA adapters are not supported by this engine; remove lora_path",
@@ -150,11 +166,23 @@ class RequestPreparer:
         for field, message in refused.items():
             if getattr(item, field) is not None:
                 raise InvalidRequest(field, message)
-        if item.return_hidden_states:
-            raise InvalidRequest("return_hidden_states", "hidden states are not returned")
 
-    def _prompt_ids(self, item: GenerateRequest) -> list[int]:
-        if item.text is not None:
+    def _input_embeds(self, item: GenerateRequest) -> Any:
+        """The prompt's embeddings (a float32 tensor [seq, hidden]) when given, else None."""
+        if item.input_embeds is None:
+            return None
+        if self.limits.hidden_size <= 0:
+            raise InvalidRequest(
+                "input_embeds", "this engine does not take embeddings; send text or input_ids"
+            )
+        return parse_input_embeds(item.input_embeds, self.limits.hidden_size)  # type: ignore[arg-type]
+
+    def _prompt_ids(self, item: GenerateRequest, embeds: Any = None) -> list[int]:
+        if embeds is not None:
+            # Cache-key pseudo ids, one per row; the model takes the rows themselves.
+            field = "input_embeds"
+            ids = input_embeds_cache_ids(embeds)
+        elif item.text is not None:
             field = "text"
             ids = self.encode(str(item.text))
         else:

@@ -42,6 +42,9 @@ class LogitsOutput:
 
     next_token_logits: torch.Tensor
     input_logprobs: list[list[TokenLogprob] | None] | None = None
+    #: `hidden_states[b]`: request b's final hidden states [its new tokens, hidden] (float32,
+    #: on the CPU) when the batch asked for them (`hidden_state_requests`), else None.
+    hidden_states: list[torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -129,11 +132,30 @@ class ModelRunner:
             self.stats.graph_replays += 1
             return LogitsOutput(self.graph_runner.replay(batch))
         self.attention.prepare(batch)
-        hidden = self.model(batch.input_ids, batch.positions, self.attention)
+        hidden = self.model(
+            batch.input_ids,
+            batch.positions,
+            self.attention,
+            batch.input_embeds,
+            batch.input_embeds_rows,
+        )
         last = torch.cumsum(batch.extend_lens, 0) - 1
         logits = self.model.compute_logits(hidden.index_select(0, last))
         input_logprobs = self._input_logprobs(hidden, batch) if batch.input_logprobs else None
-        return LogitsOutput(logits, input_logprobs)
+        hidden_states = self._hidden_states(hidden, batch) if batch.hidden_state_requests else None
+        return LogitsOutput(logits, input_logprobs, hidden_states)
+
+    @staticmethod
+    def _hidden_states(hidden: torch.Tensor, batch: ForwardBatch) -> list[torch.Tensor | None]:
+        """The rows of the requests that asked, copied to the CPU (the others cost nothing)."""
+        result: list[torch.Tensor | None] = [None] * batch.batch_size
+        starts = [0]
+        for length in batch.extend_lens_cpu[:-1]:
+            starts.append(starts[-1] + length)
+        for index in batch.hidden_state_requests:
+            rows = hidden[starts[index] : starts[index] + batch.extend_lens_cpu[index]]
+            result[index] = rows.float().cpu()
+        return result
 
     def _input_logprobs(
         self, hidden: torch.Tensor, batch: ForwardBatch

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.hidden_states import HiddenStates
 from radixlm.runtime.logprobs import TokenLogprob
 from radixlm.runtime.scheduler import Req
 from radixlm.runtime.thinking import ThinkingBudget
@@ -50,6 +51,10 @@ class RequestHandle:
     stream_interval: int = 1  # output tokens per streamed chunk after the first
     logprobs: LogprobOptions = field(default_factory=LogprobOptions)
     custom_logit_processor: str | None = None
+    #: The prompt as embeddings (a float32 CPU tensor [prompt_len, hidden]) when it was given
+    #: as `input_embeds`; `prompt_ids` then hold its cache-key pseudo ids.
+    input_embeds: Any = None
+    return_hidden_states: bool = False
     created: float = field(default_factory=time.monotonic)
     seqs: list[SequenceState] = field(default_factory=list)
     closed: bool = False
@@ -89,6 +94,8 @@ class SequenceState:
     input_logprobs: list[Triple] = field(default_factory=list)
     input_top: list[list[Triple] | None] = field(default_factory=list)
     input_ids_logprobs: list[list[Triple] | None] = field(default_factory=list)
+    hidden_states: HiddenStates | None = None  # only when the request asked for them
+    sent_hidden: int = 0
     sent_text: int = 0
     sent_ids: int = 0
     sent_logprobs: int = 0
@@ -210,6 +217,12 @@ class SequenceState:
                 meta["input_top_logprobs"] = self.input_top
                 if handle.logprobs.token_ids is not None:
                     meta["input_token_ids_logprobs"] = self.input_ids_logprobs
+        if self.hidden_states is not None:
+            entries = self.hidden_states.entries(num_ids)
+            # Streamed: only the entries not sent yet (the prompt's rows come once).
+            start_hidden = min(self.sent_hidden, len(entries)) if handle.stream else 0
+            meta["hidden_states"] = entries[start_hidden:]
+            self.sent_hidden = len(entries)
         out = {
             "index": self.index,
             "text": text[start_text:],

@@ -142,9 +142,16 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope, arch.max_position_embeddings)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        input_embeds: torch.Tensor | None = None,
+        input_embeds_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if input_embeds is not None and input_embeds_rows is not None:
+            hidden[input_embeds_rows] = input_embeds.to(hidden.dtype)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, backend)
@@ -184,10 +191,18 @@ class DecoderForCausalLM(nn.Module):
         return head.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        input_embeds: torch.Tensor | None = None,
+        input_embeds_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [T, hidden] of the new tokens (K/V go to the pool)."""
-        hidden: torch.Tensor = self.model(input_ids, positions, backend)
+        """Final hidden states [T, hidden] of the new tokens, after the final norm (K/V go to
+        the pool). Rows `input_embeds_rows` take `input_embeds` instead of their ids' lookup."""
+        hidden: torch.Tensor = self.model(
+            input_ids, positions, backend, input_embeds, input_embeds_rows
+        )
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

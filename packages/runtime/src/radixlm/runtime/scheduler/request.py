@@ -47,6 +47,7 @@ class Req:
         input_logprob_start: int | None = None,
         wait_for: Req | None = None,
         payload: Any = None,
+        reuse_prefix: bool = True,
     ) -> None:
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -64,6 +65,9 @@ class Req:
         )
         self.wait_for = wait_for
         self.payload = payload
+        #: False: compute every prompt position, even those the cache holds (the engine wants
+        #: an output of each, e.g. its hidden state).
+        self.reuse_prefix = reuse_prefix
         self.arrival = next(_ARRIVALS)
         self.status = ReqStatus.WAITING
         self.grammar_pending = False

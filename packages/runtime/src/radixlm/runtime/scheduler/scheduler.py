@@ -406,7 +406,7 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
             match = self.cache.match_prompt(req.tokens(), req.extra_key)
-            prefix = match.length
+            prefix = match.length if req.reuse_prefix else 0
             if req.input_logprob_next is not None and not req.input_logprobs_done:
                 limit = req.input_logprob_next  # its logits must be computed
                 prefix = min(prefix, limit - limit % self.page)
