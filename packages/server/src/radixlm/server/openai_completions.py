@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixlm.sampling import GenerateRequest
+from radixlm.sampling import GenerateRequest, InvalidRequest
 from radixlm.server.openai_common import (
     StreamUsage,
     completion_logprobs,
@@ -170,6 +171,45 @@ class _Completion:
     def events(self, streams: EngineStreams) -> AsyncIterator[str]:
         return stream_events(streams, self.request.stream_options, self.chunk, self.choice_deltas)
 
+    async def beam_search(self) -> dict[str, Any]:
+        """The response of a `use_beam_search` call: per prompt, the n best of `best_of` (or n)
+        beams, best first, from the engine's optional `beam_search` coroutine."""
+        search = getattr(self.state.engine, "beam_search", None)
+        if search is None:
+            raise InvalidRequest("use_beam_search", "this engine does not support beam search")
+        request = self.request
+        width = request.best_of or request.n
+        beams = await asyncio.gather(
+            *(
+                search(
+                    item,
+                    width,
+                    length_penalty=request.length_penalty,
+                    early_stopping=request.early_stopping,
+                )
+                for item in self.items
+            )
+        )
+        choices = []
+        prompt_tokens = cached = completion = 0
+        for stream, results in enumerate(beams):
+            prefix = self.prompt_text(stream) if request.echo else ""
+            for rank, result in enumerate(results[: self.n]):
+                meta = result.get("meta_info", {})
+                completion += int(meta.get("completion_tokens", 0))
+                choices.append(
+                    {
+                        "index": stream * self.n + rank,
+                        "text": prefix + str(result.get("text", "")),
+                        "logprobs": None,
+                        "finish_reason": finish_reason(meta),
+                    }
+                )
+            first = results[0].get("meta_info", {}) if results else {}
+            prompt_tokens += int(first.get("prompt_tokens", 0))
+            cached += int(first.get("cached_tokens", 0))
+        return self.chunk(choices, usage(prompt_tokens, completion, cached))
+
 
 async def create_completion(state: ServerState, http: Request) -> Response:
     request = parse_body(CompletionRequest, read_object(await read_json(http)))
@@ -177,6 +217,8 @@ async def create_completion(state: ServerState, http: Request) -> Response:
     names = {"text": "prompt", "input_ids": "prompt", **param_names(request)}
     with renamed_errors(names):
         call = _Completion(state, request)
+        if request.use_beam_search:
+            return EngineJSONResponse(await cancel_on_disconnect(http, call.beam_search()))
         streams = state.streams("/v1/completions", call.items)
         if request.stream:
             await cancel_on_disconnect(http, streams.start())

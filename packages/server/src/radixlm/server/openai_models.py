@@ -115,6 +115,10 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's beam search: beam_width is best_of (or n); the n best beams come back.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     @field_validator("prompt")
     @classmethod
@@ -139,8 +143,21 @@ class CompletionRequest(SamplingFields):
     def _unsupported(self) -> CompletionRequest:
         if self.suffix:
             raise InvalidRequest("suffix", "is not supported (no fill-in-the-middle); omit it")
+        if self.use_beam_search:
+            return self._beam_search_options()
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequest("best_of", "is not supported unless equal to n; omit it")
+        return self
+
+    def _beam_search_options(self) -> CompletionRequest:
+        if self.stream:
+            raise InvalidRequest("stream", "is not supported with beam search; set it to false")
+        if self.logprobs is not None:
+            raise InvalidRequest("logprobs", "is not supported with beam search; omit it")
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequest(
+                "best_of", f"is the beam width and must be at least n ({self.n}); raise it"
+            )
         return self
 
 

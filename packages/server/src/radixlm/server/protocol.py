@@ -62,6 +62,19 @@ class EngineClient(Protocol):
     """The engine interface the HTTP server consumes.
 
     All coroutine methods are called from the server's event loop and must not block it.
+
+    Optional (not part of the structural check; the server looks for it with `getattr` and
+    answers 400 "this engine does not support beam search" without it):
+
+        async def beam_search(request: GenerateRequest, beam_width: int, *,
+                              length_penalty: float = 1.0,
+                              early_stopping: bool = False) -> list[dict[str, Any]]
+
+    Beam search over one single request's prompt (`/v1/completions` with `use_beam_search`):
+    `max_new_tokens`, `ignore_eos` and `skip_special_tokens` come from its sampling params. It
+    returns the `beam_width` best sequences, best first, as final chunks (`index` is the rank;
+    `meta_info` may add `score`, the cumulative logprob over generated_len ** length_penalty).
+    Errors are raised as for `generate`; cancelling it aborts whatever it has running.
     """
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
