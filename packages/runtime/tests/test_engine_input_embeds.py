@@ -195,3 +195,39 @@ def test_the_runner_takes_embeddings_rows_and_returns_only_the_hidden_states_ask
     assert given.hidden_states is not None and given.hidden_states[0] is None
     assert given.hidden_states[1].shape == (len(prompts[1]), lookup.shape[1])
     assert runner.kv_pool.available == runner.kv_pool.num_slots
+
+
+def test_retracted_embeddings_prompts_resume_with_the_same_tokens_and_hidden_states(
+    model_dir: Path,
+) -> None:
+    import dataclasses
+
+    from radixlm.runtime.engine_config import EngineConfig
+    from radixlm.runtime.fixtures import sample_texts
+
+    base = EngineConfig.from_kwargs(
+        str(model_dir), show_progress=False, max_total_tokens=192, max_running_requests=16
+    )
+    # Admit optimistically so that decode runs out of slots and must retract.
+    scheduler = dataclasses.replace(
+        base.scheduler, init_new_token_ratio=0.02, min_new_token_ratio=0.0
+    )
+    params = {**GREEDY, "max_new_tokens": 20}
+    with Engine(config=dataclasses.replace(base, scheduler=scheduler)) as eng:
+        ids = [eng.tokenizer.encode(t) for t in sample_texts(8, seed=3)]
+        outs = eng.generate(
+            input_embeds=[table(eng)[i].tolist() for i in ids],
+            sampling_params=params,
+            return_hidden_states=True,
+        )
+        assert eng.server_info()["num_retractions"] > 0
+        for prompt, out in zip(ids, outs, strict=True):
+            alone = eng.generate(
+                input_ids=prompt, sampling_params=params, return_hidden_states=True
+            )
+            assert out["output_ids"] == alone["output_ids"]
+            ours, theirs = out["meta_info"]["hidden_states"], alone["meta_info"]["hidden_states"]
+            assert len(ours) == len(theirs) == params["max_new_tokens"]
+            assert torch.allclose(torch.tensor(ours[0]), torch.tensor(theirs[0]), atol=1e-4)
+            assert torch.allclose(torch.tensor(ours[1:]), torch.tensor(theirs[1:]), atol=1e-4)
+        no_leak(eng)
