@@ -63,7 +63,7 @@ def _transformers_beams(
     k: int,
     max_tokens: int,
     length_penalty: float,
-    early_stopping: bool,
+    early_stopping: bool | str,
 ) -> tuple[list[list[int]], list[float] | None]:
     with torch.no_grad():
         out = pair.hf.generate(
@@ -116,9 +116,9 @@ def test_beams_equal_transformers_when_beams_end_at_max_tokens(
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("k", [2, 4])
 @pytest.mark.parametrize("length_penalty", [1.0, 0.0, -1.0, 2.0])
-@pytest.mark.parametrize("early_stopping", [False, True])
+@pytest.mark.parametrize("early_stopping", [False, True, "never"])
 def test_beams_equal_transformers_when_beams_end_at_eos(
-    eos_heavy: Pair, prompt: str, k: int, length_penalty: float, early_stopping: bool
+    eos_heavy: Pair, prompt: str, k: int, length_penalty: float, early_stopping: bool | str
 ) -> None:
     _assert_matches(
         eos_heavy, prompt, k, 24, length_penalty=length_penalty, early_stopping=early_stopping
