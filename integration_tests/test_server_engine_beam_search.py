@@ -48,3 +48,14 @@ def test_streaming_beam_search_is_a_400(client: openai.OpenAI) -> None:
             model=MODEL, prompt=PROMPT, stream=True, extra_body={"use_beam_search": True}
         )
     assert error.value.body["param"] == "stream"  # type: ignore[index]
+
+
+def test_a_search_past_the_context_is_a_400_naming_max_tokens(
+    client: openai.OpenAI, server: Any
+) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=5000, extra_body={"use_beam_search": True}
+        )
+    assert error.value.body["param"] == "max_tokens"  # type: ignore[index]
+    server.assert_no_leaks()

@@ -179,17 +179,23 @@ class _Completion:
             raise InvalidRequest("use_beam_search", "this engine does not support beam search")
         request = self.request
         width = request.best_of or request.n
-        beams = await asyncio.gather(
-            *(
+        tasks = [
+            asyncio.ensure_future(
                 search(
                     item,
                     width,
                     length_penalty=request.length_penalty,
                     early_stopping=request.early_stopping,
                 )
-                for item in self.items
             )
-        )
+            for item in self.items
+        ]
+        try:
+            beams = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # one prompt failed: stop the others' searches too
+                task.cancel()
+            raise
         choices = []
         prompt_tokens = cached = completion = 0
         for stream, results in enumerate(beams):
