@@ -39,6 +39,9 @@ at `/docs`. How the routes behave (streaming, errors, authentication, batching) 
 - Errors are JSON in OpenAI's shape, `{{"error": {{"message", "type", "param", "code"}}}}`, with
   the HTTP status (400 bad input, 401, 404, 503 overloaded, 500).
 - `/metrics` answers 404 unless the server runs with `--enable-metrics`.
+- The "from" column says where each field comes from — OpenAI's API, SGLang's `/generate`
+  and extras, vLLM's extras, or radixlm's own — and, after a colon, where radixlm behaves
+  differently from the original.
 """
 
 
@@ -119,17 +122,22 @@ def default_of(prop: dict[str, Any]) -> str:
     return f"`{cell(json.dumps(prop['default']))}`"
 
 
-def fields_table(model: dict[str, Any]) -> list[str]:
+def fields_table(model: dict[str, Any], title: str) -> list[str]:
+    """A model's fields: type, default, where each comes from (and how radixlm differs), notes."""
+    from field_origins import origin_of
+
     props: dict[str, Any] = model.get("properties", {})
     if not props:
         return ["(no fields)", ""]
     required = set(model.get("required", []))
-    lines = ["| field | type | default | notes |", "|---|---|---|---|"]
+    lines = ["| field | type | default | from | notes |", "|---|---|---|---|---|"]
     for name, prop in props.items():
         notes = "**required**" if name in required else ""
         if prop.get("description"):
             notes = f"{notes}; {prop['description']}" if notes else prop["description"]
-        lines.append(f"| `{name}` | {cell(type_of(prop))} | {default_of(prop)} | {cell(notes)} |")
+        origin = cell(origin_of(title, name))
+        kind = cell(type_of(prop))
+        lines.append(f"| `{name}` | {kind} | {default_of(prop)} | {origin} | {cell(notes)} |")
     lines.append("")
     extra = model.get("additionalProperties")
     if extra is False:
@@ -164,10 +172,10 @@ def render(schema: dict[str, Any]) -> str:
         if model:
             title = model.get("title", "body")
             lines += [f"Request body: `{title}`. {model.get('description', '')}".rstrip(), ""]
-            lines += fields_table(model)
+            lines += fields_table(model, title)
             for name, sub in sorted(model.get("$defs", {}).items()):
                 lines += [f"`{name}`: {sub.get('description', '')}".rstrip(), ""]
-                lines += fields_table(sub)
+                lines += fields_table(sub, name)
         statuses = ", ".join(sorted(op.get("responses", {})))
         lines += [f"Documented responses: {statuses}.", ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -166,10 +166,10 @@ def sampling_params(
     constraints = requested_constraints(request)
     derived = overrides.get("json_schema")
     if len(constraints) + (derived is not None) > 1:
-        names = [c.param for c in constraints]
+        given = [c.param for c in constraints]
         raise InvalidRequest(
-            names[1] if derived is None else names[0],
-            f"only one constraint may shape the output; got {', '.join(names)}"
+            given[1] if derived is None else given[0],
+            f"only one constraint may shape the output; got {', '.join(given)}"
             + ("" if derived is None else " besides the route's own (response_format or tools)"),
         )
     for found in constraints:
@@ -196,8 +196,8 @@ def sampling_params(
     try:
         return SamplingParams.parse(values)
     except InvalidRequest as error:
-        names = param_names(request, max_tokens_name)
-        raise InvalidRequest(names.get(error.field, error.field), error.message) from None
+        renamed = param_names(request, max_tokens_name)
+        raise InvalidRequest(renamed.get(error.field, error.field), error.message) from None
 
 
 def finish_reason(meta: Mapping[str, Any]) -> str | None:
