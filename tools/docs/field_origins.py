@@ -96,6 +96,8 @@ ORIGINS: dict[str, dict[str, str]] = {
         "prompt_logprobs": f"{V}: -1 is the whole vocabulary, bounded by --max-logprobs",
         "logprob_token_ids": f"{V}: turns logprobs on by itself",
         "extra_args": f"{V}: reach custom logit processors under custom_params' keys",
+        "flat_logprobs": f"{V}: columns (logprobs, token_ids, texts, offsets), not a list per "
+        "token",
     },
     "RepetitionDetection": {"*": R},
     "StreamOptions": {"*": OAI, "continuous_usage_stats": V},

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.runtime.hidden_states import HiddenStates
-from radixlm.runtime.logprobs import TokenLogprob
+from radixlm.runtime.logprobs import TokenLogprob, flatten_logprobs
 from radixlm.runtime.scheduler import Req
 from radixlm.runtime.thinking import ThinkingBudget
 from radixlm.runtime.tokenizer import FinishReason, SequenceOutput, TextDecoder
@@ -223,6 +223,8 @@ class SequenceState:
             start_hidden = min(self.sent_hidden, len(entries)) if handle.stream else 0
             meta["hidden_states"] = entries[start_hidden:]
             self.sent_hidden = len(entries)
+        if handle.logprobs.enabled and handle.params.flat_logprobs:
+            flatten_logprobs(meta)
         out = {
             "index": self.index,
             "text": text[start_text:],

@@ -141,6 +141,9 @@ class SamplingParams(BaseModel):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logprob_token_ids: list[int] | None = None
+    #: vLLM's: logprobs in a flat, columnar layout (see the runtime's `flatten_logprobs`)
+    #: instead of one small list per token, cheaper for long outputs.
+    flat_logprobs: bool = False
 
     # Free-form parameters for a custom logit processor (SGLang's), and vLLM's name for the
     # same: `extra_args` reach the processor too, under `custom_params`' keys.
