@@ -351,3 +351,27 @@ def test_extra_args_reach_the_custom_logit_processor(http: Any) -> None:
         "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "extra_args": {"token_id": 7}},
     }
     assert http.post("/generate", json=body).json()["output_ids"] == [7] * 4
+
+
+def test_responses_api_through_the_official_client_on_the_engine(client: openai.OpenAI) -> None:
+    first = client.responses.create(model="tiny-llama", input="Say hi.", max_output_tokens=4)
+    assert first.status in ("completed", "incomplete") and first.usage is not None
+    assert 1 <= first.usage.output_tokens <= 4 and isinstance(first.output_text, str)
+    second = client.responses.create(
+        model="default", input="And again.", previous_response_id=first.id, max_output_tokens=2
+    )
+    assert second.usage is not None and second.usage.input_tokens > first.usage.input_tokens
+    deltas: list[str] = []
+    kinds: list[str] = []
+    last: Any = None
+    # The client's get_final_response() wants response.completed; a cut by
+    # max_output_tokens ends in response.incomplete (as OpenAI's), so read the last event.
+    with client.responses.stream(model="tiny-llama", input="Stream.", max_output_tokens=3) as s:
+        for event in s:
+            kinds.append(event.type)
+            last = event
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+    assert kinds[0] == "response.created"
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert "".join(deltas) == last.response.output_text
