@@ -98,7 +98,7 @@ class RequestPreparer:
                 "max_new_tokens",
                 f"this model's maximum context length is {limit} tokens; you requested "
                 f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} "
-                "to generate); lower max_new_tokens or shorten the prompt",
+                "to generate); ask for fewer tokens or shorten the prompt",
             )
         future = self.grammar.submit(params)
         max_new = room if wanted is None else min(wanted, room)
