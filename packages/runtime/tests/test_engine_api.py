@@ -184,6 +184,8 @@ def test_engine_satisfies_the_engine_client_protocol_structurally(engine: Engine
     stats = engine.server_info()
     for key in ("num_running_reqs", "num_queued_reqs", "cache_hit_rate", "token_usage"):
         assert key in stats
+    # The compute dtype auto chose, and why (the tiny model is a float32 checkpoint).
+    assert stats["dtype"] == "float32" and "float32" in stats["dtype_reason"]
     json.dumps(stats)
 
 

@@ -20,6 +20,7 @@ from radixlm.runtime import (
     supported_architectures,
 )
 from radixlm.runtime.loader import resolve_device, resolve_dtype
+from radixlm.runtime.models.linear import cpu_packing_available
 
 IDS = torch.tensor([[3, 14, 15, 92, 65, 35]])
 
@@ -79,13 +80,34 @@ def test_bfloat16_load_casts_the_weights_and_stays_close(
     assert int(ours[-1].argmax()) == int(expected[-1].argmax())
 
 
-def test_bfloat16_checkpoint_loads_as_bfloat16_with_auto(
+def test_bfloat16_checkpoint_with_auto_computes_in_the_devices_fast_dtype(
     hf_checkpoints: dict[str, tuple[Path, Any]], tmp_path: Path
 ) -> None:
     _, hf_model = hf_checkpoints["qwen3"]
     copy.deepcopy(hf_model).to(torch.bfloat16).save_pretrained(tmp_path)
-    _, info = load_model(ModelConfig(str(tmp_path), show_progress=False))
-    assert info.dtype == torch.bfloat16
+    model, info = load_model(ModelConfig(str(tmp_path), device="cpu", show_progress=False))
+    fast = cpu_packing_available(torch.bfloat16)  # AVX512-BF16 / AMX CPUs
+    assert info.dtype == (torch.bfloat16 if fast else torch.float32)
+    assert all(p.dtype == info.dtype for p in model.parameters())
+    assert ("fast rate" if fast else "no fast bfloat16") in info.dtype_reason
+    _, asked = load_model(ModelConfig(str(tmp_path), dtype="bfloat16", show_progress=False))
+    assert asked.dtype == torch.bfloat16 and asked.dtype_reason == "bfloat16, as asked"
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_dtype_follows_the_cpu_probe(monkeypatch: pytest.MonkeyPatch, fast: bool) -> None:
+    from radixlm.runtime import loader
+
+    monkeypatch.setattr(loader, "cpu_packing_available", lambda dtype: fast)
+    cpu = torch.device("cpu")
+    dtype, why = loader.choose_dtype("auto", "bfloat16", cpu)
+    assert dtype == (torch.bfloat16 if fast else torch.float32), why
+    assert loader.choose_dtype("auto", "float16", cpu)[0] == (
+        torch.float16 if fast else torch.float32
+    )
+    assert loader.choose_dtype("auto", "float32", cpu)[0] == torch.float32
+    assert loader.choose_dtype("auto", "bfloat16", torch.device("cuda"))[0] == torch.bfloat16
+    assert loader.choose_dtype("bfloat16", "float32", cpu) == (torch.bfloat16, "bfloat16, as asked")
 
 
 def test_dummy_format_builds_real_shapes_without_weight_files(
@@ -202,7 +224,7 @@ def test_config_values_are_checked() -> None:
 def test_device_and_dtype_resolution() -> None:
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_dtype("auto", None) == torch.float32
-    assert resolve_dtype("auto", "bfloat16") == torch.bfloat16
+    assert resolve_dtype("auto", "bfloat16") == torch.bfloat16  # no device: the checkpoint's
     assert resolve_dtype("float16", "bfloat16") == torch.float16
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="CUDA is not available"):

@@ -603,6 +603,10 @@ class Engine:
         return {
             "config": self.config.to_dict(),
             **self.grammar.settings(),
+            # The compute dtype `dtype: auto` chose on this device, and why.
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "dtype_reason": self.runner.info.dtype_reason,
+            "device": str(self.runner.device),
             "model": self.model_info(),
             "max_total_num_tokens": total,
             "num_running_reqs": len(sched.running),

@@ -50,6 +50,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     generation_config: Mapping[str, Any] = field(default_factory=dict)
     hf_config: Any = None
+    #: Why `dtype` was chosen (logged at start-up, reported by /get_server_info).
+    dtype_reason: str = ""
 
     @property
     def vocab_size(self) -> int:
@@ -66,13 +68,34 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
-    """ "auto" keeps the checkpoint's dtype (float32 when the config names none)."""
+def resolve_dtype(
+    name: str, checkpoint_dtype: str | None, device: torch.device | None = None
+) -> torch.dtype:
+    """The compute dtype (see `choose_dtype`)."""
+    return choose_dtype(name, checkpoint_dtype, device)[0]
+
+
+def choose_dtype(
+    name: str, checkpoint_dtype: str | None, device: torch.device | None = None
+) -> tuple[torch.dtype, str]:
+    """The compute dtype and why. An explicit name wins. "auto" keeps the checkpoint's dtype
+    (float32 when the config names none) on GPUs, and on CPUs that compute it at a fast rate;
+    on other CPUs a half-precision checkpoint runs in float32: without AVX512-BF16/FP16 or AMX
+    torch multiplies bfloat16 several times slower than float32 (oneDNN cannot pack such
+    weights, which the start-up probe finds out)."""
     if name != "auto":
-        return _DTYPES[name]
-    if checkpoint_dtype in _DTYPES:
-        return _DTYPES[checkpoint_dtype]
-    return torch.float32
+        return _DTYPES[name], f"{name}, as asked"
+    stored = _DTYPES.get(checkpoint_dtype or "", torch.float32)
+    label = str(stored).removeprefix("torch.")
+    if stored == torch.float32 or device is None or device.type != "cpu":
+        return stored, f"the checkpoint's {label}"
+    if cpu_packing_available(stored):
+        return stored, f"the checkpoint's {label}: this CPU multiplies {label} at a fast rate"
+    return torch.float32, (
+        f"float32 for a {label} checkpoint: this CPU has no fast {label} matrix multiply "
+        "(no AVX512-BF16/FP16 or AMX; oneDNN cannot pack such weights), and float32 runs "
+        "several times faster here; --dtype bfloat16 keeps the checkpoint's dtype"
+    )
 
 
 def _looks_like_hub_id(text: str) -> bool:
@@ -152,12 +175,15 @@ def read_model_info(config: ModelConfig) -> ModelInfo:
     if generation_file.is_file():
         generation = _read_json(generation_file)
     context = config.context_length or arch.max_position_embeddings
+    device = resolve_device(config.device)
+    dtype, reason = choose_dtype(config.dtype, arch.torch_dtype, device)
     return ModelInfo(
         path=path,
         arch=arch,
         family=family,
-        dtype=resolve_dtype(config.dtype, arch.torch_dtype),
-        device=resolve_device(config.device),
+        dtype=dtype,
+        dtype_reason=reason,
+        device=device,
         context_length=context,
         eos_token_ids=_eos_ids(generation.get("eos_token_id"), raw.get("eos_token_id")),
         generation_config=generation,

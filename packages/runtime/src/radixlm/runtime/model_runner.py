@@ -12,6 +12,7 @@ The runner owns no request state: slot allocation (`runner.kv_pool`), request ro
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -30,6 +31,9 @@ from radixlm.runtime.sampling_batch import SamplingBatch
 
 # Rows of prompt logits turned into logprobs at once (bounds the [rows, vocab] temporaries).
 _LOGPROB_CHUNK = 256
+
+
+logger = logging.getLogger("radixlm.runtime.runner")
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ class ModelRunner:
         self.info = info
         self.device = info.device
         self.dtype = info.dtype
+        if info.dtype_reason:
+            logger.info("compute dtype %s on %s: %s", info.dtype, info.device, info.dtype_reason)
         arch = info.arch
         memory = config.memory
         kv_dtype = self.dtype if memory.kv_cache_dtype == "auto" else _dtype(memory.kv_cache_dtype)
