@@ -27,7 +27,8 @@ class ModelConfig:
 
     `model_path` is a local Hugging Face model directory (or a hub id that is already in the
     local Hugging Face cache; nothing is ever downloaded). `dtype="auto"` keeps the checkpoint's
-    dtype (float32 checkpoints stay float32). `device="auto"` picks CUDA when available.
+    dtype on GPUs and on CPUs that multiply it fast; on other CPUs a half-precision checkpoint
+    computes in float32 (see `loader.choose_dtype`). `device="auto"` picks CUDA when available.
     `load_format="dummy"` builds random weights with the real shapes (benchmarks).
     `cpu_weight_packing` lets models on CPU keep their linear weights in oneDNN's packed layout
     (packed at the first forward; 1.3-2x faster GEMV/GEMM than F.linear there).
