@@ -7,8 +7,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from starlette.requests import Request
@@ -56,12 +56,6 @@ def renamed_errors(names: Mapping[str, str]) -> Iterator[None]:
         if error.field not in names:
             raise
         raise InvalidRequest(names[error.field], error.message) from None
-
-
-def renamed_prompt_errors(field: str) -> Callable[[], AbstractContextManager[None]]:
-    """A context that re-raises InvalidRequest about `text` / `input_ids` as about `field`
-    (the OpenAI routes build those from `prompt` / `messages`)."""
-    return lambda: renamed_errors({"text": field, "input_ids": field})
 
 
 def finish_type(chunk: dict[str, Any]) -> str | None:
