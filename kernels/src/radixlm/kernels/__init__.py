@@ -22,6 +22,19 @@ from radixlm.kernels.elementwise import (
     silu_and_mul,
 )
 from radixlm.kernels.logits import apply_token_bitmask_inplace, sample_from_probs
+from radixlm.kernels.quant import (
+    dequantize_fp8,
+    dequantize_int4,
+    dequantize_int8,
+    fp8_linear,
+    int4_linear,
+    int8_linear,
+    pack_int4,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 
 __all__ = [
     "BackendName",
@@ -29,14 +42,25 @@ __all__ = [
     "apply_token_bitmask_inplace",
     "available",
     "decode_attention",
+    "dequantize_fp8",
+    "dequantize_int4",
+    "dequantize_int8",
     "extend_attention",
+    "fp8_linear",
     "fused_add_rms_norm",
     "get_backend",
+    "int4_linear",
+    "int8_linear",
     "interpreter_enabled",
+    "pack_int4",
+    "quantize_fp8",
+    "quantize_int4",
+    "quantize_int8",
     "rms_norm",
     "rotary_embedding",
     "sample_from_probs",
     "silu_and_mul",
     "store_kv",
+    "unpack_int4",
     "use_backend",
 ]

@@ -17,12 +17,35 @@ from radixlm.kernels.reference.logits import (
     sampling_thresholds,
     unpack_bitmask,
 )
+from radixlm.kernels.reference.quant import (
+    dequantize_fp8,
+    dequantize_int4,
+    dequantize_int8,
+    fp8_linear,
+    int4_linear,
+    int8_linear,
+    pack_int4,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 
 __all__ = [
     "apply_token_bitmask_inplace",
     "decode_attention",
+    "dequantize_fp8",
+    "dequantize_int4",
+    "dequantize_int8",
     "extend_attention",
+    "fp8_linear",
     "fused_add_rms_norm",
+    "int4_linear",
+    "int8_linear",
+    "pack_int4",
+    "quantize_fp8",
+    "quantize_int4",
+    "quantize_int8",
     "rms_norm",
     "rotary_embedding",
     "sample_from_probs",
@@ -30,4 +53,5 @@ __all__ = [
     "silu_and_mul",
     "store_kv",
     "unpack_bitmask",
+    "unpack_int4",
 ]

@@ -17,6 +17,7 @@ from radixlm.kernels.triton_ops.elementwise import (
 )
 from radixlm.kernels.triton_ops.extend import extend_attention
 from radixlm.kernels.triton_ops.logits import apply_token_bitmask_inplace, sample_from_probs
+from radixlm.kernels.triton_ops.quant import fp8_linear, int4_linear, int8_linear
 
 __all__ = [
     "INTERPRETED",
@@ -24,7 +25,10 @@ __all__ = [
     "decode_attention",
     "default_num_kv_splits",
     "extend_attention",
+    "fp8_linear",
     "fused_add_rms_norm",
+    "int4_linear",
+    "int8_linear",
     "rms_norm",
     "rotary_embedding",
     "sample_from_probs",

@@ -1,0 +1,319 @@
+"""Weight-only quantized GEMMs in Triton: int8 / fp8 per channel (or tensor), int4 per group."""
+
+# Triton reads kernel parameter annotations itself, so @triton.jit functions stay unannotated.
+# mypy: disable-error-code="untyped-decorator, no-untyped-def"
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from radixlm.kernels.triton_ops._common import INTERPRETED, num_sms, upcast_dots
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """Tile sizes and launch settings of one quantized GEMM call."""
+
+    m: int
+    n: int
+    k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def choose_blocks(m: int, n: int, device: torch.device, max_k: int | None = None) -> Blocks:
+    """Tiles from the number of rows alone (plus the device's SM count for decode).
+
+    Decode (``m <= 16``) is a weight-streaming GEMV: one 16-row tile, long K steps, and narrow
+    N tiles when wide ones would leave SMs idle. Prefill grows the M and N tiles so that each
+    weight tile loaded (and dequantized) serves more rows. ``max_k`` caps the K step (an int4
+    tile must lie inside one quantization group).
+    """
+    if INTERPRETED:  # numpy runs whole tiles; small ones keep the tests quick
+        blocks = Blocks(16, 32, 32, num_warps=4, num_stages=1)
+    elif m <= 16:
+        narrow = triton.cdiv(n, 64) < 2 * num_sms(device)
+        blocks = Blocks(16, 32 if narrow else 64, 256, num_warps=4, num_stages=4)
+    elif m <= 64:
+        blocks = Blocks(64, 64, 128, num_warps=4, num_stages=4)
+    elif m <= 256:
+        blocks = Blocks(64, 128, 64, num_warps=4, num_stages=4)
+    else:
+        blocks = Blocks(128, 128, 64, num_warps=8, num_stages=3)
+    if max_k is not None and blocks.k > max_k:
+        blocks = Blocks(blocks.m, blocks.n, max_k, blocks.num_warps, blocks.num_stages)
+    return blocks
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (M tile, N tile), walking GROUP_M row tiles per column of N tiles so that
+    programs running together share weight tiles (and x tiles) in L2."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows
+    pid_n = (pid % per_group) // rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _epilogue(acc, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ptrs = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(ptrs, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scaled_linear_kernel(
+    X,
+    W,
+    Scale,
+    Bias,
+    Out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``out = (x @ w.T) * scale (+ bias)`` for int8 or float8e4nv ``w``: each weight tile is
+    converted to x's dtype in registers (exactly: every int8 and e4m3 value is a bf16/fp16
+    value), and the per-channel (or per-tensor) scale, constant along K, is applied once to
+    the fp32 accumulator."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows and columns past the edge read row 0 / column 0 again (valid memory, never stored),
+    # so only K needs a load mask.
+    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    x_ptrs = X + rows[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = W + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_in = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=k_in[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
+        if UPCAST:
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(X.dtype.element_ty))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if PER_CHANNEL:
+        scale = tl.load(Scale + cols).to(tl.float32)
+        acc = acc * scale[None, :]
+    else:
+        acc = acc * tl.load(Scale).to(tl.float32)
+    _epilogue(acc, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _int4_linear_kernel(
+    X,
+    QW,
+    Scales,
+    Zeros,
+    Bias,
+    Out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``out = x @ ((q - zeros) * scales).T (+ bias)`` with two 4-bit codes per byte.
+
+    A K tile lies inside one quantization group (``GROUP % BLOCK_K == 0``, so no K mask
+    either), hence one scale and zero per output column per tile. The packed bytes are split
+    into their low nibbles (even columns of K) and high nibbles (odd columns), each dequantized
+    in fp32 and multiplied against the matching even or odd columns of x: two dots of
+    ``BLOCK_K / 2`` instead of one interleaved tile.
+    """
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_b = tl.arange(0, BLOCK_K // 2)  # byte j of the tile holds columns 2j and 2j + 1
+    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    x_even = X + rows[:, None] * stride_xm + 2 * offs_b[None, :]
+    q_ptrs = QW + cols[None, :] * stride_qn + offs_b[:, None]  # [BLOCK_K // 2, BLOCK_N]
+    s_ptrs = Scales + cols * stride_sn
+    z_ptrs = Zeros + cols * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // GROUP
+        s = tl.load(s_ptrs + g).to(tl.float32)[None, :]
+        z = tl.load(z_ptrs + g).to(tl.float32)[None, :]
+        packed = tl.load(q_ptrs).to(tl.int32)
+        w_even = ((packed & 0xF).to(tl.float32) - z) * s
+        w_odd = ((packed >> 4).to(tl.float32) - z) * s
+        xe = tl.load(x_even)
+        xo = tl.load(x_even + 1)
+        if UPCAST:
+            acc += tl.dot(xe.to(tl.float32), w_even, input_precision="ieee")
+            acc += tl.dot(xo.to(tl.float32), w_odd, input_precision="ieee")
+        else:
+            acc += tl.dot(xe, w_even.to(X.dtype.element_ty))
+            acc += tl.dot(xo, w_odd.to(X.dtype.element_ty))
+        x_even += BLOCK_K
+        q_ptrs += BLOCK_K // 2
+    _epilogue(acc, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[M, K]`` with a unit stride on K."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, x.shape[-1])
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _grid(m: int, n: int, blocks: Blocks) -> tuple[int]:
+    return (triton.cdiv(m, blocks.m) * triton.cdiv(n, blocks.n),)
+
+
+def _scaled_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    per_channel: bool,
+) -> torch.Tensor:
+    n, k = weight.shape
+    x2 = _rows(x)
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    blocks = choose_blocks(m, n, x.device)
+    _scaled_linear_kernel[_grid(m, n, blocks)](
+        x2,
+        weight,
+        _dense(scale),
+        _dense(bias) if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_M=blocks.m,
+        BLOCK_N=blocks.n,
+        BLOCK_K=blocks.k,
+        GROUP_M=blocks.group_m,
+        PER_CHANNEL=per_channel,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % blocks.k == 0,
+        UPCAST=upcast_dots(x.dtype),
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
+    )
+    return out.view(*x.shape[:-1], n)
+
+
+def int8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`radixlm.kernels.int8_linear`."""
+    return _scaled_linear(x, weight, scale, bias, per_channel=True)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`radixlm.kernels.fp8_linear`."""
+    # Validated to be [] or [1] (per tensor) or [N]; with N == 1 both readings agree.
+    per_channel = weight_scale.numel() != 1
+    return _scaled_linear(x, weight, weight_scale.reshape(-1), bias, per_channel=per_channel)
+
+
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`radixlm.kernels.int4_linear`."""
+    n = qweight.shape[0]
+    k = 2 * qweight.shape[1]
+    x2 = _rows(x)
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    qweight = _dense(qweight)
+    scales, zeros = _dense(scales), _dense(zeros)
+    blocks = choose_blocks(m, n, x.device, max_k=group_size)
+    _int4_linear_kernel[_grid(m, n, blocks)](
+        x2,
+        qweight,
+        scales,
+        zeros,
+        _dense(bias) if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        GROUP=group_size,
+        BLOCK_M=blocks.m,
+        BLOCK_N=blocks.n,
+        BLOCK_K=blocks.k,
+        GROUP_M=blocks.group_m,
+        HAS_BIAS=bias is not None,
+        UPCAST=upcast_dots(x.dtype),
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
+    )
+    return out.view(*x.shape[:-1], n)
