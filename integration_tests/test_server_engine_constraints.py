@@ -293,3 +293,14 @@ def test_cli_offers_the_runtimes_grammar_backends() -> None:
     assert CLI_CHOICES == GRAMMAR_BACKENDS
     for name in GRAMMAR_BACKENDS:
         assert build_parser().parse_args(["--grammar-backend", name]).grammar_backend == name
+
+
+def test_cli_offers_the_runtimes_quantization_methods_and_kv_dtypes() -> None:
+    from radixlm.runtime.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+    from radixlm.runtime.quant import QUANTIZATION_METHODS as RUNTIME_METHODS
+    from radixlm.server import cli
+
+    assert cli.QUANTIZATION_METHODS == QUANTIZATION_METHODS == RUNTIME_METHODS
+    assert cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES
+    args = cli.build_parser().parse_args(["--quantization", "int4", "--kv-cache-dtype", "fp8_e4m3"])
+    assert (args.quantization, args.kv_cache_dtype) == ("int4", "fp8_e4m3")

@@ -178,3 +178,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hf_model_factory() -> Callable[..., Any]:
+    """`make_hf_model` for test modules (importlib mode cannot import this conftest)."""
+    return make_hf_model
+
+
+@pytest.fixture(scope="session")
+def runner_config_for() -> Callable[..., RunnerConfig]:
+    """`runner_config` for test modules."""
+    return runner_config

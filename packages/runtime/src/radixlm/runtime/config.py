@@ -12,6 +12,13 @@ LogprobsMode = Literal["raw", "processed"]
 
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
+#: The KV pool's dtypes: the compute dtype ("auto"), a float dtype, or float8 (SGLang's names).
+KV_CACHE_DTYPES = (*_DTYPES, "fp8_e4m3", "fp8_e5m2")
+_KV_DTYPE_ALIASES = {**_DTYPE_ALIASES, "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+#: `quantization`: the runtime's `radixlm.runtime.quant.QUANTIZATION_METHODS` (kept here so the
+#: config stays free of torch imports; a test keeps the two equal).
+QUANTIZATION_METHODS = ("int8", "w8a8_int8", "int4", "fp8", "gptq", "awq")
+_GROUP_SIZES = ("32", "64", "128")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _BACKENDS = ("auto", "torch_native", "triton")
 
@@ -32,6 +39,10 @@ class ModelConfig:
     `load_format="dummy"` builds random weights with the real shapes (benchmarks).
     `cpu_weight_packing` lets models on CPU keep their linear weights in oneDNN's packed layout
     (packed at the first forward; 1.3-2x faster GEMV/GEMM than F.linear there).
+    `quantization` quantizes a full-precision checkpoint's linear layers as it loads (int8,
+    w8a8_int8, int4 in groups of `quantization_group_size`, fp8) or names the method of a
+    pre-quantized one (gptq, awq, fp8; read from its config.json when not given). See
+    `radixlm.runtime.quant`.
     """
 
     model_path: str
@@ -42,10 +53,17 @@ class ModelConfig:
     seed: int = 0
     show_progress: bool = True
     cpu_weight_packing: bool = True
+    quantization: str | None = None
+    quantization_group_size: int = 128
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))
         _choice("dtype", self.dtype, _DTYPES)
+        if self.quantization in ("none", ""):
+            object.__setattr__(self, "quantization", None)
+        if self.quantization is not None:
+            _choice("quantization", self.quantization, QUANTIZATION_METHODS)
+        _choice("quantization_group_size", str(self.quantization_group_size), _GROUP_SIZES)
         _choice("load_format", self.load_format, _LOAD_FORMATS)
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"context_length must be positive; got {self.context_length}")
@@ -69,7 +87,9 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(
-            self, "kv_cache_dtype", _DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+            self,
+            "kv_cache_dtype",
+            _KV_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype),
         )
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1]; got {self.kv_cache_fraction}")
@@ -81,7 +101,7 @@ class MemoryConfig:
             raise ValueError(f"page_size must be >= 1; got {self.page_size}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1; got {self.max_running_requests}")
-        _choice("kv_cache_dtype", self.kv_cache_dtype, _DTYPES)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)

@@ -607,6 +607,9 @@ class Engine:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "dtype_reason": self.runner.info.dtype_reason,
             "device": str(self.runner.device),
+            # The linear layers' quantized format (None: full precision), and the KV pool's dtype.
+            "quantization": quant.describe() if (quant := self.runner.info.quantization) else None,
+            "kv_cache_dtype": str(self.runner.kv_pool.dtype).removeprefix("torch."),
             "model": self.model_info(),
             "max_total_num_tokens": total,
             "num_running_reqs": len(sched.running),

@@ -245,6 +245,8 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "context_length": ("model", "context_length", None),
     "seed": ("model", "seed", None),
     "show_progress": ("model", "show_progress", None),
+    "quantization": ("model", "quantization", None),
+    "quantization_group_size": ("model", "quantization_group_size", int),
     # memory
     "mem_fraction_static": ("memory", "kv_cache_fraction", None),
     "kv_cache_fraction": ("memory", "kv_cache_fraction", None),

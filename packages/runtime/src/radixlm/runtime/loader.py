@@ -6,6 +6,7 @@ cache, and the error says how to get one otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -24,8 +25,18 @@ from radixlm.runtime.models.linear import (
     cpu_packing_available,
 )
 from radixlm.runtime.models.registry import ModelFamily, UnsupportedArchitecture
+from radixlm.runtime.quant import (
+    QuantConfig,
+    QuantizationError,
+    QuantizedLinears,
+    finalize_quantized,
+    resolve_quantization,
+)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Quantized checkpoints' tensors that keep their stored dtype (the layers convert them exactly).
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_QUANT_SCALE_SUFFIXES = (".scales", ".weight_scale", ".input_scale")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -52,6 +63,8 @@ class ModelInfo:
     hf_config: Any = None
     #: Why `dtype` was chosen (logged at start-up, reported by /get_server_info).
     dtype_reason: str = ""
+    #: The linear layers' quantized format (None: they hold `dtype` weights).
+    quantization: QuantConfig | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -174,6 +187,12 @@ def read_model_info(config: ModelConfig) -> ModelInfo:
     generation_file = path / "generation_config.json"
     if generation_file.is_file():
         generation = _read_json(generation_file)
+    try:
+        quantization = resolve_quantization(
+            config.quantization, raw, config.quantization_group_size
+        )
+    except QuantizationError as error:
+        raise ModelLoadError(f"{path}: {error}") from None
     context = config.context_length or arch.max_position_embeddings
     device = resolve_device(config.device)
     dtype, reason = choose_dtype(config.dtype, arch.torch_dtype, device)
@@ -188,6 +207,7 @@ def read_model_info(config: ModelConfig) -> ModelInfo:
         eos_token_ids=_eos_ids(generation.get("eos_token_id"), raw.get("eos_token_id")),
         generation_config=generation,
         hf_config=hf_config,
+        quantization=quantization,
     )
 
 
@@ -236,7 +256,8 @@ def iter_safetensors(
         with safe_open(str(file), framework="pt", device=target) as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
                 tensor = handle.get_tensor(name)
-                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+                keep = tensor.dtype in _FP8_DTYPES or name.endswith(_QUANT_SCALE_SUFFIXES)
+                yield name, tensor.to(dtype) if tensor.is_floating_point() and not keep else tensor
 
 
 def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None:
@@ -254,10 +275,15 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) 
 def build_model(info: ModelInfo, cpu_weight_packing: bool = True) -> DecoderForCausalLM:
     """An uninitialised model for the checkpoint, on its device, in its dtype.
 
-    On CPU the linear layers pack their weights for oneDNN at the first forward (unless `cpu_weight_packing` is False): load weights before running it.
+    On CPU the linear layers pack their weights for oneDNN at the first forward (unless
+    `cpu_weight_packing` is False): load weights before running it. A quantized model's
+    layers hold `info.quantization`'s format; `finalize_quantized` must run after loading.
     """
+    pack = cpu_weight_packing and info.device.type == "cpu" and cpu_packing_available(info.dtype)
     linears: LinearFactory = ReplicatedLinears(info.dtype)
-    if cpu_weight_packing and info.device.type == "cpu" and cpu_packing_available(info.dtype):
+    if info.quantization is not None:
+        linears = QuantizedLinears(info.quantization, info.dtype, packs_lm_head=pack)
+    elif pack:
         linears = PackedCPULinears(info.dtype)
     with info.device:
         return info.family.model_class(info.arch, info.dtype, linears)
@@ -266,8 +292,14 @@ def build_model(info: ModelInfo, cpu_weight_packing: bool = True) -> DecoderForC
 def load_model(config: ModelConfig) -> tuple[DecoderForCausalLM, ModelInfo]:
     """Read the config, build the model and fill its weights (from files, or dummy)."""
     info = read_model_info(config)
-    model = build_model(info, config.cpu_weight_packing)
     use_dummy = config.load_format == "dummy"
+    if use_dummy and info.quantization is not None and info.quantization.source != "load_time":
+        # Random weights for a pre-quantized checkpoint: quantized from random full-precision
+        # ones into the same format, so the same kernels run.
+        info = dataclasses.replace(
+            info, quantization=dataclasses.replace(info.quantization, source="load_time")
+        )
+    model = build_model(info, config.cpu_weight_packing)
     if use_dummy:
         init_dummy_weights(model, config.seed)
     else:
@@ -284,5 +316,7 @@ def load_model(config: ModelConfig) -> tuple[DecoderForCausalLM, ModelInfo]:
                 f"{info.path}: the checkpoint lacks {len(missing)} tensor(s) the model needs: "
                 f"{shown}"
             )
+    if info.quantization is not None:
+        finalize_quantized(model)
     model.eval()
     return model, info

@@ -12,6 +12,9 @@ from radixlm.runtime.config import MemoryConfig
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 class KVPool:
     """K and V of every cached token, per layer, in tensors `[num_slots + 1, kv_heads, head_dim]`.
 
@@ -97,6 +100,10 @@ class KVPool:
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K/V of new tokens [T, kv_heads, head_dim] at `slots` [T] (mutates the pool)."""
+        if self.dtype in _FP8:
+            # float8 has no infinity: out-of-range values would turn into NaN, so saturate.
+            limit = torch.finfo(self.dtype).max
+            k, v = k.clamp(-limit, limit), v.clamp(-limit, limit)
         self.k_buffers[layer_id][slots] = k.to(self.dtype)
         self.v_buffers[layer_id][slots] = v.to(self.dtype)
 

@@ -80,6 +80,8 @@ class ModelRunner:
         self.dtype = info.dtype
         if info.dtype_reason:
             logger.info("compute dtype %s on %s: %s", info.dtype, info.device, info.dtype_reason)
+        if info.quantization is not None:
+            logger.info("quantized weights: %s", info.quantization.describe())
         arch = info.arch
         memory = config.memory
         kv_dtype = self.dtype if memory.kv_cache_dtype == "auto" else _dtype(memory.kv_cache_dtype)
@@ -213,5 +215,14 @@ class ModelRunner:
         self.req_to_token_pool.reset()
 
 
+_KV_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
 def _dtype(name: str) -> torch.dtype:
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+    return _KV_DTYPES[name]

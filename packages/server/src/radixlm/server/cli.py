@@ -21,6 +21,10 @@ from radixlm.server.config import (
 #: `--grammar-backend`: the runtime's `GRAMMAR_BACKENDS` (this package may not import the
 #: runtime; an integration test keeps the two lists equal).
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
+#: `--quantization` and `--kv-cache-dtype`: the runtime's `QUANTIZATION_METHODS` and
+#: `KV_CACHE_DTYPES` (kept equal by the same integration test).
+QUANTIZATION_METHODS = ("int8", "w8a8_int8", "int4", "fp8", "gptq", "awq")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
 
 # Flags that configure the engine: (flag dest, argparse keywords). Their values go to
 # `radixlm.runtime.Engine(model_path, **kwargs)` under the dest name, only when given, so the
@@ -29,6 +33,23 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "tokenizer_path": {"help": "tokenizer directory (default: the model's)"},
     "dtype": {"choices": ["auto", "float32", "float16", "bfloat16"], "help": "weight dtype"},
     "device": {"help": "cpu, cuda, cuda:N or auto"},
+    "quantization": {
+        "choices": list(QUANTIZATION_METHODS),
+        "help": "quantize a full-precision checkpoint's linear layers at load time (int8: "
+        "weight-only per channel; w8a8_int8: int8 weights and per-token int8 activations; int4: "
+        "weight-only in groups; fp8: float8 e4m3 weights), or name a gptq / awq / fp8 "
+        "checkpoint's method (read from its config.json by default)",
+    },
+    "quantization_group_size": {
+        "type": int,
+        "choices": [32, 64, 128],
+        "help": "int4 group size along the input (default 128)",
+    },
+    "kv_cache_dtype": {
+        "choices": list(KV_CACHE_DTYPES),
+        "help": "dtype of the KV cache (auto: the compute dtype; fp8_e4m3 / fp8_e5m2 halve "
+        "its memory against bf16, with a scale of 1)",
+    },
     "load_format": {
         "choices": ["auto", "safetensors", "dummy"],
         "help": "how weights are read; dummy: random weights of the model's shape",

@@ -11,12 +11,7 @@ from torch import nn
 
 from radixlm.runtime.attention.base import AttentionBackend, AttentionLayer
 from radixlm.runtime.models.arch import ArchConfig
-from radixlm.runtime.models.linear import (
-    LinearFactory,
-    PackedCPULinears,
-    PackedWeight,
-    ReplicatedLinears,
-)
+from radixlm.runtime.models.linear import LinearFactory, PackedWeight, ReplicatedLinears
 from radixlm.runtime.models.rope import RotaryEmbedding, apply_rotary
 
 # Checkpoint projection name -> (merged module name, shard).
@@ -28,7 +23,8 @@ STACKED_PROJECTIONS: dict[str, tuple[str, str]] = {
     "up_proj": ("gate_up_proj", "up"),
 }
 # Checkpoint tensors that carry nothing the model needs.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# (FP8 checkpoints' k_scale / v_scale are KV-cache scales; the fp8 KV pool uses a scale of 1.)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale", ".kv_scale")
 
 
 class RMSNorm(nn.Module):
@@ -180,9 +176,7 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight.requires_grad_(False)
         # A tied head shares its weight with the embedding lookup, so the plain copy stays.
         self.head_packing = (
-            PackedWeight(keep_plain=arch.tie_word_embeddings)
-            if isinstance(linears, PackedCPULinears)
-            else None
+            PackedWeight(keep_plain=arch.tie_word_embeddings) if linears.packs_lm_head else None
         )
 
     @property
@@ -218,14 +212,21 @@ class DecoderForCausalLM(nn.Module):
         """The tensor names a checkpoint must provide (Hugging Face naming)."""
         names: set[str] = set()
         reverse = {(module, shard): name for name, (module, shard) in STACKED_PROJECTIONS.items()}
-        for name, param in self.named_parameters():
-            prefix, _, leaf = name.rpartition(".")
-            module_path, _, module_name = prefix.rpartition(".")
-            linear: Any = self.get_submodule(prefix)
+        linear_paths: set[str] = set()
+        for path, module in self.named_modules():
+            leaves = getattr(module, "checkpoint_leaves", None)
+            if leaves is None:
+                continue
+            linear_paths.add(path)
+            module_path, _, module_name = path.rpartition(".")
             if module_name in ("qkv_proj", "gate_up_proj"):
-                for shard in linear.shard_ranges:
-                    names.add(f"{module_path}.{reverse[(module_name, shard)]}.{leaf}")
-            elif param is not None:
+                for shard in module.shard_ranges:
+                    stem = f"{module_path}.{reverse[(module_name, shard)]}"
+                    names.update(f"{stem}.{leaf}" for leaf in leaves())
+            else:
+                names.update(f"{path}.{leaf}" for leaf in leaves())
+        for name, _param in self.named_parameters():
+            if name.rpartition(".")[0] not in linear_paths:
                 names.add(name)
         if self.lm_head is None:
             names.discard("lm_head.weight")

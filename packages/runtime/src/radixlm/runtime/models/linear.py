@@ -38,6 +38,9 @@ class Linear(Protocol):
 class LinearFactory(Protocol):
     """Builds the linear layers of a model (replicated here; sharded in a TP build)."""
 
+    #: Whether the model should keep its LM head in oneDNN's packed layout (CPU).
+    packs_lm_head: bool
+
     def merged_column(self, in_features: int, shards: Mapping[str, int], bias: bool) -> Linear: ...
 
     def row(self, in_features: int, out_features: int, bias: bool) -> Linear: ...
@@ -84,6 +87,10 @@ class MergedColumnLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def checkpoint_leaves(self) -> tuple[str, ...]:
+        """The leaf names a checkpoint provides for each projection of this layer."""
+        return ("weight", "bias") if self.bias is not None else ("weight",)
+
     def load_weight(self, shard: str | None, name: str, tensor: torch.Tensor) -> None:
         if shard is None:
             if len(self.shard_ranges) != 1:
@@ -126,6 +133,10 @@ class RowLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def checkpoint_leaves(self) -> tuple[str, ...]:
+        """The leaf names a checkpoint provides for this layer."""
+        return ("weight", "bias") if self.bias is not None else ("weight",)
+
     def load_weight(self, shard: str | None, name: str, tensor: torch.Tensor) -> None:
         target = self.weight if name == "weight" else self.bias
         if target is None:
@@ -135,6 +146,9 @@ class RowLinear(nn.Module):
 
 class ReplicatedLinears:
     """The single-device factory: every weight whole."""
+
+    #: Whether the model should keep its LM head in oneDNN's packed layout too.
+    packs_lm_head = False
 
     def __init__(self, dtype: torch.dtype | None = None, device: torch.device | None = None):
         self.dtype = dtype
@@ -227,6 +241,8 @@ class PackedRowLinear(RowLinear):
 
 class PackedCPULinears(ReplicatedLinears):
     """The single-device factory for CPU inference: weights pre-packed for oneDNN."""
+
+    packs_lm_head = True
 
     def merged_column(self, in_features: int, shards: Mapping[str, int], bias: bool) -> Linear:
         return PackedMergedColumnLinear(in_features, shards, bias, self.dtype, self.device)

@@ -1,0 +1,276 @@
+"""Linear layers whose weights are held quantized, behind the models' `LinearFactory`.
+
+A `QuantizedLinear` is one projection or several merged ones (q/k/v, gate/up), like the
+full-precision layers, and the loader fills it the same way: `load_weight(shard, leaf, tensor)`
+with the checkpoint's leaf names. What those leaves are depends on where the values come from:
+
+- quantized at load time: `weight` (full precision, staged until `finalize` quantizes it);
+- GPTQ / AWQ: `qweight`, `qzeros`, `scales` (and GPTQ's `g_idx`), unpacked as they arrive;
+- FP8: `weight` (float8 e4m3) and `weight_scale` (per tensor or per channel), `input_scale`
+  accepted and unused (activations are not quantized).
+
+`finalize()` runs once after loading: it quantizes staged weights and builds the device's
+matmul (`compute.py`). Biases, norms, embeddings and the LM head stay in the compute dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from radixlm import kernels
+from radixlm.runtime.quant import checkpoint, compute
+from radixlm.runtime.quant.config import QuantConfig
+
+
+def _shard_ranges(shards: Mapping[str, int]) -> tuple[dict[str, tuple[int, int]], int]:
+    ranges: dict[str, tuple[int, int]] = {}
+    start = 0
+    for name, size in shards.items():
+        ranges[name] = (start, start + size)
+        start += size
+    return ranges, start
+
+
+class QuantizedLinear(nn.Module):
+    """x @ W.T + b with W held in the `quant.format` layout (see the module docstring)."""
+
+    qweight: torch.Tensor
+    #: int8 / fp8: one scale per output row.
+    scale: torch.Tensor
+    #: int4: [out_features, in_features / group_size] scales and zero points.
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+    def __init__(
+        self,
+        in_features: int,
+        shards: Mapping[str, int],
+        bias: bool,
+        quant: QuantConfig,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.shard_ranges, self.out_features = _shard_ranges(shards)
+        self.quant = quant
+        self.dtype = dtype
+        out, k = self.out_features, in_features
+        if quant.format == "int4" and k % quant.group_size:
+            raise ValueError(
+                f"int4 groups of {quant.group_size} need in_features divisible by it; this "
+                f"layer has {k}"
+            )
+        self.bias = (
+            nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+        )
+        # Full-precision staging for load-time quantization (the dummy initialiser fills it too).
+        self.weight: nn.Parameter | None = None
+        if quant.source == "load_time":
+            self.weight = nn.Parameter(torch.empty(out, k, dtype=dtype), requires_grad=False)
+        if quant.format == "int4":
+            groups = k // quant.group_size
+            self.register_buffer("qweight", torch.zeros(out, k // 2, dtype=torch.uint8))
+            self.register_buffer("scales", torch.ones(out, groups, dtype=torch.float32))
+            self.register_buffer("zeros", torch.full((out, groups), 8.0, dtype=torch.float32))
+        else:
+            storage = torch.int8 if quant.format == "int8" else torch.float8_e4m3fn
+            self.register_buffer("qweight", torch.zeros(out, k, dtype=storage))
+            self.register_buffer("scale", torch.ones(out, dtype=torch.float32))
+        self._matmul: compute.Matmul | None = None
+
+    # Loading ---------------------------------------------------------------------------------
+
+    def checkpoint_leaves(self) -> tuple[str, ...]:
+        """The leaf names a checkpoint must provide for each projection of this layer."""
+        source = self.quant.source
+        leaves: tuple[str, ...] = {
+            "load_time": ("weight",),
+            "gptq": ("qweight", "qzeros", "scales"),
+            "awq": ("qweight", "qzeros", "scales"),
+            "fp8": ("weight", "weight_scale"),
+        }[source]
+        return leaves + (("bias",) if self.bias is not None else ())
+
+    def _range(self, shard: str | None) -> tuple[int, int]:
+        if shard is None:
+            if len(self.shard_ranges) != 1:
+                raise ValueError(
+                    f"a merged layer needs a shard name, one of {list(self.shard_ranges)}"
+                )
+            shard = next(iter(self.shard_ranges))
+        return self.shard_ranges[shard]
+
+    def load_weight(self, shard: str | None, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor into `shard`'s rows. Raises ValueError on a name the
+        source does not have or a shape mismatch, RuntimeError after `finalize`."""
+        if self._matmul is not None:
+            raise RuntimeError(
+                "the weights of a quantized layer are fixed once loaded; restart the engine to "
+                "load other weights"
+            )
+        begin, end = self._range(shard)
+        rows = end - begin
+        what = f"{shard}.{name}" if shard else name
+        with torch.no_grad():
+            if name == "bias":
+                if self.bias is None:
+                    raise ValueError(f"{what}: the checkpoint has a bias the model does not expect")
+                _copy(self.bias[begin:end], tensor, what)
+            elif self.quant.source == "load_time" and name == "weight":
+                assert self.weight is not None
+                _copy(self.weight[begin:end], tensor, what)
+            elif self.quant.source in ("gptq", "awq"):
+                self._load_int4(begin, end, name, tensor, what)
+            elif self.quant.source == "fp8" and name in ("weight", "weight_scale", "input_scale"):
+                self._load_fp8(begin, rows, name, tensor, what)
+            else:
+                raise ValueError(
+                    f"{what}: a {self.quant.method} checkpoint has no such tensor for this layer "
+                    f"(expected {', '.join(self.checkpoint_leaves())})"
+                )
+
+    def _load_int4(self, begin: int, end: int, name: str, tensor: torch.Tensor, what: str) -> None:
+        rows, k, group = end - begin, self.in_features, self.quant.group_size
+        awq = self.quant.source == "awq"
+        try:
+            if name == "qweight":
+                values = (checkpoint.awq_values if awq else checkpoint.gptq_values)(tensor, k, rows)
+                self.qweight[begin:end] = kernels.pack_int4(values.to(self.qweight.device))
+            elif name == "qzeros":
+                zeros = checkpoint.int4_zeros(tensor, k // group, rows, awq, self.quant.zero_offset)
+                self.zeros[begin:end] = zeros
+            elif name == "scales":
+                self.scales[begin:end] = checkpoint.int4_scales(tensor, k // group, rows)
+            elif name == "g_idx" and not awq:
+                checkpoint.check_trivial_g_idx(tensor, k, group)
+            else:
+                raise ValueError(
+                    f"a {self.quant.method} checkpoint has no such tensor for this layer "
+                    f"(expected {', '.join(self.checkpoint_leaves())})"
+                )
+        except ValueError as error:
+            raise ValueError(f"{what}: {error}") from None
+
+    def _load_fp8(self, begin: int, rows: int, name: str, tensor: torch.Tensor, what: str) -> None:
+        end = begin + rows
+        if name == "input_scale":
+            return  # static activation scales: activations are not quantized here
+        if name == "weight_scale":
+            scale = tensor.to(torch.float32).reshape(-1)
+            if scale.numel() not in (1, rows):
+                raise ValueError(
+                    f"{what}: expected one scale (per tensor) or {rows} (per channel), got shape "
+                    f"{tuple(tensor.shape)}"
+                )
+            self.scale[begin:end] = scale.expand(rows) if scale.numel() == 1 else scale
+            return
+        if tuple(tensor.shape) != (rows, self.in_features):
+            raise ValueError(
+                f"{what}: checkpoint tensor has shape {tuple(tensor.shape)}, the model expects "
+                f"{(rows, self.in_features)}"
+            )
+        if tensor.dtype == torch.float8_e4m3fn:
+            self.qweight[begin:end] = tensor
+        elif tensor.is_floating_point():
+            # A layer the checkpoint left unquantized: quantize it here, per channel.
+            weight, scale = kernels.quantize_fp8(tensor.to(torch.float32), per_channel=True)
+            self.qweight[begin:end] = weight
+            self.scale[begin:end] = scale.reshape(-1)
+        else:
+            raise ValueError(f"{what}: expected float8_e4m3fn weights, got {tensor.dtype}")
+
+    # After loading ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def finalize(self) -> None:
+        """Quantize staged weights, free them, and build this device's matmul (once)."""
+        if self._matmul is not None:
+            return
+        if self.weight is not None:
+            self._quantize_staged(self.weight.data.to(torch.float32))
+            self.weight = None
+        fmt = self.quant.format
+        if fmt == "int4":
+            self._matmul = compute.int4_grouped(
+                self.qweight, self.scales, self.zeros, self.quant.group_size
+            )
+        elif fmt == "int8":
+            build = compute.w8a8_int8 if self.quant.activations_int8 else compute.int8_weight_only
+            self._matmul = build(self.qweight, self.scale)
+        else:
+            self._matmul = self._fp8_matmul()
+
+    def _quantize_staged(self, weight: torch.Tensor) -> None:
+        fmt = self.quant.format
+        if fmt == "int8":
+            qweight, scale = kernels.quantize_int8(weight)
+            self.qweight.copy_(qweight)
+            self.scale.copy_(scale)
+        elif fmt == "int4":
+            qweight, scales, zeros = kernels.quantize_int4(
+                weight, self.quant.group_size, symmetric=self.quant.symmetric
+            )
+            self.qweight.copy_(qweight)
+            self.scales.copy_(scales)
+            self.zeros.copy_(zeros)
+        else:
+            qweight, scale = kernels.quantize_fp8(weight, per_channel=True)
+            self.qweight.copy_(qweight)
+            self.scale.copy_(scale.reshape(-1))
+
+    def _fp8_matmul(self) -> compute.Matmul:
+        qweight, scale = self.qweight, self.scale
+        if qweight.device.type == "cuda":
+            return lambda x: kernels.fp8_linear(x, qweight, scale)
+        # CPUs have no float8 GEMM: the weight is dequantized once, into the compute dtype.
+        dense = kernels.dequantize_fp8(qweight, scale).to(self.dtype)
+        self.qweight = torch.empty(0, dtype=qweight.dtype)
+        return lambda x: torch.nn.functional.linear(x, dense.to(x.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._matmul is None:
+            raise RuntimeError("a quantized layer runs only after finalize() (the loader calls it)")
+        flat = x.reshape(-1, self.in_features)
+        out = self._matmul(flat)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _copy(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    if target.shape != tensor.shape:
+        raise ValueError(
+            f"{what}: checkpoint tensor has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(target.shape)}"
+        )
+    target.copy_(tensor)
+
+
+class QuantizedLinears:
+    """The single-device factory for a quantized model (every projection quantized; the LM
+    head stays in the compute dtype, packed for oneDNN when `packs_lm_head`)."""
+
+    def __init__(self, quant: QuantConfig, dtype: torch.dtype, packs_lm_head: bool = False):
+        self.quant = quant
+        self.dtype = dtype
+        self.packs_lm_head = packs_lm_head
+
+    def merged_column(
+        self, in_features: int, shards: Mapping[str, int], bias: bool
+    ) -> QuantizedLinear:
+        return QuantizedLinear(in_features, shards, bias, self.quant, self.dtype)
+
+    def row(self, in_features: int, out_features: int, bias: bool) -> QuantizedLinear:
+        return QuantizedLinear(in_features, {"out": out_features}, bias, self.quant, self.dtype)
+
+
+def finalize_quantized(model: nn.Module) -> int:
+    """Finalize every quantized layer of `model` (after its weights are loaded); returns how
+    many there were."""
+    layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
+    for layer in layers:
+        layer.finalize()
+    return len(layers)
