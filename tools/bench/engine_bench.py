@@ -9,6 +9,8 @@ Workloads (synthetic token ids, generated from a seed):
   tree_of_thought   branch-solve-merge trees: branch prompts, solve each branch, merge them
   json              JSON decoding under a JSON schema (radixlm: jump-forward on)
   self_consistency  a shared prefix + a question, sampled n = 8 times
+  no_sharing        (only when named) 64 unrelated 256-token prompts, 64 output tokens each:
+                    batched decode where no cache can help
 
 For each: requests/s, output tokens/s, radixlm's prefix-cache hit rate beside the optimal one
 (every reusable prefix computed once, with an unbounded cache), and the ratios.
@@ -33,6 +35,8 @@ through the OpenAI completions API (--skip-in-process leaves out the in-process 
 
 On a GPU (--device auto picks CUDA when there is one) the same command uses larger shapes:
 Llama-3.1-8B in bfloat16, with every workload's request count times --scale (default 4 there).
+radixlm's decode steps replay CUDA graphs there unless --disable-cuda-graph; its Triton kernels
+are compiled by a short untimed run before the first workload.
 """
 
 from __future__ import annotations
@@ -151,6 +155,12 @@ class Workloads:
         run(calls)
         return calls
 
+    def no_sharing(self, run: Generate) -> list[Call]:
+        tokens = 4 * self.out
+        calls = [Call(self.ids(256), self.greedy(tokens)) for _ in range(self.count(64))]
+        run(calls)
+        return calls
+
     def self_consistency(self, run: Generate) -> list[Call]:
         prefix = self.ids(600)
         params = {"temperature": 0.7, "max_new_tokens": self.out, "n": 8, "ignore_eos": True}
@@ -160,6 +170,7 @@ class Workloads:
 
 
 WORKLOADS = ("few_shot", "multi_turn", "tree_of_thought", "json", "self_consistency")
+EXTRA_WORKLOADS = ("no_sharing",)  # run only when named in --workloads
 
 
 def optimal_hit_rate(calls: Sequence[Call]) -> float:
@@ -195,7 +206,9 @@ class RadixSystem:
 
         runner.reset()
         self.name = name
+        self.runner = runner
         self.forwards = runner.stats.forward_calls
+        self.replays = runner.stats.graph_replays
         self.engine = Engine(
             runner=runner,
             tokenizer=tokenizer,
@@ -223,7 +236,11 @@ class RadixSystem:
     def extra(self) -> str:
         info = self.engine.server_info()
         forwards = info["forward_passes"] - self.forwards
-        return f"forwards={forwards} jump_forward_tokens={info['jump_forward_tokens']}"
+        replays = self.runner.stats.graph_replays - self.replays
+        return (
+            f"forwards={forwards} graph_replays={replays} "
+            f"jump_forward_tokens={info['jump_forward_tokens']}"
+        )
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -591,7 +608,10 @@ def build(args: Any, workdir: Path) -> tuple[Any, Any]:
             show_progress=False,
         ),
         memory=MemoryConfig(max_total_tokens=args.max_total_tokens, max_running_requests=128),
-        attention=AttentionConfig(backend="torch_native" if args.device == "cpu" else "auto"),
+        attention=AttentionConfig(
+            backend="torch_native" if args.device == "cpu" else "auto",
+            cuda_graph=not args.disable_cuda_graph,
+        ),
     )
     info = read_model_info(config.model)
     runner = ModelRunner(config, model=build_model(info), info=info)
@@ -673,7 +693,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="small shapes (a few minutes)")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated "
+                        f"from {', '.join(WORKLOADS + EXTRA_WORKLOADS)}")  # fmt: skip
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--shape", choices=sorted(SHAPES), help="default: by --quick and device")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: "
@@ -684,6 +705,8 @@ def main() -> None:
                         "(default 40000 x scale)")  # fmt: skip
     parser.add_argument("--chunked-prefill-size", type=int, default=2048)
     parser.add_argument("--schedule-policy", default="lpm")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="radixlm decodes "
+                        "without CUDA graphs (they are only used on CUDA)")  # fmt: skip
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-no-cache", action="store_true")
     parser.add_argument("--skip-no-jump-forward", action="store_true")
@@ -709,9 +732,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     resolve(args)
     workloads = [w for w in args.workloads.split(",") if w]
-    unknown = sorted(set(workloads) - set(WORKLOADS))
+    unknown = sorted(set(workloads) - set(WORKLOADS + EXTRA_WORKLOADS))
     if unknown:
-        parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+        choices = ", ".join(WORKLOADS + EXTRA_WORKLOADS)
+        parser.error(f"unknown workloads {unknown}; choose from {choices}")
     if args.only_peer:
         rows = run_peer(args.only_peer, workloads, args)
         if args.json:
@@ -748,6 +772,8 @@ def run_in_process(workloads: list[str], args: Any) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     workdir, tokenizer = model_dir(args)
     hf_model, runner = build(args, workdir)
+    if args.device == "cuda":
+        warm_up(runner, tokenizer, args)
     for workload in workloads:
         systems: list[Callable[[], Any]] = [
             lambda: RadixSystem("radixlm", runner, tokenizer, True, args)
@@ -769,6 +795,20 @@ def run_in_process(workloads: list[str], args: Any) -> list[dict[str, Any]]:
             rows.append(row)
             show(row)
     return rows
+
+
+def warm_up(runner: Any, tokenizer: Any, args: Any) -> None:
+    """A few untimed calls (a shared prefix, then decode), so that the Triton kernels are
+    compiled before the first workload is timed."""
+    source = Workloads(SHAPES[args.shape]["vocab_size"], quick=True, seed=args.seed + 1)
+    prefix = source.ids(300)
+    calls = [Call(prefix + source.ids(20), source.greedy(8)) for _ in range(4)]
+    system = RadixSystem("warmup", runner, tokenizer, True, args)
+    try:
+        system.generate(calls[:1])
+        system.generate(calls)
+    finally:
+        system.close()
 
 
 def run_http(servers: list[str], workloads: list[str], args: Any) -> list[dict[str, Any]]:
