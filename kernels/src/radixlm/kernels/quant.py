@@ -168,7 +168,9 @@ def fp8_linear(
     """``x @ (weight * weight_scale).T (+ bias)`` with a float8_e4m3fn weight.
 
     Weight-only: x stays in its dtype (no activation scale). The Triton kernel converts each
-    fp8 tile to x's dtype in registers (exactly) and applies the scale to the fp32 accumulator.
+    fp8 tile to x's dtype in registers (exactly) and applies the scale to the fp32 accumulator;
+    on GPUs without fp8 in Triton (before compute capability 8.9, e.g. A100) it decodes the
+    bytes itself, so the same call runs there too.
 
     Args:
         x: ``[..., K]`` float32 / float16 / bfloat16.

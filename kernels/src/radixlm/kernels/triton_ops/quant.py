@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,28 +27,57 @@ class Blocks:
     group_m: int = 8
 
 
-def choose_blocks(m: int, n: int, device: torch.device, max_k: int | None = None) -> Blocks:
-    """Tiles from the number of rows alone (plus the device's SM count for decode).
+def choose_blocks(m: int, n: int, x: torch.Tensor, max_k: int | None = None) -> Blocks:
+    """Tile sizes from the number of rows M (and, for decode, N against the SM count).
 
     Decode (``m <= 16``) is a weight-streaming GEMV: one 16-row tile, long K steps, and narrow
     N tiles when wide ones would leave SMs idle. Prefill grows the M and N tiles so that each
     weight tile loaded (and dequantized) serves more rows. ``max_k`` caps the K step (an int4
-    tile must lie inside one quantization group).
+    tile must lie inside one quantization group). fp32 activations take twice the shared
+    memory per stage, so they get fewer stages.
     """
-    if INTERPRETED:  # numpy runs whole tiles; small ones keep the tests quick
-        blocks = Blocks(16, 32, 32, num_warps=4, num_stages=1)
+    if INTERPRETED:  # small tiles keep the tests quick; group_m=2 gives them partial groups
+        blocks = Blocks(16, 32, 32, num_warps=4, num_stages=1, group_m=2)
     elif m <= 16:
-        narrow = triton.cdiv(n, 64) < 2 * num_sms(device)
+        narrow = triton.cdiv(n, 64) < 2 * num_sms(x.device)
         blocks = Blocks(16, 32 if narrow else 64, 256, num_warps=4, num_stages=4)
     elif m <= 64:
-        blocks = Blocks(64, 64, 128, num_warps=4, num_stages=4)
+        blocks = Blocks(32 if m <= 32 else 64, 64, 128, num_warps=4, num_stages=4)
     elif m <= 256:
         blocks = Blocks(64, 128, 64, num_warps=4, num_stages=4)
     else:
         blocks = Blocks(128, 128, 64, num_warps=8, num_stages=3)
-    if max_k is not None and blocks.k > max_k:
-        blocks = Blocks(blocks.m, blocks.n, max_k, blocks.num_warps, blocks.num_stages)
-    return blocks
+    k = blocks.k if max_k is None else min(blocks.k, max_k)
+    stages = min(blocks.num_stages, 2) if x.dtype == torch.float32 else blocks.num_stages
+    return Blocks(blocks.m, blocks.n, k, blocks.num_warps, stages, blocks.group_m)
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether Triton can load float8_e4m3fn (``fp8e4nv``) on this device: NVIDIA GPUs from
+    compute capability 8.9 (Ada, Hopper) and the interpreter. Elsewhere the kernel reads the
+    bytes and decodes them itself."""
+    if device.type != "cuda":
+        return True
+    if torch.version.hip is not None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
+
+
+@triton.jit
+def _e4m3_from_bits(b):
+    """float8_e4m3fn bytes -> float16, exactly. The exponent and mantissa bits moved into a
+    float16's (whose exponent bias is 8 more) give the value times 2**-8, subnormals included;
+    multiplying by 256 is exact. NaN bytes (never written by the quantizer) are not kept."""
+    b16 = b.to(tl.uint16)
+    bits = ((b16 & 0x7F) << 7) | ((b16 & 0x80) << 8)
+    return bits.to(tl.float16, bitcast=True) * 256.0
 
 
 @triton.jit
@@ -95,11 +125,13 @@ def _scaled_linear_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    E4M3_BITS: tl.constexpr,
 ):
     """``out = (x @ w.T) * scale (+ bias)`` for int8 or float8e4nv ``w``: each weight tile is
     converted to x's dtype in registers (exactly: every int8 and e4m3 value is a bf16/fp16
     value), and the per-channel (or per-tensor) scale, constant along K, is applied once to
-    the fp32 accumulator."""
+    the fp32 accumulator. With ``E4M3_BITS`` the fp8 weight arrives as its bytes (uint8) and
+    is decoded here, for GPUs whose Triton has no fp8e4nv."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,6 +151,8 @@ def _scaled_linear_kernel(
             k_in = offs_k < K - k0
             x = tl.load(x_ptrs, mask=k_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
+        if E4M3_BITS:
+            w = _e4m3_from_bits(w)
         if UPCAST:
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
@@ -159,38 +193,37 @@ def _int4_linear_kernel(
     """``out = x @ ((q - zeros) * scales).T (+ bias)`` with two 4-bit codes per byte.
 
     A K tile lies inside one quantization group (``GROUP % BLOCK_K == 0``, so no K mask
-    either), hence one scale and zero per output column per tile. The packed bytes are split
-    into their low nibbles (even columns of K) and high nibbles (odd columns), each dequantized
-    in fp32 and multiplied against the matching even or odd columns of x: two dots of
-    ``BLOCK_K / 2`` instead of one interleaved tile.
+    either), hence one scale and zero per output column per tile. The packed tile is loaded
+    as stored, ``[BLOCK_N, BLOCK_K // 2]`` bytes contiguous along K (so the loads vectorize and
+    pipeline), split into low nibbles (even columns) and high nibbles (odd columns),
+    dequantized in fp32 and interleaved back into ``[BLOCK_N, BLOCK_K]`` for one dot.
     """
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     offs_b = tl.arange(0, BLOCK_K // 2)  # byte j of the tile holds columns 2j and 2j + 1
     rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    x_even = X + rows[:, None] * stride_xm + 2 * offs_b[None, :]
-    q_ptrs = QW + cols[None, :] * stride_qn + offs_b[:, None]  # [BLOCK_K // 2, BLOCK_N]
+    x_ptrs = X + rows[:, None] * stride_xm + offs_k[None, :]
+    q_ptrs = QW + cols[:, None] * stride_qn + offs_b[None, :]  # [BLOCK_N, BLOCK_K // 2]
     s_ptrs = Scales + cols * stride_sn
     z_ptrs = Zeros + cols * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         g = k0 // GROUP
-        s = tl.load(s_ptrs + g).to(tl.float32)[None, :]
-        z = tl.load(z_ptrs + g).to(tl.float32)[None, :]
+        s = tl.load(s_ptrs + g).to(tl.float32)[:, None]
+        z = tl.load(z_ptrs + g).to(tl.float32)[:, None]
         packed = tl.load(q_ptrs).to(tl.int32)
         w_even = ((packed & 0xF).to(tl.float32) - z) * s
         w_odd = ((packed >> 4).to(tl.float32) - z) * s
-        xe = tl.load(x_even)
-        xo = tl.load(x_even + 1)
+        w = tl.trans(tl.interleave(w_even, w_odd))  # [BLOCK_K, BLOCK_N]
+        x = tl.load(x_ptrs)
         if UPCAST:
-            acc += tl.dot(xe.to(tl.float32), w_even, input_precision="ieee")
-            acc += tl.dot(xo.to(tl.float32), w_odd, input_precision="ieee")
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
-            acc += tl.dot(xe, w_even.to(X.dtype.element_ty))
-            acc += tl.dot(xo, w_odd.to(X.dtype.element_ty))
-        x_even += BLOCK_K
+            acc += tl.dot(x, w.to(X.dtype.element_ty))
+        x_ptrs += BLOCK_K
         q_ptrs += BLOCK_K // 2
     _epilogue(acc, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
 
@@ -224,7 +257,10 @@ def _scaled_linear(
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    blocks = choose_blocks(m, n, x.device)
+    e4m3_bits = weight.dtype == torch.float8_e4m3fn and not native_fp8(x.device)
+    if e4m3_bits:
+        weight = weight.view(torch.uint8)
+    blocks = choose_blocks(m, n, x)
     _scaled_linear_kernel[_grid(m, n, blocks)](
         x2,
         weight,
@@ -245,6 +281,7 @@ def _scaled_linear(
         HAS_BIAS=bias is not None,
         EVEN_K=k % blocks.k == 0,
         UPCAST=upcast_dots(x.dtype),
+        E4M3_BITS=e4m3_bits,
         num_warps=blocks.num_warps,
         num_stages=blocks.num_stages,
     )
@@ -291,7 +328,7 @@ def int4_linear(
         return out.view(*x.shape[:-1], n)
     qweight = _dense(qweight)
     scales, zeros = _dense(scales), _dense(zeros)
-    blocks = choose_blocks(m, n, x.device, max_k=group_size)
+    blocks = choose_blocks(m, n, x, max_k=group_size)
     _int4_linear_kernel[_grid(m, n, blocks)](
         x2,
         qweight,
