@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
 """Benchmark radixlm-kernels: each Triton kernel against its torch reference (and torch SDPA for
-attention) at serving shapes, printing time, achieved memory bandwidth and its fraction of the
-device's peak (and TFLOP/s for attention).
+attention, F.linear with a dequantized weight for the quantized linears) at serving shapes,
+printing time, achieved memory bandwidth and its fraction of the device's peak (and TFLOP/s for
+attention and the linears).
 
     python tools/bench/kernels_bench.py                 # GPU: serving shapes (a few minutes)
     python tools/bench/kernels_bench.py --tiny          # tiny shapes; the default without CUDA
     python tools/bench/kernels_bench.py --ops decode extend --json out.json
+    python tools/bench/kernels_bench.py --ops quant     # int8 / int4 / fp8 weight-only linears
 
 Without CUDA the Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 is set
 here before they are defined): the figures then only prove that every path runs end to end.
 Head configurations: Llama-3-8B (32 query heads, 8 KV heads, head_dim 128) and Qwen2.5-7B
-(28 / 4 / 128). Bytes are the minimum an ideal kernel moves (each operand read or written
-once), so "GB/s" is an effective bandwidth and "%peak" its share of the device's HBM peak.
+(28 / 4 / 128); the quantized linears run Llama-3.1-8B's projections (qkv, o, gate_up, down) at
+M = 1, 16, 256. Bytes are the minimum an ideal kernel moves (each operand read or written once),
+so "GB/s" is an effective bandwidth and "%peak" its share of the device's HBM peak.
 """
 
 from __future__ import annotations
@@ -57,6 +60,14 @@ PEAKS = {
     "A10G": (600.0, 70.0),
     "RTX 4090": (1008.0, 165.0),
 }
+# Llama-3.1-8B's projections: name -> (K, N).
+LLAMA_PROJECTIONS = {
+    "qkv": (4096, 6144),
+    "o": (4096, 4096),
+    "gate_up": (4096, 28672),
+    "down": (14336, 4096),
+}
+INT4_GROUP = 128
 # Reference / SDPA peers materialise gathered K/V (and scores for extend): skip them past this.
 PEER_BYTES_LIMIT = 24 * 2**30
 
@@ -329,6 +340,41 @@ def bench_logits(b: Bench, cases: list[tuple[str, int]]) -> None:
         )
 
 
+def _quantized(
+    fmt: str, w: torch.Tensor, dtype: torch.dtype
+) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor | int, ...], torch.Tensor, float]:
+    """The public linear of a format, its weight arguments, the dequantized weight in ``dtype``
+    (for the F.linear peer) and the bytes the quantized weight and its scales occupy."""
+    n, k = w.shape
+    if fmt == "int8":
+        q8, s8 = rk.quantize_int8(w)
+        return rk.int8_linear, (q8, s8), rk.dequantize_int8(q8, s8).to(dtype), n * k + 4 * n
+    if fmt == "int4":
+        qw, sc, z = rk.quantize_int4(w.to(dtype), INT4_GROUP)
+        deq = rk.dequantize_int4(qw, sc, z, INT4_GROUP).to(dtype)
+        nbytes = n * k / 2 + 2 * sc.numel() * _elem(dtype)  # codes, scales and zeros
+        return rk.int4_linear, (qw, sc, z, INT4_GROUP), deq, nbytes
+    f8, s = rk.quantize_fp8(w, per_channel=True)
+    return rk.fp8_linear, (f8, s), rk.dequantize_fp8(f8, s).to(dtype), n * k + 4 * n
+
+
+def bench_quant(b: Bench, cases: list[tuple[str, int, int, int]]) -> None:
+    """Weight-only int8 / int4 / fp8 linears (Triton, and the reference that dequantizes in
+    fp32 on every call) against F.linear with the weight already dequantized to b.dtype."""
+    e = _elem(b.dtype)
+    for label, m, k, n in cases:
+        w = torch.randn(n, k, device=b.device) / math.sqrt(k)
+        x = torch.randn(m, k, device=b.device, dtype=b.dtype)
+        shape = f"{label} M={m} K={k} N={n}"
+        for fmt in ("int8", "int4", "fp8"):
+            fn, weights, dense, weight_bytes = _quantized(fmt, w, b.dtype)
+            run = partial(fn, x, *weights)
+            impls: dict[str, Callable[[], object] | str] = _same(run)
+            impls["F.linear"] = partial(torch.nn.functional.linear, x, dense)
+            nbytes = weight_bytes + (m * k + m * n) * e
+            b.run(f"{fmt}_lin", shape, impls, nbytes, 2.0 * m * n * k)
+
+
 def _same(fn: Callable[[], object]) -> dict[str, Callable[[], object] | str]:
     """The public function under each backend (Bench.run sets the backend per implementation)."""
     return {"triton": fn, "reference": fn}
@@ -344,8 +390,8 @@ def main() -> int:
     parser.add_argument(
         "--ops",
         nargs="*",
-        default=["decode", "extend", "store_kv", "rowwise", "logits"],
-        choices=["decode", "extend", "store_kv", "rowwise", "logits"],
+        default=["decode", "extend", "store_kv", "rowwise", "logits", "quant"],
+        choices=["decode", "extend", "store_kv", "rowwise", "logits", "quant"],
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--iters", type=int, default=None)
@@ -402,6 +448,16 @@ def main() -> int:
             bench_logits(bench, [("tiny-vocab", bs) for bs in batches])
         else:
             bench_logits(bench, [(m, bs) for m in models for bs in batches])
+    if "quant" in args.ops:
+        if tiny:  # one small projection keeps the interpreted GEMMs to seconds
+            quant_grid = [("tiny", m, 256, 96) for m in (1, 16)]
+        else:
+            quant_grid = [
+                (f"llama3.1-8b {proj}", m, k, n)
+                for proj, (k, n) in LLAMA_PROJECTIONS.items()
+                for m in (1, 16, 256)
+            ]
+        bench_quant(bench, quant_grid)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in bench.rows], indent=1))
     return 0
