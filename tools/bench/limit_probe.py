@@ -1,0 +1,325 @@
+#!/usr/bin/env python3
+"""The machine's limit for a serving workload: how fast this machine's matrix multiplies could
+run it, measured here with the benchmark's thread count and dtype.
+
+    .venv/bin/python tools/bench/limit_probe.py --model-path DIR --threads 1 --batch 8 \\
+        --prompt-tokens 7840 --decode-steps 8:31,8:31
+
+What is counted, and what is not:
+
+- Prefill: every unique prompt token costs the model's projection FLOPs, 2 x (the q, k, v, o,
+  gate, up and down weights of every layer). Their rate is measured as `torch.nn.functional.
+  linear` on one layer's seven weight shapes at M = `prefill_tokens` rows (default 512), best of
+  a few repetitions. A prompt token is unique when no earlier prompt (or earlier prompt plus its
+  output) of the workload starts with the same tokens up to it; each prompt's last token always
+  counts (its logits must be computed), as in engine_bench's optimal hit rate.
+- Decode: one step at batch B is timed as a whole forward's worth of projections at M = B over
+  separate weights for every layer (so the weights stream from memory as in a real step), plus
+  the lm_head at M = B, best of a few steps. A workload's decode steps are counted from its
+  request count, concurrency and output length (`serve_demand`), or from its stages.
+- Not counted: attention (scores and the KV reads), norms, rotary embeddings, sampling, the
+  lm_head row of each prompt's last token, and any scheduling, tokenizing or HTTP cost. Leaving
+  them out makes the limit a lower bound on the time: a system's share of it, limit / measured
+  time, stays under 100% unless its kernels beat torch's matmul in this dtype (llama.cpp's
+  quantized dot products can: its share is then over 100%).
+
+`limit = unique prompt tokens / prompt tokens per s + sum over decode batches of steps x step
+time`. The figures are this machine's at the moment of the probe; on a shared machine they move
+with the load, so probe in the same run as the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# --------------------------------------------------------------------------- the arithmetic
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The matmul shapes of a decoder: per-layer projections and the lm_head."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
+        """From a transformers config.json's fields (Llama / Qwen2 / Qwen3 naming)."""
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        return cls(
+            hidden=hidden,
+            intermediate=int(config["intermediate_size"]),
+            layers=int(config["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            vocab=int(config["vocab_size"]),
+        )
+
+    def layer_weights(self) -> list[tuple[int, int]]:
+        """(out, in) of q, k, v, o, gate, up, down."""
+        h, q, kv, i = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.intermediate,
+        )
+        return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
+
+    @property
+    def projection_params(self) -> int:
+        """Weights multiplied for every token in every layer (the lm_head apart)."""
+        return self.layers * sum(o * i for o, i in self.layer_weights())
+
+    @property
+    def flops_per_prompt_token(self) -> float:
+        return 2.0 * self.projection_params
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What a workload asks of the model: prompt tokens to compute, and decode steps as
+    (batch size, number of steps) pairs."""
+
+    unique_prompt_tokens: int
+    decode_steps: tuple[tuple[int, int], ...]
+
+    @property
+    def total_steps(self) -> int:
+        return sum(steps for _, steps in self.decode_steps)
+
+    def describe(self) -> str:
+        steps = " + ".join(f"{n} steps at batch {b}" for b, n in self.decode_steps) or "none"
+        return f"{self.unique_prompt_tokens} unique prompt tokens, decode {steps}"
+
+
+@dataclass(frozen=True)
+class Rates:
+    """This machine's measured rates for one model shape, dtype and thread count."""
+
+    shape: ModelShape
+    dtype: str
+    threads: int
+    device: str
+    prefill_gflops: float
+    #: seconds per decode step, by batch size
+    step_seconds: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prefill_gflops * 1e9 / self.shape.flops_per_prompt_token
+
+    def step_time(self, batch: int) -> float:
+        """The measured step time at `batch` (KeyError naming the batch when it was not
+        probed)."""
+        if batch not in self.step_seconds:
+            raise KeyError(f"no decode step probed at batch {batch}")
+        return self.step_seconds[batch]
+
+    def limit_seconds(self, demand: Demand) -> float:
+        """The workload's time if every counted matmul ran at the measured rates."""
+        prefill = demand.unique_prompt_tokens / self.prompt_tokens_per_s
+        return prefill + sum(steps * self.step_time(b) for b, steps in demand.decode_steps)
+
+    def describe(self) -> str:
+        steps = ", ".join(
+            f"batch {b}: {t * 1000:.1f} ms" for b, t in sorted(self.step_seconds.items())
+        )
+        return (
+            f"{self.dtype}, {self.threads} thread(s) on {self.device}: projections "
+            f"{self.prefill_gflops:.1f} GFLOP/s = {self.prompt_tokens_per_s:.1f} prompt tok/s; "
+            f"decode step {steps}"
+        )
+
+
+def unique_prompt_tokens(calls: Iterable[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> int:
+    """Prompt tokens that no earlier sequence computed: `calls` are (prompt, outputs) in the
+    order sent; each output makes one sequence (no outputs: the prompt once), and what a
+    sequence computed (its prompt and all but its last output token) can be reused by later
+    ones. A sequence's last prompt token is always computed."""
+    trie: dict[int, Any] = {}
+    unique = 0
+    for prompt, outputs in calls:
+        for output in outputs or [()]:
+            node, shared = trie, 0
+            for token in prompt:
+                if token not in node:
+                    break
+                node, shared = node[token], shared + 1
+            unique += len(prompt) - min(shared, max(len(prompt) - 1, 0))
+            node = trie
+            for token in [*prompt, *list(output)[:-1]]:
+                node = node.setdefault(token, {})
+    return unique
+
+
+def serve_demand(prompts: Sequence[Sequence[int]], output_len: int, concurrency: int) -> Demand:
+    """A serving run's demand: `prompts` (token ids, in order) sent at most `concurrency` at a
+    time, each answered with `output_len` tokens. The first token of each answer comes from its
+    prefill; the rest from decode steps of the requests in flight together, taken as waves of
+    `concurrency` requests."""
+    n = len(prompts)
+    width = max(1, min(concurrency or n, n)) if n else 1
+    steps: dict[int, int] = {}
+    for start in range(0, n, width):
+        batch = min(width, n - start)
+        steps[batch] = steps.get(batch, 0) + max(output_len - 1, 0)
+    decode = tuple((b, s) for b, s in steps.items() if s)
+    return Demand(unique_prompt_tokens([(p, []) for p in prompts]), decode)
+
+
+def share(limit: float, measured: float) -> float:
+    """The measured time's share of the limit (limit / measured: 1.0 = at the limit)."""
+    return limit / measured if measured > 0 and math.isfinite(measured) else float("nan")
+
+
+# ------------------------------------------------------------------------------ the probe
+
+
+def probe(
+    shape: ModelShape,
+    dtype: str = "float32",
+    threads: int = 0,
+    batches: Iterable[int] = (8,),
+    device: str = "cpu",
+    prefill_tokens: int = 512,
+    repeats: int = 3,
+) -> Rates:
+    """Measures the rates (see the module docstring). `threads` > 0 sets torch's thread count
+    for the probe (and leaves it set); 0 keeps torch's current one."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    torch_dtype = getattr(torch, dtype)
+    dev = torch.device(device)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(device=dev, dtype=torch_dtype) * 0.02
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    linear = torch.nn.functional.linear
+    shapes = shape.layer_weights()
+    with torch.inference_mode():
+        layer = [randn(o, i) for o, i in shapes]
+        inputs = {i: randn(prefill_tokens, i) for _, i in shapes}
+        best = math.inf
+        for _ in range(repeats + 1):  # the first one warms up
+            sync()
+            start = time.perf_counter()
+            for weight in layer:
+                linear(inputs[weight.shape[1]], weight)
+            sync()
+            best = min(best, time.perf_counter() - start)
+        flops = 2.0 * prefill_tokens * sum(o * i for o, i in shapes)
+        gflops = flops / best / 1e9
+        del layer, inputs
+        weights = [[randn(o, i) for o, i in shapes] for _ in range(shape.layers)]
+        lm_head = randn(shape.vocab, shape.hidden)
+        step_seconds: dict[int, float] = {}
+        for batch in sorted(set(batches)):
+            xs = {i: randn(batch, i) for _, i in shapes}
+            step = math.inf
+            for _ in range(repeats + 1):
+                sync()
+                start = time.perf_counter()
+                for layer_weights in weights:
+                    for weight in layer_weights:
+                        linear(xs[weight.shape[1]], weight)
+                linear(xs[shape.hidden], lm_head)
+                sync()
+                step = min(step, time.perf_counter() - start)
+            step_seconds[batch] = step
+    return Rates(shape, dtype, torch.get_num_threads(), device, gflops, step_seconds)
+
+
+def compute_dtype(model_dir: Path, asked: str = "auto", device: str = "cpu") -> str:
+    """The dtype radixlm computes `model_dir` in when started with `--dtype asked` (its own
+    rule: a bfloat16 checkpoint runs in float32 on CPUs without fast bfloat16 matmuls)."""
+    import torch
+
+    from radixlm.runtime.loader import choose_dtype
+
+    config = json.loads((model_dir / "config.json").read_text())
+    stored = config.get("torch_dtype") or config.get("dtype")
+    chosen, _ = choose_dtype(asked, stored, torch.device(device))
+    return str(chosen).removeprefix("torch.")
+
+
+def parse_steps(text: str) -> tuple[tuple[int, int], ...]:
+    """'8:31,4:31' -> ((8, 31), (4, 31)): decode steps as batch:steps pairs."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        batch, sep, steps = part.partition(":")
+        if not sep:
+            raise ValueError(f"decode steps {part!r}: write BATCH:STEPS, e.g. 8:31")
+        out.append((int(batch), int(steps)))
+    return tuple(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model-path", type=Path, help="a model directory (its config.json)")
+    parser.add_argument("--config", help="a config.json file instead of --model-path")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto: "
+                        "what radixlm computes the checkpoint in here")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, action="append", help="decode batch sizes (8)")
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--prompt-tokens", type=int, help="unique prompt tokens of a workload")
+    parser.add_argument("--decode-steps", default="", help="BATCH:STEPS,... e.g. 8:31,8:31")
+    parser.add_argument("--json", help="write the rates (and the limit) here")
+    args = parser.parse_args(argv)
+    if args.config:
+        config = json.loads(Path(args.config).read_text())
+    elif args.model_path:
+        config = json.loads((args.model_path / "config.json").read_text())
+    else:
+        parser.error("give --model-path or --config")
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = (
+            compute_dtype(args.model_path, "auto", args.device) if args.model_path else "float32"
+        )
+    batches = args.batch or [8]
+    steps = parse_steps(args.decode_steps)
+    needed = sorted({*batches, *(b for b, _ in steps)})
+    rates = probe(ModelShape.from_config(config), dtype, args.threads, needed, args.device,
+                  args.prefill_tokens)  # fmt: skip
+    print(rates.describe())
+    out: dict[str, Any] = {
+        "dtype": rates.dtype, "threads": rates.threads, "device": rates.device,
+        "prefill_gflops": rates.prefill_gflops, "prompt_tokens_per_s": rates.prompt_tokens_per_s,
+        "step_seconds": rates.step_seconds,
+    }  # fmt: skip
+    if args.prompt_tokens is not None:
+        demand = Demand(args.prompt_tokens, steps)
+        out["limit_s"] = rates.limit_seconds(demand)
+        print(f"{demand.describe()}: limit {out['limit_s']:.1f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
