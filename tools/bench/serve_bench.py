@@ -16,6 +16,17 @@ end-to-end latency (mean, p50, p99).
     # one after the other, the same workload; prints the ratios
     .venv/bin/python tools/bench/serve_bench.py --compare --dummy-model tiny
     .venv/bin/python tools/bench/serve_bench.py --compare --dummy-model qwen2.5-0.5b --num-prompts 64
+
+    # llama.cpp as a peer (built once into tools/bench/.cache/llamacpp/, see _llamacpp.py):
+    # the same bf16 checkpoint converted to GGUF, one compute thread per server, the issue's
+    # workloads (--workload sets the dataset, lengths in tokens, 16 requests at concurrency 8)
+    .venv/bin/python tools/bench/serve_bench.py --compare --peers llamacpp --threads 1 \
+        --dummy-model qwen2.5-0.5b-full --dummy-dtype bfloat16 --api completions --workload few-shot
+    ... --peers llamacpp,transformers --llamacpp-quant Q8_0 --radixlm-args "--dtype float32"
+
+With --compare each measured duration is also given as a share of the machine's limit for the
+workload (limit_probe.py: the unique prompt tokens at the measured matmul rate plus the decode
+steps at the measured batch rate, same threads and dtype); --no-limit skips the probe.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import socket
 import statistics
@@ -56,7 +68,21 @@ SHAPES: dict[str, dict[str, Any]] = {
         "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
         "num_attention_heads": 14, "num_key_value_heads": 2,
     },
+    # Qwen2.5-0.5B's vocabulary too (151,936), with the id tokenizer of _common.
+    "qwen2.5-0.5b-full": {
+        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+    },
 }  # fmt: skip
+
+# --workload presets: the issue's two serving workloads, lengths in tokens.
+PRESETS: dict[str, dict[str, Any]] = {
+    "few-shot": {"dataset": "shared-prefix", "num_groups": 1, "prefix_len": 1561,
+                 "input_len": 20, "num_prompts": 16, "max_concurrency": 8},
+    "no-sharing": {"dataset": "random", "input_len": 490, "num_prompts": 16,
+                   "max_concurrency": 8},
+}  # fmt: skip
+PEERS = ("transformers", "llamacpp")
 
 
 # Workloads.
@@ -77,23 +103,56 @@ class Prompt:
     output_len: int
 
 
-def random_dataset(n: int, input_len: int, output_len: int, seed: int) -> list[Prompt]:
-    """Independent prompts of about `input_len` words (lengths vary ±25%)."""
+Count = Callable[[random.Random, int], str]
+
+
+def _token_words(tokenizer: Any) -> Count:
+    """Text of exactly `count` tokens of `tokenizer` (words, cut at a token boundary)."""
+
+    def text(rng: random.Random, count: int) -> str:
+        ids: list[int] = []
+        while len(ids) < count:
+            ids = tokenizer.encode(_words(rng, 2 * count + 8), add_special_tokens=False)
+        return str(tokenizer.decode(ids[:count]))
+
+    return text
+
+
+def random_dataset(
+    n: int, input_len: int, output_len: int, seed: int, words: Count = _words
+) -> list[Prompt]:
+    """Independent prompts of about `input_len` words (lengths vary ±25%); `words` makes the
+    text (`_token_words`: lengths in a tokenizer's tokens)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         length = max(1, int(input_len * rng.uniform(0.75, 1.25)))
-        out.append(Prompt("", _words(rng, length), output_len))
+        out.append(Prompt("", words(rng, length), output_len))
     return out
 
 
 def shared_prefix_dataset(
-    n: int, groups: int, prefix_len: int, question_len: int, output_len: int, seed: int
+    n: int,
+    groups: int,
+    prefix_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int,
+    words: Count = _words,
 ) -> list[Prompt]:
     """`groups` long system prompts, each shared by n/groups short questions (interleaved)."""
     rng = random.Random(seed)
-    prefixes = [_words(rng, prefix_len) for _ in range(groups)]
-    return [Prompt(prefixes[i % groups], _words(rng, question_len), output_len) for i in range(n)]
+    prefixes = [words(rng, prefix_len) for _ in range(groups)]
+    return [Prompt(prefixes[i % groups], words(rng, question_len), output_len) for i in range(n)]
+
+
+def prompt_text(api: str, prompt: Prompt, tokenizer: Any) -> str:
+    """The text a server computes for `prompt` through `api` (the chat template rendered)."""
+    if api != "chat":
+        return f"{prompt.system}\n{prompt.user}".strip()
+    messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
+    messages.append({"role": "user", "content": prompt.user})
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
 # One request.
@@ -281,11 +340,15 @@ LOWER_IS_BETTER = ("ttft", "itl", "e2e", "duration", "failed")
 
 
 def print_table(columns: dict[str, dict[str, float] | None]) -> None:
+    """The figures side by side, with the first column's ratio over each other column."""
     names = list(columns)
     keys = next((list(c) for c in columns.values() if c), [])
+    others = names[1:]
     header = f"{'metric':22s}" + "".join(f"{n:>18s}" for n in names)
     if len(names) == 2:
         header += f"{'ratio (1st/2nd)':>18s}"
+    elif others:
+        header += "".join(f"{'1st/' + n[:13]:>18s}" for n in others)
     print(header)
     print("-" * len(header))
     for key in keys:
@@ -294,23 +357,32 @@ def print_table(columns: dict[str, dict[str, float] | None]) -> None:
             value = (columns[name] or {}).get(key)
             cells.append(f"{value:18.2f}" if value is not None else f"{'n/a':>18s}")
         line = f"{key:22s}" + "".join(cells)
-        if len(names) == 2:
-            a, b = ((columns[n] or {}).get(key) for n in names)
+        a = (columns[names[0]] or {}).get(key) if names else None
+        for other in others:
+            b = (columns[other] or {}).get(key)
             if a and b and not (math.isnan(a) or math.isnan(b)):
                 lower = any(word in key for word in LOWER_IS_BETTER)
                 line += f"{(b / a if lower else a / b):17.2f}x"
+            else:
+                line += f"{'':18s}"
         print(line)
-    if len(names) == 2:
+    if others:
         print("(ratio: > 1 means the first column is better — faster or higher throughput)")
 
 
-def build_prompts(args: argparse.Namespace) -> list[Prompt]:
+def build_prompts(args: argparse.Namespace, tokenizer: Any = None) -> list[Prompt]:
+    """The workload's prompts; lengths in `tokenizer`'s tokens with --length-unit tokens."""
+    words: Count = _words
+    if args.length_unit == "tokens":
+        if tokenizer is None:
+            raise SystemExit("--length-unit tokens (and --workload) needs --compare")
+        words = _token_words(tokenizer)
     if args.dataset == "shared-prefix":
         return shared_prefix_dataset(
             args.num_prompts, args.num_groups, args.prefix_len, args.input_len,
-            args.output_len, args.seed,
+            args.output_len, args.seed, words,
         )  # fmt: skip
-    return random_dataset(args.num_prompts, args.input_len, args.output_len, args.seed)
+    return random_dataset(args.num_prompts, args.input_len, args.output_len, args.seed, words)
 
 
 def bench(
@@ -319,8 +391,12 @@ def bench(
     model: str,
     extra: dict[str, Any],
     count_tokens: Callable[[str], int] | None = None,
+    prompts: list[Prompt] | None = None,
+    prompt_counts: list[int] | None = None,
 ) -> dict[str, float]:
-    prompts = build_prompts(args)
+    """The workload (`prompts`, default from `args`) against one server; `prompt_counts`
+    stand in for the prompt token counts of a server that reports no usage."""
+    prompts = prompts if prompts is not None else build_prompts(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     if args.warmup:
         # Untimed: first requests pay for lazy initialisation (compilation, warm-up) in servers.
@@ -333,6 +409,10 @@ def bench(
     errors = [r.error for r in results if not r.ok]
     if errors:
         print(f"  {len(errors)} requests failed; first: {errors[0]}", file=sys.stderr)
+    if prompt_counts and all(r.prompt_tokens == 0 for r in results):
+        # The server reported no usage (llama.cpp's streams): the prompts as counted here.
+        for result, count in zip(results, prompt_counts, strict=True):
+            result.prompt_tokens = count
     return summarize(results, duration)
 
 
@@ -396,19 +476,31 @@ def fake_server(token_delay: float) -> tuple[str, str, Any]:
     return url, "fake", stop
 
 
-def build_dummy_model(shape: str, directory: Path) -> Path:
-    """A random-weight Qwen2 model of `shape` with the toy byte-level BPE tokenizer."""
+def build_dummy_model(shape: str, directory: Path, dtype: str = "float32") -> Path:
+    """A random-weight (seed 0) Qwen2 model of `shape` saved in `dtype`, with the toy
+    byte-level BPE tokenizer, or with _common's id tokenizer when the shape names its own
+    vocabulary size. The same shape and dtype give the same files (so a GGUF made from them
+    is reused)."""
+    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = _load_fake_engine().build_tokenizer(directory)
+    dims = dict(SHAPES[shape])
+    if "vocab_size" in dims:
+        from _common import id_tokenizer
+
+        tokenizer = id_tokenizer(directory, dims["vocab_size"])
+    else:
+        tokenizer = _load_fake_engine().build_tokenizer(directory)
+        dims["vocab_size"] = len(tokenizer)
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
         max_position_embeddings=4096,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
-        **SHAPES[shape],
+        **dims,
     )
-    Qwen2ForCausalLM(config).save_pretrained(str(directory))
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(str(directory))
     return directory
 
 
@@ -421,23 +513,35 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def launch(name: str, model: str, port: int, log: Path, peer_args: str) -> subprocess.Popen[bytes]:
+def launch(
+    name: str, model: str, port: int, log: Path, peer_args: str, threads: int = 0
+) -> subprocess.Popen[bytes]:
+    """`radixlm serve` or `transformers serve` on `model`, with `peer_args` (a shell-quoted
+    string) appended; `threads` > 0 caps torch's compute threads (OMP_NUM_THREADS)."""
     if name == "radixlm":
         cmd = [sys.executable, "-m", "radixlm.server", "--model-path", model, "--port", str(port),
-               "--served-model-name", model, "--log-level", "warning"]  # fmt: skip
+               "--served-model-name", model, "--log-level", "warning",
+               *shlex.split(peer_args)]  # fmt: skip
     else:
         exe = shutil.which("transformers") or str(Path(sys.executable).with_name("transformers"))
-        cmd = [exe, "serve", model, "--port", str(port), *peer_args.split(),
+        cmd = [exe, "serve", model, "--port", str(port), *shlex.split(peer_args),
                "--log-level", "warning"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads > 0 else None
     print(f"+ {' '.join(cmd)}", flush=True)
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
 def compare(args: argparse.Namespace) -> dict[str, dict[str, float] | None]:
+    """radixlm serve and each of --peers on the same model and prompts, one after the other;
+    with the limit probe on, each column also gets its `share_of_limit`."""
     model = args.model_path
     if model is None:
-        model = str(build_dummy_model(args.dummy_model, Path(tempfile.mkdtemp(prefix="dummy-"))))
-        print(f"dummy {args.dummy_model} model in {model}")
+        model = str(
+            build_dummy_model(
+                args.dummy_model, Path(tempfile.mkdtemp(prefix="dummy-")), args.dummy_dtype
+            )
+        )
+        print(f"dummy {args.dummy_model} model ({args.dummy_dtype}) in {model}")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -445,30 +549,135 @@ def compare(args: argparse.Namespace) -> dict[str, dict[str, float] | None]:
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
+    prompts = build_prompts(args, tokenizer)
+    prompt_ids = [
+        tokenizer.encode(prompt_text(args.api, p, tokenizer), add_special_tokens=False)
+        for p in prompts
+    ]
     columns: dict[str, dict[str, float] | None] = {}
-    for name in ("radixlm", "transformers"):
-        port = _free_port()
-        log = Path(tempfile.mkdtemp(prefix=f"{name}-")) / "server.log"
-        process = launch(name, model, port, log, args.transformers_args)
-        url = f"http://127.0.0.1:{port}"
+    for name in ("radixlm", *args.peers):
+        columns[name] = _bench_server(name, model, tokenizer, args, count_tokens, prompts,
+                                      [len(ids) for ids in prompt_ids])  # fmt: skip
+    if not args.no_limit:
+        add_limit(columns, Path(model), prompt_ids, args)
+    return columns
+
+
+def _bench_server(
+    name: str,
+    model: str,
+    tokenizer: Any,
+    args: argparse.Namespace,
+    count_tokens: Callable[[str], int],
+    prompts: list[Prompt],
+    prompt_counts: list[int],
+) -> dict[str, float] | None:
+    """One server started, benched on `prompts` and stopped; None if it did not start."""
+    port = _free_port()
+    log = Path(tempfile.mkdtemp(prefix=f"{name}-")) / "server.log"
+    url = f"http://127.0.0.1:{port}"
+    stop: Callable[[], None]
+    if name == "llamacpp":
+        import _llamacpp
+
         try:
-            if not _wait_healthy(url, process, args.startup_timeout):
-                tail = log.read_text(errors="replace")[-1500:]
-                print(f"[{name}] did not start; its log ends with:\n{tail}", file=sys.stderr)
-                columns[name] = None
-                continue
-            extra = {"ignore_eos": True} if name == "radixlm" else {}
-            columns[name] = bench(args, url, model, extra, count_tokens)
-        finally:
+            gguf = _llamacpp.prepare_gguf(Path(model), args.llamacpp_outtype, args.llamacpp_quant)
+            options = _llamacpp.ServerOptions(
+                threads=args.threads, n_ctx=args.llamacpp_ctx,
+                extra=tuple(shlex.split(args.llamacpp_args)),
+            )  # fmt: skip
+            server = _llamacpp.start_server(gguf, port, log, model, options, args.startup_timeout)
+        except RuntimeError as error:
+            print(f"[llamacpp] {error}", file=sys.stderr)
+            return None
+        stop = server.stop
+        # radixlm gets ignore_eos; llama.cpp the same by a ban on the end-of-text tokens.
+        banned = {str(i): -1e9 for i in tokenizer.all_special_ids}
+        extra: dict[str, Any] = {"logit_bias": banned}
+    else:
+        peer_args = args.radixlm_args if name == "radixlm" else args.transformers_args
+        process = launch(name, model, port, log, peer_args, args.threads)
+
+        def stop() -> None:
             process.terminate()
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
-    return columns
+
+        if not _wait_healthy(url, process, args.startup_timeout):
+            stop()
+            tail = log.read_text(errors="replace")[-1500:]
+            print(f"[{name}] did not start; its log ends with:\n{tail}", file=sys.stderr)
+            return None
+        extra = {"ignore_eos": True} if name == "radixlm" else {}
+    try:
+        return bench(args, url, model, extra, count_tokens, prompts, prompt_counts)
+    finally:
+        stop()
 
 
-def main() -> int:
+def add_limit(
+    columns: dict[str, dict[str, float] | None],
+    model: Path,
+    prompt_ids: list[list[int]],
+    args: argparse.Namespace,
+) -> None:
+    """Probes this machine's limit for the workload (limit_probe.py, radixlm's compute dtype
+    unless --limit-dtype, --threads threads) and gives each column's duration as a share of
+    it (`limit_s`, `share_of_limit`); prints the probe and the shares."""
+    import limit_probe
+
+    dtype = args.limit_dtype or limit_probe.compute_dtype(model, _radixlm_dtype(args.radixlm_args))
+    concurrency = args.max_concurrency or len(prompt_ids)
+    demand = limit_probe.serve_demand(prompt_ids, args.output_len, concurrency)
+    batches = sorted({b for b, _ in demand.decode_steps}) or [1]
+    config = json.loads((model / "config.json").read_text())
+    rates = limit_probe.probe(
+        limit_probe.ModelShape.from_config(config), dtype, args.threads, batches
+    )
+    limit = rates.limit_seconds(demand)
+    print(f"machine limit probe: {rates.describe()}")
+    print(f"workload: {demand.describe()} -> limit {limit:.1f} s")
+    for name, column in columns.items():
+        if column:
+            column["limit_s"] = limit
+            column["share_of_limit"] = limit_probe.share(limit, column["duration_s"])
+            print(f"  limit {limit:.1f} s, {name} {column['duration_s']:.1f} s = "
+                  f"{column['share_of_limit']:.0%} of limit")  # fmt: skip
+
+
+def _radixlm_dtype(radixlm_args: str) -> str:
+    """The --dtype in radixlm's server arguments ("auto" without one)."""
+    words = shlex.split(radixlm_args)
+    for i, word in enumerate(words):
+        if word == "--dtype" and i + 1 < len(words):
+            return words[i + 1]
+        if word.startswith("--dtype="):
+            return word.split("=", 1)[1]
+    return "auto"
+
+
+def parse_peers(text: str) -> tuple[str, ...]:
+    """--peers 'llamacpp,transformers' -> ('llamacpp', 'transformers'); 'none' -> ()."""
+    if text.strip() in ("", "none"):
+        return ()
+    peers = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if bad := sorted(set(peers) - set(PEERS)):
+        raise ValueError(f"unknown peers {bad}; choose from {', '.join(PEERS)} or none")
+    return peers
+
+
+def apply_preset(args: argparse.Namespace) -> None:
+    """--workload NAME: its dataset, lengths (in tokens), request count and concurrency."""
+    if args.workload:
+        for key, value in PRESETS[args.workload].items():
+            setattr(args, key, value)
+        args.length_unit = "tokens"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked, with --peers parsed into a tuple and --workload applied."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -479,9 +688,17 @@ def main() -> int:
     target.add_argument("--fake", action="store_true", help="self-test on the toy engine")
     target.add_argument("--fake-token-delay", type=float, default=0.002)
     target.add_argument("--compare", action="store_true",
-                        help="radixlm serve vs transformers serve on the same model")  # fmt: skip
+                        help="radixlm serve vs --peers on the same model")  # fmt: skip
+    target.add_argument("--peers", default="transformers", help="servers --compare runs after "
+                        "radixlm: comma-separated from transformers, llamacpp")  # fmt: skip
     target.add_argument("--model-path", help="model for --compare (default: a dummy model)")
     target.add_argument("--dummy-model", choices=sorted(SHAPES), default="tiny")
+    target.add_argument("--dummy-dtype", choices=["float32", "bfloat16", "float16"],
+                        default="float32", help="the dummy checkpoint's dtype")  # fmt: skip
+    target.add_argument("--threads", type=int, default=0, help="compute threads of each "
+                        "server in --compare (0: each one's default)")  # fmt: skip
+    target.add_argument("--radixlm-args", default="", help="extra arguments of `radixlm "
+                        "serve` in --compare, e.g. '--dtype float32'")  # fmt: skip
     target.add_argument("--startup-timeout", type=float, default=600)
     target.add_argument(
         "--transformers-args",
@@ -489,9 +706,28 @@ def main() -> int:
         help="extra arguments of `transformers serve` in --compare (default: on the GPU when "
         "there is one, like radixlm)",
     )
+    llama = parser.add_argument_group("llama.cpp peer (--peers llamacpp)")
+    llama.add_argument("--llamacpp-outtype", choices=["bf16", "f16", "f32"], default="bf16",
+                       help="the GGUF the checkpoint is converted to")  # fmt: skip
+    llama.add_argument("--llamacpp-quant", choices=["Q8_0", "Q4_K_M"], default=None,
+                       help="serve that GGUF quantized to this type")  # fmt: skip
+    llama.add_argument("--llamacpp-ctx", type=int, default=4096, help="its context size")
+    llama.add_argument("--llamacpp-args", default="", help="more `llama_cpp.server` "
+                       "arguments, e.g. '--flash_attn True'")  # fmt: skip
+    limit = parser.add_argument_group("machine limit (limit_probe.py)")
+    limit.add_argument("--no-limit", action="store_true", help="skip the limit probe")
+    limit.add_argument("--limit-dtype", help="the probe's dtype (default: what radixlm "
+                       "computes the checkpoint in)")  # fmt: skip
     load = parser.add_argument_group("load")
     load.add_argument("--api", choices=["chat", "completions", "generate"], default="chat")
+    load.add_argument("--workload", choices=sorted(PRESETS), help="a preset: few-shot (one "
+                      "1,561-token prefix, 20-token questions) or no-sharing (~490-token "
+                      "prompts), 16 requests at concurrency 8, lengths in tokens; overrides "
+                      "the options below")  # fmt: skip
     load.add_argument("--dataset", choices=["random", "shared-prefix"], default="shared-prefix")
+    load.add_argument("--length-unit", choices=["words", "tokens"], default="words",
+                      help="what --input-len and --prefix-len count (tokens: of the "
+                      "model's tokenizer; --compare only)")  # fmt: skip
     load.add_argument("--num-prompts", type=int, default=200)
     load.add_argument("--input-len", type=int, default=64, help="words per prompt / question")
     load.add_argument("--output-len", type=int, default=32, help="max tokens per answer")
@@ -503,14 +739,25 @@ def main() -> int:
     load.add_argument("--warmup", type=int, default=2, help="untimed requests sent first")
     load.add_argument("--extra-body", default="{}", help="JSON merged into every request")
     load.add_argument("--output-json", help="write the figures here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    try:
+        args.peers = parse_peers(args.peers)
+    except ValueError as error:
+        parser.error(str(error))
+    apply_preset(args)
+    if not (args.compare or args.fake or args.base_url):
+        parser.error("give --base-url, --fake or --compare")
+    return args
 
+
+def main() -> int:
+    args = parse_args()
     extra = json.loads(args.extra_body)
     print(
         f"workload: {args.dataset}, {args.num_prompts} prompts, api {args.api}, rate "
         f"{args.request_rate}/s, concurrency {args.max_concurrency or 'unbounded'}, "
-        f"input {args.input_len} words, output {args.output_len} tokens"
-        + (f", {args.num_groups} prefixes of {args.prefix_len} words" if args.dataset == "shared-prefix" else "")
+        f"input {args.input_len} {args.length_unit}, output {args.output_len} tokens"
+        + (f", {args.num_groups} prefixes of {args.prefix_len} {args.length_unit}" if args.dataset == "shared-prefix" else "")
     )  # fmt: skip
     columns: dict[str, dict[str, float] | None]
     if args.compare:
@@ -523,10 +770,8 @@ def main() -> int:
             }
         finally:
             stop()
-    elif args.base_url:
-        columns = {args.base_url: bench(args, args.base_url.rstrip("/"), args.model, extra)}
     else:
-        parser.error("give --base-url, --fake or --compare")
+        columns = {args.base_url: bench(args, args.base_url.rstrip("/"), args.model, extra)}
     print_table(columns)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(columns, indent=2))
