@@ -31,7 +31,13 @@ Over HTTP (--http radixlm,transformers): `radixlm serve` and `transformers serve
 --continuous-batching`, started one after the other on the same random weights saved to disk
 with a tokenizer that spells each token id as its own text, get each stage's calls at once
 through the OpenAI completions API (--skip-in-process leaves out the in-process systems;
---scale 0.25 sends a quarter of the requests, at least one of each kind).
+--scale 0.25 sends a quarter of the requests, at least one of each kind). `--http llamacpp` adds
+llama.cpp's `llama_cpp.server` (built once by _llamacpp.py) on the same weights converted to
+GGUF (the dtype's GGUF type, or --llamacpp-quant), --threads compute threads.
+
+--limit also probes this machine's limit for each workload (limit_probe.py: its unique prompt
+tokens at the measured matmul rate plus its decode steps at the measured batch rate) and gives
+each system's time as a share of it.
 
 On a GPU (--device auto picks CUDA when there is one) the same command uses larger shapes:
 Llama-3.1-8B in bfloat16, with every workload's request count times --scale (default 4 there).
@@ -435,12 +441,15 @@ class HttpSystem:
     the in-process systems see. A call with n > 1 becomes n requests (seeds seed·n … seed·n+n-1):
     `transformers serve` does not take `n`. radixlm gets `ignore_eos` and, on `json`, the schema
     (jump-forward on); transformers serve cannot take either and decodes max_tokens
-    unconstrained (a random-weight model almost never samples the EOS). radixlm's hit rate comes
+    unconstrained (a random-weight model almost never samples the EOS). llama.cpp (one request
+    at a time, reusing the previous prompt's common prefix) gets `ignore_eos` as a ban on the
+    special tokens (`logit_bias`) and decodes `json` unconstrained too. radixlm's hit rate comes
     from the cached-token counts in its responses' usage."""
 
     SERVERS: ClassVar[dict[str, str]] = {
         "radixlm": "radixlm-serve",
         "transformers": "transformers-serve",
+        "llamacpp": "llamacpp-serve",
     }
 
     def __init__(
@@ -463,8 +472,20 @@ class HttpSystem:
         port = serve_bench._free_port()
         url = f"http://127.0.0.1:{port}"
         log = Path(tempfile.mkdtemp(prefix=f"{server}-serve-")) / "server.log"
+        if server == "llamacpp":
+            import _llamacpp
+
+            outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[args.dtype]
+            gguf = _llamacpp.prepare_gguf(workdir, outtype, args.llamacpp_quant)
+            threads = args.threads or torch.get_num_threads()
+            options = _llamacpp.ServerOptions(threads=threads, n_ctx=args.llamacpp_ctx)
+            peer = _llamacpp.start_server(
+                gguf, port, log, str(workdir), options, args.startup_timeout
+            )
+            client = httpx.Client(base_url=peer.url, timeout=None)
+            return cls(server, str(workdir), tokenizer, client, peer.process)
         extra = args.transformers_serve_args if server == "transformers" else ""
-        process = serve_bench.launch(server, str(workdir), port, log, extra)
+        process = serve_bench.launch(server, str(workdir), port, log, extra, args.threads)
         if not serve_bench._wait_healthy(url, process, args.startup_timeout):
             _stop(process)
             tail = log.read_text(errors="replace")[-2000:]
@@ -493,6 +514,8 @@ class HttpSystem:
             body["skip_special_tokens"] = False  # an EOS it ignored stays in the text
             if "json_schema" in p:
                 body["json_schema"] = p["json_schema"]
+        if self.server == "llamacpp" and p.get("ignore_eos"):
+            body["logit_bias"] = {str(i): -1e9 for i in self.tokenizer.all_special_ids}
         return body
 
     def _send(self, body: dict[str, Any]) -> list[int]:
@@ -715,7 +738,13 @@ def main() -> None:
     parser.add_argument("--peer-memory", type=float, default=0.5,
                         help="the peers' share of GPU memory")  # fmt: skip
     parser.add_argument("--http", default="none", help="servers to run over HTTP on the same "
-                        "workloads: comma-separated from radixlm,transformers; 'none'")  # fmt: skip
+                        "workloads: comma-separated from radixlm,transformers,llamacpp; "
+                        "'none'")  # fmt: skip
+    parser.add_argument("--llamacpp-quant", choices=["Q8_0", "Q4_K_M"], help="--http "
+                        "llamacpp serves its GGUF quantized to this type")  # fmt: skip
+    parser.add_argument("--llamacpp-ctx", type=int, default=4096, help="llama.cpp's context")
+    parser.add_argument("--limit", action="store_true", help="also each workload's time as "
+                        "a share of this machine's limit (limit_probe.py)")  # fmt: skip
     parser.add_argument("--skip-in-process", action="store_true", help="only the peers and "
                         "the --http servers")  # fmt: skip
     parser.add_argument("--transformers-serve-args", help="arguments of `transformers serve` "
@@ -748,7 +777,7 @@ def main() -> None:
             parser.error(f"unknown peers {bad}; choose from {', '.join(PEERS)}")
     servers = [] if args.http == "none" else [h for h in args.http.split(",") if h]
     if bad := sorted(set(servers) - set(HttpSystem.SERVERS)):
-        parser.error(f"unknown --http servers {bad}; choose from radixlm, transformers")
+        parser.error(f"unknown --http servers {bad}; choose from radixlm, transformers, llamacpp")
     print(
         f"building a dummy {args.shape}-shaped model ({args.dtype} on {args.device}, "
         f"scale {args.scale}); peers: {', '.join(peers) or 'none'}; over HTTP: "
@@ -763,6 +792,8 @@ def main() -> None:
     if servers:
         rows += run_http(servers, workloads, args)
     report(rows)
+    if args.limit:
+        report_limits(rows, args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
@@ -833,9 +864,70 @@ def run_http(servers: list[str], workloads: list[str], args: Any) -> list[dict[s
     return rows
 
 
+def workload_demand(workload: str, args: Any) -> Any:
+    """What `workload` asks of the model (limit_probe.Demand), from a replay of its stages with
+    stand-in outputs of full length (the prompts are the measured ones: the workload's random
+    ids do not depend on outputs); each stage's sequences decode together, in batches of at
+    most 128 (radixlm's running-request cap here). None when an output's length is not fixed
+    (a workload without ignore_eos, as json)."""
+    from limit_probe import Demand, unique_prompt_tokens
+
+    vocab = SHAPES[args.shape]["vocab_size"]
+    stand_in = random.Random(args.seed + 7)
+    steps: dict[int, int] = {}
+    fixed = True
+
+    def run(calls: list[Call]) -> None:
+        nonlocal fixed
+        sequences = 0
+        for call in calls:
+            n, length = call.params.get("n", 1), call.params["max_new_tokens"]
+            call.outputs = [[stand_in.randrange(1000, vocab) for _ in range(length)]] * n
+            sequences += n
+            fixed = fixed and bool(call.params.get("ignore_eos"))
+        length = max(c.params["max_new_tokens"] for c in calls)
+        for start in range(0, sequences, 128):
+            batch = min(128, sequences - start)
+            steps[batch] = steps.get(batch, 0) + length - 1
+
+    calls = getattr(Workloads(vocab, args.quick, args.seed, args.scale), workload)(run)
+    if not fixed:
+        return None
+    unique = unique_prompt_tokens((c.prompt, c.outputs) for c in calls)
+    return Demand(unique, tuple(sorted(steps.items())))
+
+
+def report_limits(rows: list[dict[str, Any]], args: Any) -> None:
+    """Each workload's limit on this machine (limit_probe.py at args.dtype, torch's thread
+    count, args.device) and each system's time as a share of it; adds `limit_s` and
+    `share_of_limit` to the rows."""
+    import limit_probe
+
+    demands = {w: workload_demand(w, args) for w in dict.fromkeys(r["workload"] for r in rows)}
+    batches = {b for d in demands.values() if d for b, _ in d.decode_steps}
+    shape = limit_probe.ModelShape.from_config(SHAPES[args.shape])
+    gc.collect()
+    rates = limit_probe.probe(shape, args.dtype, 0, sorted(batches) or [1], args.device)
+    print()
+    print(f"machine limit probe: {rates.describe()}")
+    for workload, demand in demands.items():
+        if demand is None:
+            print(f"  {workload:17s} no limit: its outputs' lengths are not fixed")
+            continue
+        limit = rates.limit_seconds(demand)
+        cells = []
+        for row in rows:
+            if row["workload"] == workload:
+                row["limit_s"] = limit
+                row["share_of_limit"] = limit_probe.share(limit, row["seconds"])
+                share = row["share_of_limit"]
+                cells.append(f"{row['system']} {row['seconds']:.1f} s = {share:.0%}")
+        print(f"  {workload:17s} limit {limit:.1f} s ({demand.describe()}): " + ", ".join(cells))
+
+
 ORDER = (
     "radixlm", "radixlm-nocache", "radixlm-nojf", "transformers", *PEERS,
-    "radixlm-serve", "transformers-serve",
+    "radixlm-serve", "transformers-serve", "llamacpp-serve",
 )  # fmt: skip
 
 
