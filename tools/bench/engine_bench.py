@@ -620,6 +620,7 @@ def build(args: Any, workdir: Path) -> tuple[Any, Any]:
         RunnerConfig,
     )
     from radixlm.runtime.loader import build_model, read_model_info
+    from radixlm.runtime.quant import finalize_quantized
 
     hf_model = random_hf_model(workdir, args.dtype, args.device)
     config = RunnerConfig(
@@ -629,6 +630,7 @@ def build(args: Any, workdir: Path) -> tuple[Any, Any]:
             device=args.device,
             load_format="dummy",
             show_progress=False,
+            quantization=args.quantization,
         ),
         memory=MemoryConfig(max_total_tokens=args.max_total_tokens, max_running_requests=128),
         attention=AttentionConfig(
@@ -637,8 +639,14 @@ def build(args: Any, workdir: Path) -> tuple[Any, Any]:
         ),
     )
     info = read_model_info(config.model)
-    runner = ModelRunner(config, model=build_model(info), info=info)
-    runner.load_weights(hf_model.state_dict().items())
+    model = build_model(info)
+    with torch.no_grad():
+        model.load_weights(
+            (name, t.to(device=info.device, dtype=info.dtype))
+            for name, t in hf_model.state_dict().items()
+        )
+    finalize_quantized(model)  # --quantization: quantize the loaded weights (before graphs)
+    runner = ModelRunner(config, model=model, info=info)
     return hf_model, runner
 
 
@@ -727,6 +735,8 @@ def main() -> None:
     parser.add_argument("--max-total-tokens", type=int, default=0, help="radixlm's KV pool "
                         "(default 40000 x scale)")  # fmt: skip
     parser.add_argument("--chunked-prefill-size", type=int, default=2048)
+    parser.add_argument("--quantization", help="radixlm's --quantization (int8, w8a8_int8, "
+                        "int4, fp8; transformers keeps the full-precision weights)")  # fmt: skip
     parser.add_argument("--schedule-policy", default="lpm")
     parser.add_argument("--disable-cuda-graph", action="store_true", help="radixlm decodes "
                         "without CUDA graphs (they are only used on CUDA)")  # fmt: skip
