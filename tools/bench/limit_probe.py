@@ -10,12 +10,12 @@ What is counted, and what is not:
 - Prefill: every unique prompt token costs the model's projection FLOPs, 2 x (the q, k, v, o,
   gate, up and down weights of every layer). Their rate is measured as `torch.nn.functional.
   linear` on one layer's seven weight shapes at M = `prefill_tokens` rows (default 512), best of
-  a few repetitions. A prompt token is unique when no earlier prompt (or earlier prompt plus its
+  five repetitions. A prompt token is unique when no earlier prompt (or earlier prompt plus its
   output) of the workload starts with the same tokens up to it; each prompt's last token always
   counts (its logits must be computed), as in engine_bench's optimal hit rate.
 - Decode: one step at batch B is timed as a whole forward's worth of projections at M = B over
   separate weights for every layer (so the weights stream from memory as in a real step), plus
-  the lm_head at M = B, best of a few steps. A workload's decode steps are counted from its
+  the lm_head at M = B, best of five steps. A workload's decode steps are counted from its
   request count, concurrency and output length (`serve_demand`), or from its stages.
 - Not counted: attention (scores and the KV reads), norms, rotary embeddings, sampling, the
   lm_head row of each prompt's last token, and any scheduling, tokenizing or HTTP cost. Leaving
@@ -24,8 +24,10 @@ What is counted, and what is not:
   quantized dot products can: its share is then over 100%).
 
 `limit = unique prompt tokens / prompt tokens per s + sum over decode batches of steps x step
-time`. The figures are this machine's at the moment of the probe; on a shared machine they move
-with the load, so probe in the same run as the measurement.
+time`. The figures are this machine's at the moment of the probe, the best of five
+repetitions; on a shared machine they still move with the load (53-76 GFLOP/s in one afternoon
+on a 2-core EPYC shared with other jobs), so probe in the same run as the measurement and read
+a share as +-20% there.
 """
 
 from __future__ import annotations
@@ -196,7 +198,7 @@ def probe(
     batches: Iterable[int] = (8,),
     device: str = "cpu",
     prefill_tokens: int = 512,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> Rates:
     """Measures the rates (see the module docstring). `threads` > 0 sets torch's thread count
     for the probe (and leaves it set); 0 keeps torch's current one."""
