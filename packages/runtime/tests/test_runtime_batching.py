@@ -125,3 +125,23 @@ def test_runner_counts_the_tokens_it_forwards(
     before = runner.stats.tokens_forwarded
     driver_for(runner).greedy(PROMPTS[0], 3)
     assert runner.stats.tokens_forwarded - before == len(PROMPTS[0]) + 2
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_decode_of_very_different_lengths_equals_each_alone(
+    arch: str, runners: dict[str, ModelRunner], driver_for: Any
+) -> None:
+    # On CPU similar lengths share a padded group (masked) and distant ones do not; the
+    # mistral model's sliding window (6) masks the old keys inside a padded group too.
+    driver = driver_for(runners[arch])
+    prompts = [[(7 * i + j) % 200 + 2 for j in range(n)] for i, n in enumerate((3, 9, 10, 40))]
+    seqs = [driver.start(p) for p in prompts]
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        driver.forward([driver.entry(seq, prompt[:-1])])
+    batched = driver.forward(
+        [driver.entry(s, p[-1:]) for s, p in zip(seqs, prompts, strict=True)]
+    ).next_token_logits
+    for seq in seqs:
+        driver.release(seq)
+    for row, prompt in enumerate(prompts):
+        assert torch.allclose(batched[row], alone_next_logits(driver, prompt), atol=ATOL), row
