@@ -117,6 +117,8 @@ def test_load_time_quantization_matches_the_dequantized_reference(
 ) -> None:
     path, hf_model = hf_checkpoints[family]
     runner = ModelRunner(runner_config(path, quantization=method, **fields))
+    # The LM head is quantized to int8 too (as llama.cpp's files do), except under fp8.
+    assert (runner.model.quantized_head is not None) == (method != "fp8")
     reference = dequantized_reference(hf_model, dequantize)
     for prompt in PROMPTS:
         got = runner_last_logits(runner, list(prompt))
@@ -298,6 +300,7 @@ def test_int4_checkpoints_round_trip(
     runner = ModelRunner(runner_config(tmp_path / label))
     assert runner.info.quantization is not None
     assert runner.info.quantization.method == quantization_config["quant_method"]
+    assert runner.model.quantized_head is None  # checkpoints' heads stay as they are
     reference = dequantized_reference(hf_model, dequantize)
     for prompt in PROMPTS:
         got = runner_last_logits(runner, list(prompt))

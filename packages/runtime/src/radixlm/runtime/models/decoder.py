@@ -178,6 +178,9 @@ class DecoderForCausalLM(nn.Module):
         self.head_packing = (
             PackedWeight(keep_plain=arch.tie_word_embeddings) if linears.packs_lm_head else None
         )
+        #: A quantized copy of the LM head (`radixlm.runtime.quant.quantize_lm_head`), used by
+        #: `compute_logits` when set.
+        self.quantized_head: nn.Module | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -201,6 +204,9 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] of the given hidden rows."""
+        if self.quantized_head is not None:
+            logits: torch.Tensor = self.quantized_head(hidden)
+            return logits.float()
         if self.head_packing is not None:
             head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
             return self.head_packing.linear(hidden, head.weight, None).float()
@@ -215,7 +221,7 @@ class DecoderForCausalLM(nn.Module):
         linear_paths: set[str] = set()
         for path, module in self.named_modules():
             leaves = getattr(module, "checkpoint_leaves", None)
-            if leaves is None:
+            if leaves is None or path.startswith("quantized_head"):
                 continue
             linear_paths.add(path)
             module_path, _, module_name = path.rpartition(".")

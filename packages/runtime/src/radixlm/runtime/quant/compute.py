@@ -1,13 +1,17 @@
 """How a quantized weight is multiplied, per device: a callable `[M, K] -> [M, N]` per layer.
 
-On CUDA the Triton kernels of `radixlm.kernels` dequantize inside the GEMM. On CPUs torch has
-packed int8 / int4 GEMMs (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) that are fast
-with bfloat16 activations only (measured on an AVX2 EPYC at a 896 x 4864 projection, one
-thread: int8 0.42 ms and int4 0.68 ms at M=1 against 1.1 ms for float32 `F.linear`; with
-float32 activations they run 4-20x slower than float32), so activations are cast to bfloat16
-for the product and the result back. `w8a8_int8` quantizes activations per token as well and
-multiplies int8 by int8: through fbgemm's dynamic linear on x86 CPUs (0.21 ms at M=1, 29 ms
-against 43 ms at M=256) and `torch._int_mm` elsewhere.
+On CUDA the Triton kernels of `radixlm.kernels` dequantize inside the GEMM. On x86 CPUs the
+int8 formats run on fbgemm's int8 x int8 dynamic linear: `w8a8_int8` quantizes each row of
+activations to 7 bits (per token, independent of the batch), and weight-only `int8` carries
+activations to ~14 bits by sending each row's 7-bit part and its remainder as two rows of
+one call; inputs of 128 rows or more (prefill) multiply a dequantized float copy instead.
+Measured on a 2-core AVX2 EPYC, one thread, M=8 (decode), Qwen2.5-0.5B's gate/up projection
+896 -> 9728: float32 8.6 ms, `int8` 3.2 ms, `w8a8_int8` 1.7 ms, torch's own weight-only
+`_weight_int8pack_mm` 6.2 ms; the 151,936-row LM head: 105 / 43 / 20 / 88 ms. int4 runs on
+torch's `_weight_int4pack_mm_for_cpu`, fast with bfloat16 activations only (0.68 ms against
+1.1 ms float32 at M=1 for 896 -> 4864; 4-20x slower than float32 with float32 activations),
+so activations are cast to bfloat16 for the product. Without fbgemm (non-x86 CPUs) int8 uses
+`_weight_int8pack_mm` and w8a8_int8 `torch._int_mm`.
 
 Every path is checked once against the torch reference at build time on a tiny input; a path
 that cannot run (an op missing from this torch build, a shape it refuses) falls back to the
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -34,9 +39,27 @@ def _bf16_scale_ones(out_features: int, device: torch.device) -> torch.Tensor:
 
 
 def int8_weight_only(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul:
-    """x @ (qweight * scale).T; activations stay unquantized."""
+    """x @ (qweight * scale).T; activations stay unquantized (to within ~1e-4 of each row's
+    largest value on CPU, see `_fbgemm_two_pass`)."""
     if qweight.device.type == "cuda":
         return lambda x: kernels.int8_linear(x, qweight, scale)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return kernels.reference.int8_linear(x, qweight, scale)
+
+    two_pass = _fbgemm_two_pass(qweight, scale)
+    if two_pass is not None and _works(two_pass, reference, qweight, rtol=2e-3):
+        dense_ok = qweight.numel() <= _MAX_DEQUANTIZED_ELEMENTS
+
+        def fbgemm_or_dense(x: torch.Tensor) -> torch.Tensor:
+            if dense_ok and x.shape[0] >= _DENSE_ROWS:
+                # Prefill-sized inputs: dequantizing costs N x K once per call, the float32
+                # GEMM then runs at its full rate (faster than two int8 passes there).
+                weight = kernels.dequantize_int8(qweight, scale).to(x.dtype)
+                return torch.nn.functional.linear(x, weight)
+            return two_pass(x)
+
+        return fbgemm_or_dense
     op = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
     if op is not None:
         ones = _bf16_scale_ones(qweight.shape[0], qweight.device)
@@ -48,9 +71,77 @@ def int8_weight_only(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul:
             out: torch.Tensor = op(x.to(torch.bfloat16).contiguous(), qweight, ones)
             return (out.to(torch.float32) * scale32).to(x.dtype)
 
-        if _works(packed, lambda x: kernels.reference.int8_linear(x, qweight, scale), qweight):
+        if _works(packed, reference, qweight):
             return packed
     return _reference("int8", lambda x: kernels.int8_linear(x, qweight, scale))
+
+
+# Inputs of at least this many rows multiply a dequantized float copy of the weight (CPU int8),
+# unless the weight is larger than this many elements (a large vocabulary's LM head).
+_DENSE_ROWS = 128
+_MAX_DEQUANTIZED_ELEMENTS = 1 << 26
+# fbgemm's 7-bit activations over [-1, 1]: step 2 / 127; grid points -63..63 are exact
+# whichever of the two nearest zero points it picks.
+_STEP = 2.0 / 127.0
+
+
+def _fbgemm_prepack(qweight: torch.Tensor, scale: torch.Tensor) -> Any | None:
+    quantized = getattr(torch.ops, "quantized", None)
+    if quantized is None or not hasattr(quantized, "linear_dynamic"):
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            weight = torch._make_per_channel_quantized_tensor(
+                qweight.contiguous(),
+                scale.to(torch.float64),
+                torch.zeros(qweight.shape[0], dtype=torch.int64),
+                0,
+            )
+            return quantized.linear_prepack(weight, None)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _sentinel(in_features: int) -> torch.Tensor:
+    """A row [1, -1, 0, ...]: with it, fbgemm's per-call range is exactly [-1, 1]."""
+    sentinel = torch.zeros(1, in_features, dtype=torch.float32)
+    sentinel[0, 0] = 1.0
+    if in_features > 1:
+        sentinel[0, 1] = -1.0
+    return sentinel
+
+
+def _fbgemm_two_pass(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul | None:
+    """Weight-only int8 through fbgemm's int8 x int8 GEMM, with activations split in two.
+
+    Each row is divided by its largest magnitude; its 7-bit grid part `hi` and the rest
+    (`x - hi`, again scaled to [-1, 1]) go through one fbgemm call as separate rows (rows are
+    independent, see `_fbgemm_dynamic`), and the two results are added back: activations are
+    carried to ~14 bits, an error of ~1e-4 of the row's largest value, at about twice the cost
+    of w8a8_int8 (still 2-5x faster than float32 and than torch's weight-only int8 GEMM on an
+    AVX2 CPU at decode batch sizes).
+    """
+    packed = _fbgemm_prepack(qweight, scale)
+    if packed is None:
+        return None
+    sentinel = _sentinel(qweight.shape[1])
+    linear_dynamic = torch.ops.quantized.linear_dynamic
+
+    def two_pass(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        x32 = x.to(torch.float32)
+        row_max = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
+        normed = x32 / row_max
+        high = torch.round(normed / _STEP).clamp_(-63, 63).mul_(_STEP)
+        rest = normed.sub_(high)
+        rest_max = rest.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
+        stacked = torch.cat([high, rest.div_(rest_max), sentinel])
+        out: torch.Tensor = linear_dynamic(stacked, packed, True)
+        combined = out[:rows] + out[rows : 2 * rows] * rest_max
+        return (combined * row_max).to(x.dtype)
+
+    return two_pass
 
 
 def w8a8_int8(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul:
@@ -71,32 +162,17 @@ def _fbgemm_dynamic(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul | None
     result) does not depend on the other rows. fbgemm uses 7-bit activations (reduce_range)
     to keep its 16-bit pairwise sums from saturating.
     """
-    quantized = getattr(torch.ops, "quantized", None)
-    if quantized is None or not hasattr(quantized, "linear_dynamic"):
+    packed = _fbgemm_prepack(qweight, scale)
+    if packed is None:
         return None
-    out_features, in_features = qweight.shape
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            weight = torch._make_per_channel_quantized_tensor(
-                qweight.contiguous(),
-                scale.to(torch.float64),
-                torch.zeros(out_features, dtype=torch.int64),
-                0,
-            )
-            packed = quantized.linear_prepack(weight, None)
-    except (RuntimeError, NotImplementedError):
-        return None
-    sentinel = torch.zeros(1, in_features, dtype=torch.float32)
-    sentinel[0, 0] = 1.0
-    if in_features > 1:
-        sentinel[0, 1] = -1.0
+    sentinel = _sentinel(qweight.shape[1])
+    linear_dynamic = torch.ops.quantized.linear_dynamic
 
     def dynamic(x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(torch.float32)
         row_max = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
         scaled = torch.cat([x32 / row_max, sentinel])
-        out: torch.Tensor = quantized.linear_dynamic(scaled, packed, True)[:-1]
+        out: torch.Tensor = linear_dynamic(scaled, packed, True)[:-1]
         return (out * row_max).to(x.dtype)
 
     def reference(x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ matmul (`compute.py`). Biases, norms, embeddings and the LM head stay in the com
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -268,9 +269,34 @@ class QuantizedLinears:
 
 
 def finalize_quantized(model: nn.Module) -> int:
-    """Finalize every quantized layer of `model` (after its weights are loaded); returns how
-    many there were."""
+    """Finalize every quantized layer of `model` (after its weights are loaded), and quantize
+    its LM head (`quantize_lm_head`); returns how many layers there were."""
     layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
     for layer in layers:
         layer.finalize()
+    if layers:
+        quantize_lm_head(model, layers[0].quant, layers[0].dtype)
     return len(layers)
+
+
+@torch.no_grad()
+def quantize_lm_head(model: nn.Module, quant: QuantConfig, dtype: torch.dtype) -> bool:
+    """Give `model` an int8 copy of its LM head when its layers were quantized at load time
+    to int8, w8a8_int8 or int4 (as llama.cpp's 8- and 4-bit files quantize their output
+    matrix): on a CPU the head of a small model with a large vocabulary is a quarter of the
+    bytes each decode step reads. The head is int8 per vocabulary row; w8a8_int8 also
+    quantizes its input. fp8 and checkpoint quantizations keep the head as it is. Returns
+    whether the head was quantized. The embedding lookup keeps the full-precision matrix."""
+    if quant.source != "load_time" or quant.format == "fp8" or model.quantized_head is not None:
+        return False
+    weight = model.lm_head_weight
+    head_quant = dataclasses.replace(quant, format="int8")
+    with weight.device:
+        head = QuantizedLinear(weight.shape[1], {"out": weight.shape[0]}, False, head_quant, dtype)
+    assert head.weight is not None
+    head.weight.copy_(weight)
+    head.finalize()
+    model.quantized_head = head
+    if model.lm_head is not None:  # untied: the full-precision head is no longer read
+        model.lm_head.weight.data = weight.new_empty(0)
+    return True
