@@ -103,6 +103,13 @@ def _fbgemm_prepack(qweight: torch.Tensor, scale: torch.Tensor) -> Any | None:
         return None
 
 
+def _unit_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (float32) with each row divided by its largest magnitude, and those magnitudes."""
+    x32 = x.to(torch.float32)
+    row_max = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
+    return x32 / row_max, row_max
+
+
 def _sentinel(in_features: int) -> torch.Tensor:
     """A row [1, -1, 0, ...]: with it, fbgemm's per-call range is exactly [-1, 1]."""
     sentinel = torch.zeros(1, in_features, dtype=torch.float32)
@@ -130,13 +137,11 @@ def _fbgemm_two_pass(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul | Non
 
     def two_pass(x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        x32 = x.to(torch.float32)
-        row_max = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
-        normed = x32 / row_max
+        normed, row_max = _unit_rows(x)
         high = torch.round(normed / _STEP).clamp_(-63, 63).mul_(_STEP)
         rest = normed.sub_(high)
-        rest_max = rest.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
-        stacked = torch.cat([high, rest.div_(rest_max), sentinel])
+        rest, rest_max = _unit_rows(rest)
+        stacked = torch.cat([high, rest, sentinel])
         out: torch.Tensor = linear_dynamic(stacked, packed, True)
         combined = out[:rows] + out[rows : 2 * rows] * rest_max
         return (combined * row_max).to(x.dtype)
@@ -169,9 +174,8 @@ def _fbgemm_dynamic(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul | None
     linear_dynamic = torch.ops.quantized.linear_dynamic
 
     def dynamic(x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(torch.float32)
-        row_max = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
-        scaled = torch.cat([x32 / row_max, sentinel])
+        normed, row_max = _unit_rows(x)
+        scaled = torch.cat([normed, sentinel])
         out: torch.Tensor = linear_dynamic(scaled, packed, True)[:-1]
         return (out * row_max).to(x.dtype)
 
