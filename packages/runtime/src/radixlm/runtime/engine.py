@@ -30,15 +30,15 @@ from radixlm.runtime.beam_search import (
     step_candidates,
     step_request,
 )
+from radixlm.runtime.detokenizer import TextDecoder, load_tokenizer
 from radixlm.runtime.engine_config import EngineConfig
 from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.executor import ModelExecutor
-from radixlm.runtime.frontend import FrontendLimits, RequestPreparer
 from radixlm.runtime.grammar import GrammarService
 from radixlm.runtime.model_runner import ModelRunner
-from radixlm.runtime.output import END, RequestHandle
+from radixlm.runtime.preparer import FrontendLimits, RequestPreparer
+from radixlm.runtime.request_state import END, RequestHandle
 from radixlm.runtime.scheduler import Scheduler
-from radixlm.runtime.tokenizer import TextDecoder, load_tokenizer
 from radixlm.sampling import (
     EngineOverloaded,
     GenerateRequest,

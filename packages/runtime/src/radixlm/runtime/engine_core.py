@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from radixlm.runtime.executor import EntryInputs, InputLogprobAsk, ModelExecutor
 from radixlm.runtime.grammar import GrammarService
-from radixlm.runtime.output import END, RequestHandle, SequenceState
+from radixlm.runtime.request_state import END, RequestHandle, SequenceState
 from radixlm.runtime.sampling_batch import SamplingRequest
 from radixlm.runtime.scheduler import ReqStatus, ScheduledBatch, Scheduler
 from radixlm.sampling import EngineOverloaded

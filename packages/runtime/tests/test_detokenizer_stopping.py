@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from radixlm.runtime.detokenizer import IncrementalDetokenizer, TextDecoder
 from radixlm.runtime.fixtures import build_tiny_tokenizer
-from radixlm.runtime.tokenizer import IncrementalDetokenizer, SequenceOutput, TextDecoder
+from radixlm.runtime.stopping import SequenceOutput
 from radixlm.sampling import RepetitionDetection, SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

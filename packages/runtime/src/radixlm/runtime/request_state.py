@@ -7,11 +7,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.detokenizer import TextDecoder
 from radixlm.runtime.hidden_states import HiddenStates
 from radixlm.runtime.logprobs import TokenLogprob, flatten_logprobs
 from radixlm.runtime.scheduler import Req
+from radixlm.runtime.stopping import FinishReason, SequenceOutput
 from radixlm.runtime.thinking import ThinkingBudget
-from radixlm.runtime.tokenizer import FinishReason, SequenceOutput, TextDecoder
 from radixlm.sampling import SamplingParams
 
 #: What a request's sink receives: an output chunk, an exception (raised by the reader), or

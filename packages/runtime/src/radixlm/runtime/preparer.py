@@ -10,13 +10,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from radixlm.runtime.detokenizer import TextDecoder
 from radixlm.runtime.grammar import GrammarService
 from radixlm.runtime.hidden_states import HiddenStates
 from radixlm.runtime.input_embeds import input_embeds_cache_ids, parse_input_embeds
-from radixlm.runtime.output import LogprobOptions, RequestHandle, SequenceState, Sink
+from radixlm.runtime.request_state import LogprobOptions, RequestHandle, SequenceState, Sink
 from radixlm.runtime.scheduler import Req
+from radixlm.runtime.stopping import SequenceOutput
 from radixlm.runtime.thinking import THINK_END, ThinkingBudget, end_of_thinking_token
-from radixlm.runtime.tokenizer import SequenceOutput, TextDecoder
 from radixlm.sampling import (
     CustomLogitProcessor,
     GenerateRequest,
