@@ -7,7 +7,6 @@ import json
 import os
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,8 @@ import torch
 
 from radixlm.runtime import Engine
 from radixlm.runtime.fixtures import ForceTokenProcessor, build_tiny_model
-from radixlm.sampling import EngineOverloaded, GenerateRequest, InvalidRequest
+from radixlm.runtime.messages import Call
+from radixlm.sampling import EngineOverloaded, GenerateChunk, GenerateRequest, InvalidRequest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -148,8 +148,9 @@ def test_engine_client_generate_takes_a_generate_request(engine: Engine) -> None
         return [chunk async for chunk in engine.generate(request)]
 
     chunks = asyncio.run(main())
-    assert chunks[-1]["meta_info"]["finish_reason"] is not None
-    assert chunks[-1]["text"] == engine.generate("client", GREEDY)["text"]
+    assert all(isinstance(chunk, GenerateChunk) for chunk in chunks)
+    assert chunks[-1].finish_reason is not None
+    assert chunks[-1].text == engine.generate("client", GREEDY)["text"]
 
 
 def test_closing_an_async_stream_early_aborts_and_frees(engine: Engine) -> None:
@@ -270,7 +271,7 @@ def test_grammar_error_fails_only_its_request_before_any_chunk(engine: Engine) -
 
     error, chunks = asyncio.run(main())
     assert isinstance(error, InvalidRequest) and error.field == "regex"
-    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert chunks[-1].finish_type == "length"
 
 
 def test_custom_logit_processor_runs_when_enabled(model_dir: Path) -> None:
@@ -331,12 +332,13 @@ def test_queue_beyond_max_queued_requests_is_refused(model_dir: Path) -> None:
     ) as eng:
         release = threading.Event()
         # Hold the engine loop so that submitted requests stay queued.
-        eng._core.post("call", (lambda core: release.wait(30), Future()))
-        # One will run, two wait.
+        eng._connection.post(Call(lambda core: release.wait(30), reply=-1))
+        # One will run, two wait; the scheduler refuses the fourth when it queues it.
         streams = [eng.generate(f"p{i}", GREEDY, stream=True) for i in range(3)]
-        with pytest.raises(EngineOverloaded):
-            eng.generate("one too many", GREEDY)
+        extra = eng.generate("one too many", GREEDY, stream=True)
         release.set()
+        with pytest.raises(EngineOverloaded):
+            list(extra)
         for stream in streams:
             assert list(stream)[-1]["meta_info"]["finish_reason"] is not None
 
@@ -350,7 +352,7 @@ def test_burst_that_free_running_slots_take_is_not_refused(model_dir: Path) -> N
         max_running_requests=16,
     ) as eng:
         release = threading.Event()
-        eng._core.post("call", (lambda core: release.wait(30), Future()))
+        eng._connection.post(Call(lambda core: release.wait(30), reply=-1))
         # Twelve arrive before the loop admits any: they fit in the running slots.
         streams = [eng.generate(f"burst {i}", GREEDY, stream=True) for i in range(12)]
         release.set()

@@ -183,8 +183,9 @@ def test_the_request_form_is_a_coroutine_for_the_server(plain: Pair) -> None:
     )
     results = asyncio.run(plain.engine.beam_search(request, 2, length_penalty=0.5))
     expected = plain.engine.beam_search(PROMPTS[1], 2, 8, 0.5)
-    assert [r["output_ids"] for r in results] == [r["output_ids"] for r in expected]
-    assert {r["meta_info"]["id"] for r in results} == {"beam-1"}
+    assert [list(r.output_ids) for r in results] == [r["output_ids"] for r in expected]
+    assert {r.rid for r in results} == {"beam-1"}
+    assert results[0].to_json()["meta_info"]["score"] == expected[0]["meta_info"]["score"]
 
 
 def test_a_search_past_the_context_is_refused_naming_max_tokens(plain: Pair) -> None:

@@ -67,8 +67,8 @@ async def _one(engine: Engine, item: dict[str, Any]) -> list[dict[str, Any]]:
         seen += 1
         if item["abort"] and seen == 2:
             await engine.abort(item["rid"])
-        if chunk["meta_info"]["finish_reason"] is not None:
-            finals[chunk["index"]] = chunk
+        if chunk.finished:
+            finals[chunk.index] = chunk.to_json()
     return [finals[k] for k in sorted(finals)]
 
 

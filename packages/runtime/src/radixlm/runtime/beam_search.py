@@ -13,9 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from radixlm.sampling import GenerateRequest, InvalidRequest
+from radixlm.sampling import (
+    FinishReason,
+    GenerateChunk,
+    GenerateRequest,
+    InvalidRequest,
+    LogprobEntry,
+)
 
 EarlyStopping = bool | Literal["never"]
 
@@ -169,10 +175,10 @@ def step_request(prompt_ids: Sequence[int], search: BeamSearch) -> GenerateReque
     )
 
 
-def step_candidates(outputs: Sequence[dict[str, Any]]) -> list[list[tuple[int, float]]]:
+def step_candidates(outputs: Sequence[GenerateChunk]) -> list[list[tuple[int, float]]]:
     """Each final chunk's (token id, logprob) alternatives for its one generated position."""
     return [
-        [(int(entry[1]), float(entry[0])) for entry in out["meta_info"]["output_top_logprobs"][0]]
+        [(e.token_id, float(e.logprob or 0.0)) for e in (out.output_top_logprobs or ((),))[0]]
         for out in outputs
     ]
 
@@ -183,33 +189,28 @@ def result_chunks(
     prompt_ids: Sequence[int],
     cached_tokens: int,
     decode: Callable[[Sequence[int]], str],
-) -> list[dict[str, Any]]:
-    """The results as `/generate` final chunks (best first; `index` is the rank), with
-    `meta_info["score"]` (length-penalised) and `meta_info["cumulative_logprob"]`."""
+) -> list[GenerateChunk]:
+    """The results as final chunks (best first; `index` is the rank), with `score`
+    (length-penalised) and `cumulative_logprob`."""
     out = []
     for index, result in enumerate(search.results()):
         ids = result.beam.token_ids
         stop = result.finish == "stop"
         out.append(
-            {
-                "index": index,
-                "text": decode(ids[:-1] if stop else ids),
-                "output_ids": list(ids),
-                "meta_info": {
-                    "id": rid,
-                    "prompt_tokens": len(prompt_ids),
-                    "completion_tokens": len(ids),
-                    "cached_tokens": cached_tokens,
-                    "finish_reason": {
-                        "type": result.finish,
-                        "matched": ids[-1] if stop else None,
-                    },
-                    "score": result.score,
-                    "cumulative_logprob": result.beam.cumulative_logprob,
-                    "output_token_logprobs": [
-                        [lp, tid, None] for lp, tid in zip(result.beam.logprobs, ids, strict=True)
-                    ],
-                },
-            }
+            GenerateChunk(
+                rid=rid,
+                index=index,
+                text=decode(ids[:-1] if stop else ids),
+                output_ids=tuple(ids),
+                prompt_tokens=len(prompt_ids),
+                completion_tokens=len(ids),
+                cached_tokens=cached_tokens,
+                finish_reason=FinishReason(result.finish, ids[-1] if stop else None),
+                score=result.score,
+                cumulative_logprob=result.beam.cumulative_logprob,
+                output_token_logprobs=tuple(
+                    LogprobEntry(lp, tid) for lp, tid in zip(result.beam.logprobs, ids, strict=True)
+                ),
+            )
         )
     return out

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 _REPLACEMENT = "\ufffd"
-
-FinishType = Literal["stop", "length", "abort"]
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -5,7 +5,7 @@
         print(out["text"], out["meta_info"]["cached_tokens"])
 
 The same object serves the HTTP server: `generate(GenerateRequest)` is an async iterator of
-chunks, and `abort` / `flush_cache` can be awaited, so it satisfies the server's `EngineClient`
+`GenerateChunk`s, and `abort` / `flush_cache` can be awaited, so it satisfies the server's `EngineClient`
 protocol structurally (the runtime never imports the server).
 """
 
@@ -14,14 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
 from concurrent.futures import Future
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, cast, overload
 
-from radixlm.cache import RadixCache
 from radixlm.runtime.beam_search import (
     BeamSearch,
     BeamSearchParams,
@@ -33,19 +33,32 @@ from radixlm.runtime.beam_search import (
 from radixlm.runtime.detokenizer import TextDecoder, load_tokenizer
 from radixlm.runtime.engine_config import EngineConfig
 from radixlm.runtime.engine_core import EngineCore
-from radixlm.runtime.executor import ModelExecutor
-from radixlm.runtime.grammar import GrammarService
+from radixlm.runtime.engine_process import ProcessConnection, ThreadConnection
+from radixlm.runtime.messages import (
+    Abort,
+    Call,
+    CheckInvariants,
+    Command,
+    CommandResult,
+    FlushCache,
+    GetServerInfo,
+    Output,
+    RequestClosed,
+    RequestFailed,
+)
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.preparer import FrontendLimits, RequestPreparer
-from radixlm.runtime.request_state import END, RequestHandle
-from radixlm.runtime.scheduler import Scheduler
 from radixlm.sampling import (
-    EngineOverloaded,
+    EngineUnavailable,
+    GenerateChunk,
     GenerateRequest,
     InvalidRequest,
     SamplingDefaults,
     SamplingParams,
 )
+
+#: What a reader's sink receives after the chunks: END once the request is closed.
+END = object()
 
 T = TypeVar("T")
 Chunk = dict[str, Any]
@@ -114,7 +127,13 @@ class Engine:
 
     `Engine(model_path, **kwargs)` takes SGLang-style keyword arguments (see
     `radixlm.runtime.engine_config.ENGINE_KWARGS`), or `config=EngineConfig(...)`. A
-    `ModelRunner` already built may be passed as `runner=` (its config then wins).
+    `ModelRunner` already built may be passed as `runner=` (its config then wins; the core
+    then runs on a thread).
+
+    The core runs on a thread of this process by default, or with `engine_process=True` in a
+    process of its own (what `radixlm serve` does): this object then stays the front end —
+    tokenization, validation, chat templates and output routing — and the core's internals
+    (`runner`, `scheduler`, `cache`, `grammar`, `run_in_loop`) are not reachable from here.
     """
 
     def __init__(
@@ -134,27 +153,34 @@ class Engine:
         elif kwargs:
             raise TypeError("pass either config= or keyword arguments, not both")
         if runner is not None:
-            config = dataclasses.replace(config, runner=runner.config)
+            config = dataclasses.replace(config, runner=runner.config, engine_process=False)
         self.config = config
-        self.runner = runner if runner is not None else ModelRunner(config.runner)
         self._tokenizer = tokenizer or load_tokenizer(config.tokenizer_path or config.model_path)
-        info = self.runner.info
-        eos = set(info.eos_token_ids)
-        if getattr(self._tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(self._tokenizer.eos_token_id))
-        self.eos_token_ids = tuple(sorted(eos))
-        self.context_length = self.runner.context_length
-        pool = self.runner.kv_pool
-        self.cache = RadixCache(
-            page_size=pool.page_size,
-            eviction_policy=config.cache.eviction_policy,  # type: ignore[arg-type]
-            disable=config.cache.disable_radix_cache,
-        )
-        rows = self.runner.req_to_token_pool
-        self.scheduler = Scheduler(config.scheduler, pool, rows, self.cache, rows.max_requests)
-        self.grammar = GrammarService(
-            config.grammar, self._tokenizer, self.runner.vocab_size, self.eos_token_ids
-        )
+        # Output routing: rid -> the reader's sink; command reply id -> its future.
+        self._sinks: dict[str, Callable[[Any], None]] = {}
+        self._replies: dict[int, Future[Any]] = {}
+        self._next_reply = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._connection: ThreadConnection | ProcessConnection
+        if config.engine_process:
+            self._connection = ProcessConnection(
+                config, self._dispatch, self._engine_down, tokenizer=tokenizer
+            )
+        else:
+            self._connection = ThreadConnection(
+                config, self._dispatch, runner=runner, tokenizer=self._tokenizer
+            )
+            core = self._connection.core
+            self._core = core
+            self.runner = core.executor.runner
+            self.scheduler = core.scheduler
+            self.cache = core.scheduler.cache
+            self.grammar = core.grammar
+        info = self._connection.info
+        self.info = info
+        self.eos_token_ids = info.eos_token_ids
+        self.context_length = info.context_length
         self.sampling_defaults = SamplingDefaults.from_generation_config(
             dict(info.generation_config),
             mode=config.sampling_defaults,  # type: ignore[arg-type]
@@ -162,45 +188,26 @@ class Engine:
         self._preparer = RequestPreparer(
             self._tokenizer,
             self.sampling_defaults,
-            self.grammar,
             FrontendLimits(
-                vocab_size=self.runner.vocab_size,
-                context_length=self.context_length,
-                eos_token_ids=self.eos_token_ids,
+                vocab_size=info.vocab_size,
+                context_length=info.context_length,
                 custom_logit_processors=config.runner.sampler.enable_custom_logit_processor,
-                prefix_sharing=not config.cache.disable_radix_cache,
                 clamp_max_tokens=config.clamp_max_tokens,
                 max_logprobs=config.max_logprobs,
                 stream_interval=config.stream_interval,
-                hidden_size=self.runner.info.arch.hidden_size,
+                hidden_size=info.hidden_size,
             ),
             config.incremental_streaming_output,
         )
-        self._live: set[str] = set()
-        self._live_lock = threading.Lock()
-        self._core = EngineCore(
-            self.scheduler,
-            ModelExecutor(self.runner, seed=config.scheduler.random_seed),
-            self.grammar,
-            self.eos_token_ids,
-            self.context_length,
-            jump_forward=config.grammar.jump_forward,
-            on_close=self._forget,
-        )
-        self._thread = threading.Thread(target=self._core.serve, name="radixlm-engine", daemon=True)
-        self._closed = False
-        self._thread.start()
 
     # ------------------------------------------------------------------------ lifecycle
 
     def shutdown(self) -> None:
-        """Stop the loop (open requests end with an error) and the grammar workers."""
+        """Stop the core (open requests end with an error) and its process or thread."""
         if self._closed:
             return
         self._closed = True
-        self._core.post("stop")
-        self._thread.join()
-        self.grammar.shutdown()
+        self._connection.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -208,38 +215,99 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # ---------------------------------------------------------------------- submission
+    @property
+    def healthy(self) -> bool:
+        """Whether the core serves (False while a dead engine process restarts, and after)."""
+        return not self._closed and self._connection.healthy
 
-    def _forget(self, rid: str) -> None:
-        with self._live_lock:
-            self._live.discard(rid)
+    @property
+    def failed(self) -> bool:
+        """The engine process died and no restart is left: this engine will not serve again."""
+        return self._connection.failed
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's id (None in thread mode)."""
+        connection = self._connection
+        return connection.pid if isinstance(connection, ProcessConnection) else None
+
+    # ------------------------------------------------------------------------- outputs
+
+    def _dispatch(self, outputs: list[Output]) -> None:
+        """Route the core's outputs to their readers (on the core's or the receiver's thread;
+        a sink only hands the item over, it never blocks)."""
+        for out in outputs:
+            match out:
+                case GenerateChunk(rid=rid):
+                    sink = self._sinks.get(rid)
+                    if sink is not None:
+                        sink(out)
+                case RequestClosed(rid):
+                    with self._lock:
+                        sink = self._sinks.pop(rid, None)
+                    if sink is not None:
+                        sink(END)
+                case RequestFailed(rid, error):
+                    with self._lock:
+                        sink = self._sinks.pop(rid, None)
+                    if sink is not None:
+                        sink(error)
+                        sink(END)
+                case CommandResult(reply, value, error):
+                    with self._lock:
+                        future = self._replies.pop(reply, None)
+                    if future is not None:
+                        if error is not None:
+                            future.set_exception(error)
+                        else:
+                            future.set_result(value)
+
+    def _engine_down(self, reason: str) -> None:
+        """The engine process died: every open request and command ends with the reason."""
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+            replies, self._replies = self._replies, {}
+        for sink in sinks.values():
+            sink(EngineUnavailable(reason))
+            sink(END)
+        for future in replies.values():
+            future.set_exception(EngineUnavailable(reason))
+
+    def _ask(self, make: Callable[[int], Command]) -> Future[Any]:
+        """Send a command that carries a reply id; its future gets the core's answer."""
+        future: Future[Any] = Future()
+        if not self.healthy:
+            future.set_exception(EngineUnavailable("the engine is not serving"))
+            return future
+        with self._lock:
+            reply = next(self._next_reply)
+            self._replies[reply] = future
+        self._connection.post(make(reply))
+        return future
+
+    # ---------------------------------------------------------------------- submission
 
     def _submit(
         self, items: list[GenerateRequest], sinks: list[Callable[[Any], None]]
-    ) -> list[RequestHandle]:
-        """Prepare every item (raises InvalidRequest / EngineOverloaded before queueing any)."""
+    ) -> list[str]:
+        """Prepare every item (raises InvalidRequest before queueing any), then send them; a
+        rid already in use is refused here, the one place that routes outputs by rid."""
         if self._closed:
-            raise RuntimeError("the engine is shut down")
-        handles = [
-            self._preparer.prepare(item, sink) for item, sink in zip(items, sinks, strict=True)
-        ]
-        limit = self.config.scheduler.max_queued_requests
-        incoming = sum(len(h.seqs) for h in handles)
-        if limit is not None and self._core.backlog(incoming) > limit:
-            raise EngineOverloaded(
-                f"the engine's queue is full ({limit} requests waiting); retry later"
-            )
-        with self._live_lock:
-            rids = [h.rid for h in handles]
-            clash = [r for r in rids if r in self._live] or [
+            raise EngineUnavailable("the engine is shut down")
+        if not self._connection.healthy:
+            raise EngineUnavailable("the engine is not serving (its process is restarting)")
+        requests = [self._preparer.prepare(item) for item in items]
+        rids = [r.rid for r in requests]
+        with self._lock:
+            clash = [r for r in rids if r in self._sinks] or [
                 r for i, r in enumerate(rids) if r in rids[:i]
             ]
             if clash:
                 raise InvalidRequest("rid", f"request id {clash[0]!r} is already in use")
-            self._live.update(rids)
-        for handle in handles:
-            self._core.post("add", handle)
-        return handles
+            self._sinks.update(zip(rids, sinks, strict=True))
+        for request in requests:
+            self._connection.post(request)
+        return rids
 
     @staticmethod
     def _build_request(
@@ -329,8 +397,8 @@ class Engine:
         )
         chunks = self._stream_sync(request)
         if stream:
-            return chunks
-        return _collect(request, list(chunks))
+            return (chunk.to_json() for chunk in chunks)
+        return _as_json(_collect(request, list(chunks)))
 
     async def async_generate(
         self,
@@ -373,20 +441,20 @@ class Engine:
         )
         chunks = self._stream_async(request)
         if stream:
-            return chunks
-        return _collect(request, [chunk async for chunk in chunks])
+            return _json_stream(chunks)
+        return _as_json(_collect(request, [chunk async for chunk in chunks]))
 
-    def _stream_sync(self, request: GenerateRequest) -> Iterator[Chunk]:
+    def _stream_sync(self, request: GenerateRequest) -> Iterator[GenerateChunk]:
         items = request.split()
         inbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         sinks = [_queue_sink(inbox, k) for k in range(len(items))]
-        handles = self._submit(items, sinks)
-        return self._read_sync(inbox, handles, request.is_single)
+        rids = self._submit(items, sinks)
+        return self._read_sync(inbox, rids, _offsets(items, request.is_single))
 
     def _read_sync(
-        self, inbox: queue.SimpleQueue[tuple[int, Any]], handles: list[RequestHandle], single: bool
-    ) -> Iterator[Chunk]:
-        open_ = len(handles)
+        self, inbox: queue.SimpleQueue[tuple[int, Any]], rids: list[str], offsets: list[int]
+    ) -> Iterator[GenerateChunk]:
+        open_ = len(rids)
         try:
             while open_:
                 k, item = inbox.get()
@@ -395,20 +463,20 @@ class Engine:
                     continue
                 if isinstance(item, BaseException):
                     raise item
-                yield _reindex(item, handles[k], k, single)
+                yield item.with_index(offsets[k] + item.index) if offsets[k] else item
         finally:
             if open_:
-                for handle in handles:
-                    self._core.post("abort", handle.rid)
+                self._abort_all(rids)
 
-    async def _stream_async(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+    async def _stream_async(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         loop = asyncio.get_running_loop()
         items = request.split()
         inbox: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         sinks = [_async_sink(loop, inbox, k) for k in range(len(items))]
         # Tokenization and validation run off the event loop.
-        handles = await loop.run_in_executor(None, self._submit, items, sinks)
-        open_ = len(handles)
+        rids = await loop.run_in_executor(None, self._submit, items, sinks)
+        offsets = _offsets(items, request.is_single)
+        open_ = len(rids)
         try:
             while open_:
                 k, item = await inbox.get()
@@ -417,11 +485,17 @@ class Engine:
                     continue
                 if isinstance(item, BaseException):
                     raise item
-                yield _reindex(item, handles[k], k, request.is_single)
+                yield item.with_index(offsets[k] + item.index) if offsets[k] else item
         finally:
             if open_:
-                for handle in handles:
-                    self._core.post("abort", handle.rid)
+                self._abort_all(rids)
+
+    def _abort_all(self, rids: list[str]) -> None:
+        """The reader went away: abort whichever of its requests still run."""
+        with self._lock:
+            live = [rid for rid in rids if rid in self._sinks]
+        for rid in live:
+            self._connection.post(Abort(rid))
 
     # ----------------------------------------------------------------------- beam search
 
@@ -433,7 +507,7 @@ class Engine:
         *,
         length_penalty: float = 1.0,
         early_stopping: EarlyStopping = False,
-    ) -> Coroutine[Any, Any, list[Chunk]]: ...
+    ) -> Coroutine[Any, Any, list[GenerateChunk]]: ...
 
     @overload
     def beam_search(
@@ -481,10 +555,11 @@ class Engine:
         while not search.done:
             request = step_request(prompt_ids, search)
             outputs = _collect(request, list(self._stream_sync(request)))
-            cached = cached or int(outputs[0]["meta_info"]["cached_tokens"])
+            cached = cached or outputs[0].cached_tokens
             search.advance(step_candidates(outputs))
         decoder = TextDecoder(self._tokenizer, skip_special_tokens)
-        return result_chunks(search, uuid.uuid4().hex, prompt_ids, cached, decoder)
+        chunks = result_chunks(search, uuid.uuid4().hex, prompt_ids, cached, decoder)
+        return [chunk.to_json() for chunk in chunks]
 
     async def _beam_search_async(
         self,
@@ -492,7 +567,7 @@ class Engine:
         beam_width: int,
         length_penalty: float,
         early_stopping: EarlyStopping,
-    ) -> list[Chunk]:
+    ) -> list[GenerateChunk]:
         if not request.is_single:
             raise InvalidRequest("text", "beam search takes one prompt; send one")
         loop = asyncio.get_running_loop()
@@ -511,7 +586,7 @@ class Engine:
         while not search.done:
             step = step_request(prompt_ids, search)
             outputs = _collect(step, [chunk async for chunk in self._stream_async(step)])
-            cached = cached or int(outputs[0]["meta_info"]["cached_tokens"])
+            cached = cached or outputs[0].cached_tokens
             search.advance(step_candidates(outputs))
         decoder = TextDecoder(self._tokenizer, params.skip_special_tokens)
         rid = request.rid if isinstance(request.rid, str) else uuid.uuid4().hex
@@ -544,30 +619,28 @@ class Engine:
     def abort(self, rid: str) -> Reply[bool]:
         """Abort a request by id (its stream ends with finish_reason abort). The Reply is
         True when the id was known; await it or use it as a bool."""
-        with self._live_lock:
-            known = rid in self._live
+        with self._lock:
+            known = rid in self._sinks
         if known:
-            self._core.post("abort", rid)
+            self._connection.post(Abort(rid))
         return Reply.of(known)
 
     def flush_cache(self) -> Reply[bool]:
         """Drop the radix cache; False (and nothing dropped) while requests are running."""
-        future: Future[bool] = Future()
-        self._core.post("flush", future)
-        return Reply(future)
+        return Reply(self._ask(FlushCache))
 
     def run_in_loop(self, function: Callable[[EngineCore], T], timeout: float | None = 60) -> T:
         """Run `function(core)` on the engine thread between steps and return its result
-        (for inspection and tests)."""
-        future: Future[T] = Future()
-        self._core.post("call", (function, future))
-        return future.result(timeout)
+        (for inspection and tests; thread mode only)."""
+        if self.config.engine_process:
+            raise RuntimeError("run_in_loop needs the engine on a thread (engine_process=False)")
+        future = self._ask(lambda reply: Call(function, reply))
+        return cast(T, future.result(timeout))
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, timeout: float | None = 60) -> None:
         """Raise AssertionError unless the cache is consistent and no KV slot is lost
         (free + cached + held by running requests == pool size)."""
-        size = self.runner.kv_pool.num_slots
-        self.run_in_loop(lambda core: core.scheduler.check_memory(size))
+        self._ask(CheckInvariants).result(timeout)
 
     # ------------------------------------------------------------------------------ info
 
@@ -578,56 +651,41 @@ class Engine:
 
     def model_info(self) -> dict[str, Any]:
         """SGLang's `/get_model_info`."""
-        info = self.runner.info
+        info = self.info
         return {
             "model_path": self.config.model_path,
             "tokenizer_path": self.config.tokenizer_path or self.config.model_path,
             "served_model_name": self.config.served_model_name or self.config.model_path,
             "is_generation": True,
-            "max_context_length": self.context_length,
-            "vocab_size": self.runner.vocab_size,
+            "max_context_length": info.context_length,
+            "vocab_size": info.vocab_size,
             "chat_template": getattr(self._tokenizer, "chat_template", None),
-            "eos_token_ids": list(self.eos_token_ids),
-            "architectures": list(getattr(info.hf_config, "architectures", None) or []),
+            "eos_token_ids": list(info.eos_token_ids),
+            "architectures": list(info.architectures),
         }
 
     get_model_info = model_info
 
-    def server_info(self) -> dict[str, Any]:
-        """Configuration and live statistics (a snapshot; counters are cumulative)."""
-        sched = self.scheduler
-        pool = self.runner.kv_pool
-        total = pool.num_slots
-        free = pool.available + sched.evictable_tokens()
-        stats = self.runner.stats
+    def server_info(self, timeout: float = 2.0) -> dict[str, Any]:
+        """Configuration and live statistics (a snapshot; counters are cumulative). Asks the
+        core, which answers between steps; without an answer within `timeout` (or while the
+        engine is down) the live part is missing and `healthy` says why."""
+        live: dict[str, Any] = {}
+        if isinstance(self._connection, ThreadConnection):
+            live = self._connection.core.live_stats()  # read across threads: a snapshot
+        elif self.healthy:
+            try:
+                live = self._ask(GetServerInfo).result(timeout)
+            except Exception:  # down or busy: report what is known
+                live = {}
         return {
             "config": self.config.to_dict(),
-            **self.grammar.settings(),
-            # The compute dtype `dtype: auto` chose on this device, and why.
-            "dtype": str(self.runner.dtype).removeprefix("torch."),
-            "dtype_reason": self.runner.info.dtype_reason,
-            "device": str(self.runner.device),
-            # The linear layers' quantized format (None: full precision), and the KV pool's dtype.
-            "quantization": quant.describe() if (quant := self.runner.info.quantization) else None,
-            "kv_cache_dtype": str(self.runner.kv_pool.dtype).removeprefix("torch."),
+            **self.info.static_info,
             "model": self.model_info(),
-            "max_total_num_tokens": total,
-            "num_running_reqs": len(sched.running),
-            "num_queued_reqs": len(sched.waiting),
-            "token_usage": (total - free) / total if total else 0.0,
-            "cache_hit_rate": sched.cached_tokens / sched.prompt_tokens
-            if sched.prompt_tokens
-            else 0.0,
-            "prompt_tokens": sched.prompt_tokens,
-            "cached_tokens": sched.cached_tokens,
-            "cache_size": self.cache.total_size,
-            "generated_tokens": self._core.generated_tokens,
-            "jump_forward_tokens": self._core.jump_forward_tokens,
-            "grammar_rollbacks": self._core.grammar_rollbacks,
-            "finished_requests": self._core.finished_requests,
-            "num_retractions": sched.num_retractions,
-            "forward_passes": stats.forward_calls,
-            "tokens_forwarded": stats.tokens_forwarded,
+            "max_total_num_tokens": self.info.max_total_num_tokens,
+            "healthy": self.healthy,
+            "engine_mode": "process" if self.config.engine_process else "thread",
+            **live,
         }
 
     get_server_info = server_info
@@ -651,18 +709,31 @@ def _async_sink(
     return sink
 
 
-def _reindex(chunk: Chunk, handle: RequestHandle, k: int, single: bool) -> Chunk:
-    if not single:
-        chunk["index"] = k * handle.params.n + chunk["index"]
-    return chunk
+def _offsets(items: list[GenerateRequest], single: bool) -> list[int]:
+    """Where each item's sequences start in the batch's `index` numbering (prompt-major)."""
+    if single:
+        return [0] * len(items)
+    offsets, start = [], 0
+    for item in items:
+        offsets.append(start)
+        start += item.params.n
+    return offsets
 
 
-def _collect(request: GenerateRequest, chunks: list[Chunk]) -> Any:
-    """Final outputs in index order: one dict for a single prompt with n == 1, else a list."""
-    final = sorted(
-        (c for c in chunks if c["meta_info"]["finish_reason"] is not None),
-        key=lambda c: c["index"],
-    )
+def _as_json(result: Any) -> Any:
+    if isinstance(result, GenerateChunk):
+        return result.to_json()
+    return [chunk.to_json() for chunk in result]
+
+
+async def _json_stream(chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[dict[str, Any]]:
+    async for chunk in chunks:
+        yield chunk.to_json()
+
+
+def _collect(request: GenerateRequest, chunks: list[GenerateChunk]) -> Any:
+    """Final outputs in index order: one chunk for a single prompt with n == 1, else a list."""
+    final = sorted((c for c in chunks if c.finished), key=lambda c: c.index)
     if request.is_single and len(final) == 1:
         return final[0]
     return final

@@ -158,6 +158,11 @@ class EngineConfig:
     - `stream_interval`: output tokens per streamed chunk (the first and the last chunk go at
       once); a request's `stream_interval` overrides it (vLLM's `--stream-interval`).
     - `tokenizer_path`: where the tokenizer is, if not beside the model.
+    - `engine_process`: run the engine core in its own process (messages over ZeroMQ), so
+      that tokenization, HTTP and streaming in the front process do not compete with
+      scheduling for the GIL; False runs it on a thread of the caller's process.
+    - `engine_restarts`: how many times a dead engine process is started again (its open
+      requests end with an error either way); beyond that the engine stays down.
     """
 
     runner: RunnerConfig
@@ -172,8 +177,12 @@ class EngineConfig:
     tokenizer_path: str | None = None
     served_model_name: str | None = None
     log_level: str = "warning"
+    engine_process: bool = False
+    engine_restarts: int = 0
 
     def __post_init__(self) -> None:
+        if self.engine_restarts < 0:
+            raise ValueError(f"engine_restarts must be >= 0; got {self.engine_restarts}")
         if self.sampling_defaults not in ("model", "openai"):
             raise ValueError(
                 f"sampling_defaults must be model or openai; got {self.sampling_defaults!r}"
@@ -288,4 +297,6 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "tokenizer_path": ("engine", "tokenizer_path", None),
     "served_model_name": ("engine", "served_model_name", None),
     "log_level": ("engine", "log_level", None),
+    "engine_process": ("engine", "engine_process", bool),
+    "engine_restarts": ("engine", "engine_restarts", int),
 }

@@ -1,26 +1,45 @@
 """EngineCore: the engine loop — commands in, schedule -> run -> process outputs, chunks out.
 
-Runs on one thread (the engine's background thread). Front ends talk to it only through
-`post(command)`; it talks back only through each request's sink. It never waits on I/O or on
-grammar compilation: a request whose grammar is compiling simply stays in the queue.
+Runs on one thread: the engine's background thread, or the main thread of the engine process.
+Front ends talk to it only through `post(command)` (the typed messages of
+`radixlm.runtime.messages`); it answers only through `emit(outputs)`, called once per loop
+iteration with what that iteration produced. It never waits on I/O or on grammar compilation:
+a request whose grammar is compiling simply stays in the queue.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import threading
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any, Literal
 
+from radixlm.cache import RadixCache
+from radixlm.runtime.detokenizer import load_tokenizer
+from radixlm.runtime.engine_config import EngineConfig
 from radixlm.runtime.executor import EntryInputs, InputLogprobAsk, ModelExecutor
 from radixlm.runtime.grammar import GrammarService
-from radixlm.runtime.request_state import END, RequestHandle, SequenceState
+from radixlm.runtime.messages import (
+    Abort,
+    Call,
+    CheckInvariants,
+    Command,
+    CommandResult,
+    EngineInfo,
+    EngineRequest,
+    FlushCache,
+    GetServerInfo,
+    Output,
+    RequestClosed,
+    RequestFailed,
+    Shutdown,
+)
+from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.request_state import RequestHandle, SequenceState, open_request
 from radixlm.runtime.sampling_batch import SamplingRequest
 from radixlm.runtime.scheduler import ReqStatus, ScheduledBatch, Scheduler
-from radixlm.sampling import EngineOverloaded
+from radixlm.sampling import EngineOverloaded, EngineUnavailable, InvalidRequest
 
 logger = logging.getLogger("radixlm.runtime.engine")
 
@@ -31,6 +50,8 @@ _GRAMMAR_POLL_S = 0.002
 #: took tokens back (the token was not kept).
 Appended = Literal["ok", "finished", "rolled_back"]
 
+Emit = Callable[[list[Output]], None]
+
 
 class EngineCore:
     """The loop's state and one step of it. Not thread-safe except `post`."""
@@ -40,23 +61,26 @@ class EngineCore:
         scheduler: Scheduler,
         executor: ModelExecutor,
         grammar: GrammarService,
+        tokenizer: Any,
         eos_token_ids: tuple[int, ...],
         context_length: int,
+        emit: Emit,
         jump_forward: bool = True,
-        on_close: Callable[[str], None] | None = None,
+        pool_size: int = 0,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.grammar = grammar
+        self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
+        self.emit = emit
         self.jump_forward = jump_forward
-        self.on_close = on_close
-        self.inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._pending_adds = 0  # requests posted but not queued yet (read by front ends)
-        self._pending_lock = threading.Lock()
+        self.pool_size = pool_size
+        self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.handles: dict[str, RequestHandle] = {}
         self._compiling: list[SequenceState] = []
+        self._out: list[Output] = []
         self._stopped = False
         # Statistics.
         self.generated_tokens = 0
@@ -67,22 +91,12 @@ class EngineCore:
 
     # ---------------------------------------------------------------------------- commands
 
-    def post(self, command: str, payload: Any = None) -> None:
-        """Hand a command to the loop (thread-safe): add, abort, flush, call, stop."""
-        if command == "add":
-            with self._pending_lock:
-                self._pending_adds += len(payload.seqs)
-        self.inbox.put((command, payload))
-
-    def backlog(self, incoming: int = 0) -> int:
-        """Sequences that would have to wait if `incoming` more arrived: those queued or
-        posted and not queued yet, beyond what the next step can admit (read by front ends
-        on other threads: an estimate; the loop's `Scheduler.add` decides)."""
-        with self._pending_lock:
-            return self.scheduler.backlog(self._pending_adds + incoming)
+    def post(self, command: Command) -> None:
+        """Hand a command to the loop (thread-safe)."""
+        self.inbox.put(command)
 
     def serve(self) -> None:
-        """Run until a `stop` command; every request still open then ends with an error."""
+        """Run until `Shutdown`; every request still open then ends with an error."""
         while not self._stopped:
             try:
                 self._drain(block=not self._has_work())
@@ -91,8 +105,15 @@ class EngineCore:
             except Exception as error:  # a bug must not leave clients hanging forever
                 logger.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_running(error)
+            self._flush()
         for handle in list(self.handles.values()):
-            self._close_with_error(handle, RuntimeError("the engine was shut down"))
+            self._close_with_error(handle, EngineUnavailable("the engine was shut down"))
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._out:
+            out, self._out = self._out, []
+            self.emit(out)
 
     def _has_work(self) -> bool:
         sched = self.scheduler
@@ -104,35 +125,55 @@ class EngineCore:
         while True:
             try:
                 if first and block:
-                    command, payload = self.inbox.get(timeout=timeout)
+                    command = self.inbox.get(timeout=timeout)
                 else:
-                    command, payload = self.inbox.get_nowait()
+                    command = self.inbox.get_nowait()
             except queue.Empty:
                 return
             first = False
-            self._handle(command, payload)
+            self.handle(command)
 
-    def _handle(self, command: str, payload: Any) -> None:
-        if command == "add":
-            with self._pending_lock:
-                self._pending_adds -= len(payload.seqs)
-            self.add(payload)
-        elif command == "abort":
-            self.abort(payload)
-        elif command == "flush":
-            future: Future[bool] = payload
-            future.set_result(self.scheduler.flush_cache())
-        elif command == "call":
-            function, result = payload
-            try:
-                result.set_result(function(self))
-            except Exception as error:  # the caller gets it
-                result.set_exception(error)
-        elif command == "stop":
-            self._stopped = True
+    def handle(self, command: Command) -> None:
+        """Carry out one command (on the loop's thread)."""
+        match command:
+            case EngineRequest():
+                self.add(command)
+            case Abort(rid):
+                self.abort(rid)
+            case FlushCache(reply):
+                self._out.append(CommandResult(reply, self.scheduler.flush_cache()))
+            case GetServerInfo(reply):
+                self._out.append(CommandResult(reply, self.live_stats()))
+            case CheckInvariants(reply):
+                self._answer(reply, lambda: self.scheduler.check_memory(self.pool_size))
+            case Call(function, reply):
+                self._answer(reply, lambda: function(self))
+            case Shutdown():
+                self._stopped = True
 
-    def add(self, handle: RequestHandle) -> None:
-        """Queue every sequence of a request (or fail it when the queue is full)."""
+    def _answer(self, reply: int, function: Callable[[], Any]) -> None:
+        try:
+            self._out.append(CommandResult(reply, function()))
+        except Exception as error:  # the caller gets it
+            self._out.append(CommandResult(reply, None, error))
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue every sequence of a request, or fail it: a grammar that cannot be compiled,
+        a full queue (the scheduler's `max_queued_requests`). Its rid is unique: the front end,
+        which routes outputs by rid, refuses one already in use."""
+        rid = request.rid
+        try:
+            future = self.grammar.submit(request.params)
+        except InvalidRequest as error:
+            self._out.append(RequestFailed(rid, error))
+            return
+        handle = open_request(
+            request,
+            self.tokenizer,
+            self.eos_token_ids,
+            future,
+            prefix_sharing=self.scheduler.caching,
+        )
         added = []
         try:
             for seq in handle.seqs:
@@ -141,10 +182,10 @@ class EngineCore:
         except EngineOverloaded as error:
             for seq in added:
                 self.scheduler.abort(seq.req)
-            handle.fail(error)
-            self._closed(handle)
+            handle.closed = True
+            self._out.append(RequestFailed(rid, error))
             return
-        self.handles[handle.rid] = handle
+        self.handles[rid] = handle
         self._compiling.extend(s for s in handle.seqs if s.req.grammar_pending)
 
     def abort(self, rid: str) -> bool:
@@ -159,6 +200,31 @@ class EngineCore:
                 seq.dirty = True
         self._emit(handle)
         return True
+
+    def live_stats(self) -> dict[str, Any]:
+        """The loop's live statistics (a snapshot; counters are cumulative)."""
+        sched = self.scheduler
+        total = self.pool_size
+        free = sched.pool.available + sched.evictable_tokens()
+        stats = self.executor.runner.stats
+        return {
+            "num_running_reqs": len(sched.running),
+            "num_queued_reqs": len(sched.waiting),
+            "token_usage": (total - free) / total if total else 0.0,
+            "cache_hit_rate": sched.cached_tokens / sched.prompt_tokens
+            if sched.prompt_tokens
+            else 0.0,
+            "prompt_tokens": sched.prompt_tokens,
+            "cached_tokens": sched.cached_tokens,
+            "cache_size": sched.cache.total_size,
+            "generated_tokens": self.generated_tokens,
+            "jump_forward_tokens": self.jump_forward_tokens,
+            "grammar_rollbacks": self.grammar_rollbacks,
+            "finished_requests": self.finished_requests,
+            "num_retractions": sched.num_retractions,
+            "forward_passes": stats.forward_calls,
+            "tokens_forwarded": stats.tokens_forwarded,
+        }
 
     # -------------------------------------------------------------------------------- step
 
@@ -363,7 +429,7 @@ class EngineCore:
     # ------------------------------------------------------------------------------ output
 
     def _emit(self, handle: RequestHandle) -> None:
-        """Send the request's new chunks; close it once every sequence finished."""
+        """Queue the request's new chunks; close it once every sequence finished."""
         if handle.closed:
             return
         for seq in handle.seqs:
@@ -373,25 +439,22 @@ class EngineCore:
                 due = seq.has_news(handle.stream_interval)
                 if handle.stream and seq.finish is None and not due:
                     continue
-                handle.sink(seq.chunk())
+                self._out.append(seq.chunk())
         if handle.finished:
             handle.closed = True
-            handle.sink(END)
+            self._out.append(RequestClosed(handle.rid))
             self.finished_requests += 1
-            self._closed(handle)
+            self.handles.pop(handle.rid, None)
 
     def _close_with_error(self, handle: RequestHandle, error: BaseException) -> None:
         for seq in handle.seqs:
             if seq.finish is None:
                 self.scheduler.abort(seq.req)
                 seq.output.abort(str(error))
-        handle.fail(error)
-        self._closed(handle)
-
-    def _closed(self, handle: RequestHandle) -> None:
+        if not handle.closed:
+            handle.closed = True
+            self._out.append(RequestFailed(handle.rid, error))
         self.handles.pop(handle.rid, None)
-        if self.on_close is not None:
-            self.on_close(handle.rid)
 
     def _fail_running(self, error: BaseException) -> None:
         """After a failed step: end every running request with the error, free their memory."""
@@ -405,3 +468,62 @@ def _entry_inputs(handle: RequestHandle) -> EntryInputs | None:
     if handle.input_embeds is None and not handle.return_hidden_states:
         return None
     return EntryInputs(handle.input_embeds, handle.return_hidden_states)
+
+
+def create_core(
+    config: EngineConfig,
+    emit: Emit,
+    runner: ModelRunner | None = None,
+    tokenizer: Any = None,
+) -> tuple[EngineCore, EngineInfo]:
+    """Build the model runner (unless given), the cache, the scheduler and the grammar
+    service, and the core over them; with what the front end needs to know of them."""
+    runner = runner if runner is not None else ModelRunner(config.runner)
+    tokenizer = tokenizer or load_tokenizer(config.tokenizer_path or config.model_path)
+    info = runner.info
+    eos = set(info.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    eos_token_ids = tuple(sorted(eos))
+    pool = runner.kv_pool
+    cache = RadixCache(
+        page_size=pool.page_size,
+        eviction_policy=config.cache.eviction_policy,  # type: ignore[arg-type]
+        disable=config.cache.disable_radix_cache,
+    )
+    rows = runner.req_to_token_pool
+    scheduler = Scheduler(config.scheduler, pool, rows, cache, rows.max_requests)
+    grammar = GrammarService(config.grammar, tokenizer, runner.vocab_size, eos_token_ids)
+    core = EngineCore(
+        scheduler,
+        ModelExecutor(runner, seed=config.scheduler.random_seed),
+        grammar,
+        tokenizer,
+        eos_token_ids,
+        runner.context_length,
+        emit,
+        jump_forward=config.grammar.jump_forward,
+        pool_size=pool.num_slots,
+    )
+    quant = info.quantization
+    static = {
+        **grammar.settings(),
+        # The compute dtype `dtype: auto` chose on this device, and why.
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "dtype_reason": info.dtype_reason,
+        "device": str(runner.device),
+        # The linear layers' quantized format (None: full precision), and the KV pool's dtype.
+        "quantization": quant.describe() if quant else None,
+        "kv_cache_dtype": str(pool.dtype).removeprefix("torch."),
+    }
+    engine_info = EngineInfo(
+        context_length=runner.context_length,
+        vocab_size=runner.vocab_size,
+        hidden_size=info.arch.hidden_size,
+        eos_token_ids=eos_token_ids,
+        generation_config=dict(info.generation_config),
+        architectures=tuple(getattr(info.hf_config, "architectures", None) or ()),
+        max_total_num_tokens=pool.num_slots,
+        static_info=static,
+    )
+    return core, engine_info

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -58,46 +57,3 @@ def collect_logprobs(
         asked = tuple(zip(requested[r] or (), wanted.get(r, ()), strict=True))
         out.append(TokenLogprob(int(ids[r]), float(chosen[r]), top, asked))
     return out
-
-
-# meta_info keys holding one [logprob, token_id, text] triple per position, and those holding a
-# list of triples (or None) per position.
-_PER_TOKEN = ("input_token_logprobs", "output_token_logprobs")
-_PER_POSITION = (
-    "input_top_logprobs",
-    "output_top_logprobs",
-    "input_token_ids_logprobs",
-    "output_token_ids_logprobs",
-)
-
-
-def flatten_logprobs(meta: dict[str, Any]) -> None:
-    """vLLM's `flat_logprobs`, in place: each logprob list of `meta` becomes columns.
-
-    - `*_token_logprobs` -> `{"logprobs": [...], "token_ids": [...], "texts": [...]}`, one
-      entry per position (the first prompt token's logprob is None, as before);
-    - `*_top_logprobs` / `*_token_ids_logprobs` -> the same columns holding every position's
-      entries one after another, plus `offsets` (positions + 1 long): position `i`'s entries
-      are `offsets[i]:offsets[i + 1]` (empty where the nested layout has None).
-    """
-    for key in _PER_TOKEN:
-        rows = meta.get(key)
-        if isinstance(rows, list):
-            meta[key] = _columns(rows)
-    for key in _PER_POSITION:
-        positions = meta.get(key)
-        if isinstance(positions, list):
-            offsets = [0]
-            entries: list[Any] = []
-            for row in positions:
-                entries.extend(row or [])
-                offsets.append(len(entries))
-            meta[key] = {**_columns(entries), "offsets": offsets}
-
-
-def _columns(rows: list[Any]) -> dict[str, list[Any]]:
-    return {
-        "logprobs": [row[0] for row in rows],
-        "token_ids": [row[1] for row in rows],
-        "texts": [row[2] if len(row) > 2 else None for row in rows],
-    }

@@ -1,23 +1,21 @@
-"""Request preparation on the caller's side: validation, tokenization, grammar compile futures.
+"""Request preparation on the caller's side: validation and tokenization into an EngineRequest.
 
-Everything that can be wrong with a request is found here, before it reaches the engine loop,
-and raised as `InvalidRequest` naming the field. The loop only ever sees well-formed requests.
+Everything that can be wrong with a request's fields is found here, before it reaches the engine
+core, and raised as `InvalidRequest` naming the field; this is the one place each limit is
+checked. (A grammar that does not compile is found by the core, which compiles it, and fails
+the request before its first chunk.)
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from radixlm.runtime.detokenizer import TextDecoder
-from radixlm.runtime.grammar import GrammarService
-from radixlm.runtime.hidden_states import HiddenStates
 from radixlm.runtime.input_embeds import input_embeds_cache_ids, parse_input_embeds
-from radixlm.runtime.request_state import LogprobOptions, RequestHandle, SequenceState, Sink
-from radixlm.runtime.scheduler import Req
-from radixlm.runtime.stopping import SequenceOutput
-from radixlm.runtime.thinking import THINK_END, ThinkingBudget, end_of_thinking_token
+from radixlm.runtime.messages import EngineRequest, LogprobOptions
+from radixlm.runtime.thinking import THINK_END, end_of_thinking_token
 from radixlm.sampling import (
     CustomLogitProcessor,
     GenerateRequest,
@@ -42,9 +40,7 @@ class FrontendLimits:
 
     vocab_size: int
     context_length: int
-    eos_token_ids: tuple[int, ...]
     custom_logit_processors: bool
-    prefix_sharing: bool  # n > 1 siblings wait for the first prefill (only with the cache)
     clamp_max_tokens: bool = False  # max_new_tokens past the context: cut it, not a 400
     max_logprobs: int = 20  # vLLM-style logprobs / prompt_logprobs counts; -1: no limit
     stream_interval: int = 1  # output tokens per streamed chunk, unless the request says
@@ -52,27 +48,25 @@ class FrontendLimits:
 
 
 class RequestPreparer:
-    """Turns one single `GenerateRequest` into a `RequestHandle` with its sequences."""
+    """Turns one single `GenerateRequest` into an `EngineRequest`."""
 
     def __init__(
         self,
         tokenizer: Any,
         defaults: SamplingDefaults,
-        grammar: GrammarService,
         limits: FrontendLimits,
         incremental_streaming: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.defaults = defaults
-        self.grammar = grammar
         self.limits = limits
         self.incremental_streaming = incremental_streaming
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
-    def prepare(self, item: GenerateRequest, sink: Sink) -> RequestHandle:
-        """Validate and tokenize; start compiling the grammar. Raises InvalidRequest."""
+    def prepare(self, item: GenerateRequest) -> EngineRequest:
+        """Validate and tokenize one single request. Raises InvalidRequest naming the field."""
         self._refuse_unsupported(item)
         embeds = self._input_embeds(item)
         prompt_ids = self._prompt_ids(item, embeds)
@@ -101,14 +95,11 @@ class RequestPreparer:
                 f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} "
                 "to generate); ask for fewer tokens or shorten the prompt",
             )
-        future = self.grammar.submit(params)
-        max_new = room if wanted is None else min(wanted, room)
-        rid = _one(item.rid, str) or uuid.uuid4().hex
-        handle = RequestHandle(
-            rid=rid,
+        return EngineRequest(
+            rid=_one(item.rid, str) or uuid.uuid4().hex,
+            prompt_ids=tuple(prompt_ids),
             params=params,
-            prompt_ids=prompt_ids,
-            sink=sink,
+            max_new_tokens=room if wanted is None else min(wanted, room),
             stream=item.stream,
             incremental=self.incremental_streaming,
             stream_interval=params.stream_interval or self.limits.stream_interval,
@@ -116,46 +107,10 @@ class RequestPreparer:
             custom_logit_processor=custom,
             input_embeds=embeds,
             return_hidden_states=hidden,
+            bad_words_ids=self._bad_words(params),
+            thinking_end=thinking_end,
+            created=time.monotonic(),
         )
-        decoder = TextDecoder(
-            self.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
-        )
-        bad_words = self._bad_words(params)
-        first: Req | None = None
-        for index in range(params.n):
-            req = Req(
-                rid if params.n == 1 else f"{rid}#{index}",
-                prompt_ids,
-                max_new,
-                input_logprob_start=logprobs.input_start,
-                wait_for=first if self.limits.prefix_sharing else None,
-                # Every prompt position's hidden state is returned: none comes from the cache.
-                reuse_prefix=not hidden,
-            )
-            output = SequenceOutput(
-                params, decoder, self.limits.eos_token_ids, max_new, output_ids=req.output_ids
-            )
-            seed = None if params.seed is None else params.seed + index
-            seq = SequenceState(
-                handle,
-                index,
-                req,
-                output,
-                decoder,
-                seed=seed,
-                grammar_future=future,
-                bad_words_ids=bad_words,
-                thinking=None
-                if thinking_end is None or params.thinking_token_budget is None
-                else ThinkingBudget(thinking_end, params.thinking_token_budget),
-                hidden_states=HiddenStates(len(prompt_ids)) if hidden else None,
-            )
-            req.payload = seq
-            seq.record_input_logprobs([])  # the first prompt token's entry has no logprob
-            req.grammar_pending = req.rewindable = future is not None
-            handle.seqs.append(seq)
-            first = first or req
-        return handle
 
     @staticmethod
     def _refuse_unsupported(item: GenerateRequest) -> None:

@@ -3,73 +3,126 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.runtime.detokenizer import TextDecoder
 from radixlm.runtime.hidden_states import HiddenStates
-from radixlm.runtime.logprobs import TokenLogprob, flatten_logprobs
+from radixlm.runtime.logprobs import TokenLogprob
+from radixlm.runtime.messages import EngineRequest, LogprobOptions
 from radixlm.runtime.scheduler import Req
-from radixlm.runtime.stopping import FinishReason, SequenceOutput
+from radixlm.runtime.stopping import SequenceOutput
 from radixlm.runtime.thinking import ThinkingBudget
-from radixlm.sampling import SamplingParams
+from radixlm.sampling import FinishReason, GenerateChunk, LogprobEntry, SamplingParams
 
-#: What a request's sink receives: an output chunk, an exception (raised by the reader), or
-#: END once every sequence has finished.
-END = object()
-Sink = Callable[[Any], None]
-
-Triple = list[Any]  # [logprob | None, token_id, text | None]
-
-
-@dataclass(frozen=True)
-class LogprobOptions:
-    """What a request asked for: output logprobs with `top` alternatives and `token_ids`;
-    prompt logprobs from `input_start` (None: none); token texts in the triples."""
-
-    enabled: bool = False
-    top: int = 0
-    token_ids: tuple[int, ...] | None = None
-    input_start: int | None = None
-    with_text: bool = False
+Entries = tuple[LogprobEntry, ...]
 
 
 @dataclass
 class RequestHandle:
-    """One user request (n sequences). Created by the engine's front end, driven by the loop.
+    """One user request (its `params.n` sequences) inside the engine core."""
 
-    `sink` is called from the engine loop's thread; it must only hand the item over (put it
-    on a queue), never block.
-    """
-
-    rid: str
-    params: SamplingParams
-    prompt_ids: list[int]
-    sink: Sink
-    stream: bool = False
-    incremental: bool = False
-    stream_interval: int = 1  # output tokens per streamed chunk after the first
-    logprobs: LogprobOptions = field(default_factory=LogprobOptions)
-    custom_logit_processor: str | None = None
-    #: The prompt as embeddings (a float32 CPU tensor [prompt_len, hidden]) when it was given
-    #: as `input_embeds`; `prompt_ids` then hold its cache-key pseudo ids.
-    input_embeds: Any = None
-    return_hidden_states: bool = False
-    created: float = field(default_factory=time.monotonic)
+    request: EngineRequest
     seqs: list[SequenceState] = field(default_factory=list)
     closed: bool = False
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def stream(self) -> bool:
+        return self.request.stream
+
+    @property
+    def incremental(self) -> bool:
+        return self.request.incremental
+
+    @property
+    def stream_interval(self) -> int:
+        return self.request.stream_interval
+
+    @property
+    def logprobs(self) -> LogprobOptions:
+        return self.request.logprobs
+
+    @property
+    def custom_logit_processor(self) -> str | None:
+        return self.request.custom_logit_processor
+
+    @property
+    def input_embeds(self) -> Any:
+        return self.request.input_embeds
+
+    @property
+    def return_hidden_states(self) -> bool:
+        return self.request.return_hidden_states
+
+    @property
+    def created(self) -> float:
+        return self.request.created
 
     @property
     def finished(self) -> bool:
         return all(s.finish is not None for s in self.seqs)
 
-    def fail(self, error: BaseException) -> None:
-        """End the request with an error (delivered to the reader instead of chunks)."""
-        if not self.closed:
-            self.closed = True
-            self.sink(error)
-            self.sink(END)
+
+def open_request(
+    request: EngineRequest,
+    tokenizer: Any,
+    eos_token_ids: tuple[int, ...],
+    grammar_future: Any,
+    prefix_sharing: bool,
+) -> RequestHandle:
+    """The engine-side state of a prepared request: one scheduler `Req` and output per
+    sequence (`n > 1` siblings wait for the first one's prefill when the cache shares it)."""
+    handle = RequestHandle(request)
+    params = request.params
+    prompt_ids = list(request.prompt_ids)
+    decoder = TextDecoder(
+        tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
+    )
+    hidden = request.return_hidden_states
+    thinking_end = request.thinking_end
+    first: Req | None = None
+    for index in range(params.n):
+        req = Req(
+            request.rid if params.n == 1 else f"{request.rid}#{index}",
+            prompt_ids,
+            request.max_new_tokens,
+            input_logprob_start=request.logprobs.input_start,
+            wait_for=first if prefix_sharing else None,
+            # Every prompt position's hidden state is returned: none comes from the cache.
+            reuse_prefix=not hidden,
+        )
+        output = SequenceOutput(
+            params, decoder, eos_token_ids, request.max_new_tokens, output_ids=req.output_ids
+        )
+        seq = SequenceState(
+            handle,
+            index,
+            req,
+            output,
+            decoder,
+            seed=None if params.seed is None else params.seed + index,
+            grammar_future=grammar_future,
+            bad_words_ids=request.bad_words_ids,
+            thinking=None
+            if thinking_end is None or params.thinking_token_budget is None
+            else ThinkingBudget(thinking_end, params.thinking_token_budget),
+            hidden_states=HiddenStates(len(prompt_ids)) if hidden else None,
+        )
+        req.payload = seq
+        seq.record_input_logprobs([])  # the first prompt token's entry has no logprob
+        req.grammar_pending = req.rewindable = grammar_future is not None
+        handle.seqs.append(seq)
+        first = first or req
+    return handle
 
 
 @dataclass
@@ -89,12 +142,12 @@ class SequenceState:
     grammar_rollbacks: int = 0
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     thinking: ThinkingBudget | None = None
-    output_logprobs: list[Triple] = field(default_factory=list)
-    output_top: list[list[Triple]] = field(default_factory=list)
-    output_ids_logprobs: list[list[Triple]] = field(default_factory=list)
-    input_logprobs: list[Triple] = field(default_factory=list)
-    input_top: list[list[Triple] | None] = field(default_factory=list)
-    input_ids_logprobs: list[list[Triple] | None] = field(default_factory=list)
+    output_logprobs: list[LogprobEntry] = field(default_factory=list)
+    output_top: list[Entries] = field(default_factory=list)
+    output_ids_logprobs: list[Entries] = field(default_factory=list)
+    input_logprobs: list[LogprobEntry] = field(default_factory=list)
+    input_top: list[Entries | None] = field(default_factory=list)
+    input_ids_logprobs: list[Entries | None] = field(default_factory=list)
     hidden_states: HiddenStates | None = None  # only when the request asked for them
     sent_hidden: int = 0
     sent_text: int = 0
@@ -111,17 +164,17 @@ class SequenceState:
         # of a prompt's tokens line up with the prompt (OpenAI echo's text_offset).
         return self.decoder.raw([token_id]) if self.handle.logprobs.with_text else None
 
-    def _triples(self, pairs: Sequence[tuple[int, float]]) -> list[Triple]:
-        return [[lp, tid, self._text(tid)] for tid, lp in pairs]
+    def _entries(self, pairs: Sequence[tuple[int, float]]) -> Entries:
+        return tuple(LogprobEntry(lp, tid, self._text(tid)) for tid, lp in pairs)
 
     def record_output_logprob(self, logprob: TokenLogprob | None) -> None:
         if not self.handle.logprobs.enabled or logprob is None:
             return
         self.output_logprobs.append(
-            [logprob.logprob, logprob.token_id, self._text(logprob.token_id)]
+            LogprobEntry(logprob.logprob, logprob.token_id, self._text(logprob.token_id))
         )
-        self.output_top.append(self._triples(logprob.top))
-        self.output_ids_logprobs.append(self._triples(logprob.requested))
+        self.output_top.append(self._entries(logprob.top))
+        self.output_ids_logprobs.append(self._entries(logprob.requested))
 
     def truncate_logprobs(self, num_tokens: int) -> None:
         """Keep the output logprobs of the first `num_tokens` output tokens only (after tokens
@@ -136,13 +189,15 @@ class SequenceState:
             return
         if not self.input_logprobs and options.input_start == 0:
             first = self.req.prompt_ids[0]
-            self.input_logprobs.append([None, first, self._text(first)])
+            self.input_logprobs.append(LogprobEntry(None, first, self._text(first)))
             self.input_top.append(None)
             self.input_ids_logprobs.append(None)
         for lp in scored:
-            self.input_logprobs.append([lp.logprob, lp.token_id, self._text(lp.token_id)])
-            self.input_top.append(self._triples(lp.top))
-            self.input_ids_logprobs.append(self._triples(lp.requested))
+            self.input_logprobs.append(
+                LogprobEntry(lp.logprob, lp.token_id, self._text(lp.token_id))
+            )
+            self.input_top.append(self._entries(lp.top))
+            self.input_ids_logprobs.append(self._entries(lp.requested))
 
     def _committed(self) -> int | None:
         """Output tokens that can no longer be taken back, when the grammar says (a grammar
@@ -180,7 +235,7 @@ class SequenceState:
     def detokenize(self) -> bool:
         return self.handle.params.detokenize
 
-    def chunk(self) -> dict[str, Any]:
+    def chunk(self) -> GenerateChunk:
         """The sequence's output now: cumulative, or only what is new since the last chunk
         when the request streams incrementally. Marks what it returns as sent."""
         handle = self.handle
@@ -197,43 +252,42 @@ class SequenceState:
         # Streamed logprobs are always only the new tokens' (SGLang's), with the running count
         # in output_token_logprobs_length: resending every list each chunk is quadratic.
         start_lp = min(self.sent_logprobs, num_lp) if handle.stream else 0
-        meta: dict[str, Any] = {
-            "id": handle.rid,
-            "prompt_tokens": len(self.req.prompt_ids),
-            "completion_tokens": len(ids),
-            "cached_tokens": self.req.cached_tokens or 0,
-            "finish_reason": self.finish.to_dict() if final and self.finish else None,
-            "e2e_latency": time.monotonic() - handle.created,
-        }
+        options = handle.logprobs
+        out: dict[str, Any] = {}
         if self.grammar_info is not None:
-            meta["grammar"] = {**self.grammar_info, "rollbacks": self.grammar_rollbacks}
-        if handle.logprobs.enabled:
-            meta["output_token_logprobs"] = self.output_logprobs[start_lp:num_lp]
-            meta["output_token_logprobs_length"] = num_lp
-            meta["output_top_logprobs"] = self.output_top[start_lp:num_lp]
-            if handle.logprobs.token_ids is not None:
-                meta["output_token_ids_logprobs"] = self.output_ids_logprobs[start_lp:num_lp]
-            if handle.logprobs.input_start is not None:
-                meta["input_token_logprobs"] = self.input_logprobs
-                meta["input_top_logprobs"] = self.input_top
-                if handle.logprobs.token_ids is not None:
-                    meta["input_token_ids_logprobs"] = self.input_ids_logprobs
+            out["grammar"] = {**self.grammar_info, "rollbacks": self.grammar_rollbacks}
+        if options.enabled:
+            out["output_token_logprobs"] = tuple(self.output_logprobs[start_lp:num_lp])
+            out["output_token_logprobs_length"] = num_lp
+            out["output_top_logprobs"] = tuple(self.output_top[start_lp:num_lp])
+            if options.token_ids is not None:
+                out["output_token_ids_logprobs"] = tuple(self.output_ids_logprobs[start_lp:num_lp])
+            if options.input_start is not None:
+                out["input_token_logprobs"] = tuple(self.input_logprobs)
+                out["input_top_logprobs"] = tuple(self.input_top)
+                if options.token_ids is not None:
+                    out["input_token_ids_logprobs"] = tuple(self.input_ids_logprobs)
         if self.hidden_states is not None:
             entries = self.hidden_states.entries(num_ids)
             # Streamed: only the entries not sent yet (the prompt's rows come once).
             start_hidden = min(self.sent_hidden, len(entries)) if handle.stream else 0
-            meta["hidden_states"] = entries[start_hidden:]
+            out["hidden_states"] = tuple(entries[start_hidden:])
             self.sent_hidden = len(entries)
-        if handle.logprobs.enabled and handle.params.flat_logprobs:
-            flatten_logprobs(meta)
-        out = {
-            "index": self.index,
-            "text": text[start_text:],
-            "output_ids": list(ids[start_ids:]),
-            "meta_info": meta,
-        }
+        chunk = GenerateChunk(
+            rid=handle.rid,
+            index=self.index,
+            text=text[start_text:],
+            output_ids=tuple(ids[start_ids:]),
+            prompt_tokens=len(self.req.prompt_ids),
+            completion_tokens=len(ids),
+            cached_tokens=self.req.cached_tokens or 0,
+            finish_reason=self.finish if final else None,
+            e2e_latency=time.monotonic() - handle.created,
+            flat_logprobs=options.enabled and handle.params.flat_logprobs,
+            **out,
+        )
         self.sent_text = len(text)
         self.sent_ids = num_ids
         self.sent_logprobs = num_lp
         self.dirty = False
-        return out
+        return chunk

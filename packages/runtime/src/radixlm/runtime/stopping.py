@@ -5,29 +5,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
 
 from radixlm.runtime.detokenizer import IncrementalDetokenizer, TextDecoder
-from radixlm.sampling import SamplingParams
-
-FinishType = Literal["stop", "length", "abort"]
-
-
-@dataclass(frozen=True)
-class FinishReason:
-    """Why a sequence ended, in SGLang's shape: `type` stop | length | abort, `matched` the
-    stop token id or stop string (None otherwise), `message` a human-readable detail."""
-
-    type: FinishType
-    matched: int | str | None = None
-    message: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": self.type, "matched": self.matched}
-        if self.message is not None:
-            out["message"] = self.message
-        return out
+from radixlm.sampling import FinishReason, SamplingParams
 
 
 def _longest_partial_stop(text: str, stops: Sequence[str]) -> int:

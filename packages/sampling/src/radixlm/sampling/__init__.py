@@ -2,8 +2,9 @@
 
 from radixlm.sampling._version import __version__
 from radixlm.sampling.defaults import GENERATION_CONFIG_FIELDS, DefaultsMode, SamplingDefaults
-from radixlm.sampling.errors import EngineOverloaded, FieldError, InvalidRequest
+from radixlm.sampling.errors import EngineOverloaded, EngineUnavailable, FieldError, InvalidRequest
 from radixlm.sampling.logit_processor import CustomLogitProcessor
+from radixlm.sampling.outputs import FinishReason, GenerateChunk, LogprobEntry
 from radixlm.sampling.params import CONSTRAINT_FIELDS, RepetitionDetection, SamplingParams
 from radixlm.sampling.request import GenerateRequest
 
@@ -13,9 +14,13 @@ __all__ = [
     "CustomLogitProcessor",
     "DefaultsMode",
     "EngineOverloaded",
+    "EngineUnavailable",
     "FieldError",
+    "FinishReason",
+    "GenerateChunk",
     "GenerateRequest",
     "InvalidRequest",
+    "LogprobEntry",
     "RepetitionDetection",
     "SamplingDefaults",
     "SamplingParams",

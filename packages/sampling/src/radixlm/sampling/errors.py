@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -39,6 +40,10 @@ class InvalidRequest(ValueError):
     def __str__(self) -> str:
         return "; ".join(f"{e.field}: {e.message}" if e.field else e.message for e in self.errors)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in an engine process and re-raised in the front one: pickle by fields.
+        return (type(self), (self.field, self.message, self.errors))
+
     @classmethod
     def from_validation_error(cls, error: ValidationError, prefix: str = "") -> InvalidRequest:
         """Turn pydantic's error list into an InvalidRequest naming each field."""
@@ -70,3 +75,8 @@ class EngineOverloaded(RuntimeError):
     Defined here, beside InvalidRequest, so that engines and servers share it without
     depending on each other.
     """
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine stopped serving (its process died, a step failed for good, it shut down):
+    the request ended without its output. Servers answer 503; retry once it is healthy."""

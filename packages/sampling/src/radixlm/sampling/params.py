@@ -141,7 +141,7 @@ class SamplingParams(BaseModel):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logprob_token_ids: list[int] | None = None
-    #: vLLM's: logprobs in a flat, columnar layout (see the runtime's `flatten_logprobs`)
+    #: vLLM's: logprobs in a flat, columnar layout (`GenerateChunk.to_json`)
     #: instead of one small list per token, cheaper for long outputs.
     flat_logprobs: bool = False
 

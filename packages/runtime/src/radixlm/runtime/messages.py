@@ -1,0 +1,162 @@
+"""The messages between the engine's front end and its core: plain, frozen, picklable data.
+
+Front -> core: an `EngineRequest` (one prepared single request) or a command dataclass,
+handled by `EngineCore.handle` with `match`. Core -> front: `GenerateChunk`s (radixlm.sampling)
+and the events below, batched per loop iteration. The same messages cross a thread (the
+engine's thread mode) or a ZeroMQ socket (the engine process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixlm.sampling import GenerateChunk, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobOptions:
+    """What a request asked for: output logprobs with `top` alternatives and `token_ids`;
+    prompt logprobs from `input_start` (None: none); token texts in the entries."""
+
+    enabled: bool = False
+    top: int = 0
+    token_ids: tuple[int, ...] | None = None
+    input_start: int | None = None
+    with_text: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One validated, tokenized single request (made by `RequestPreparer.prepare`): all the
+    engine core needs to run its `params.n` sequences."""
+
+    rid: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    max_new_tokens: int
+    stream: bool = False
+    incremental: bool = False
+    stream_interval: int = 1  # output tokens per streamed chunk after the first
+    logprobs: LogprobOptions = field(default_factory=LogprobOptions)
+    custom_logit_processor: str | None = None
+    #: The prompt as embeddings (a float32 CPU tensor [prompt_len, hidden]) when it was given
+    #: as `input_embeds`; `prompt_ids` then hold its cache-key pseudo ids.
+    input_embeds: Any = None
+    return_hidden_states: bool = False
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    #: The token that ends the thinking, when `params.thinking_token_budget` is set.
+    thinking_end: int | None = None
+    created: float = 0.0  # time.monotonic() when it arrived (system-wide on Linux)
+
+
+# ------------------------------------------------------------------------ commands (in)
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """End a request: its unfinished sequences finish with `abort`, its memory is freed."""
+
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class FlushCache:
+    """Drop the radix cache (answered False while requests run)."""
+
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class GetServerInfo:
+    """Live statistics (answered with a dict)."""
+
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class CheckInvariants:
+    """Check the cache and that no KV slot is lost (answered None, or the AssertionError)."""
+
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run `function(core)` between steps (thread mode only: tests and inspection)."""
+
+    function: Callable[[Any], Any]
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Stop the loop; every open request ends with an error."""
+
+
+Command = EngineRequest | Abort | FlushCache | GetServerInfo | CheckInvariants | Call | Shutdown
+
+
+# -------------------------------------------------------------------------- events (out)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestClosed:
+    """Every sequence of the request has sent its final chunk."""
+
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """The request ended with an error instead of (the rest of) its output: InvalidRequest
+    (its grammar, its rid), EngineOverloaded (the queue is full), or an engine failure."""
+
+    rid: str
+    error: BaseException
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    """The answer to a command that carried a `reply` id."""
+
+    reply: int
+    value: Any = None
+    error: BaseException | None = None
+
+
+Output = GenerateChunk | RequestClosed | RequestFailed | CommandResult
+
+
+# -------------------------------------------------------------------------- startup (out)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the front end needs to know of a started core: the model's limits and the
+    static part of the server info (the live part comes with `GetServerInfo`)."""
+
+    context_length: int
+    vocab_size: int
+    hidden_size: int
+    eos_token_ids: tuple[int, ...]
+    generation_config: dict[str, Any]
+    architectures: tuple[str, ...]
+    max_total_num_tokens: int
+    static_info: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The engine process has loaded the model and serves."""
+
+    info: EngineInfo
+
+
+@dataclass(frozen=True, slots=True)
+class StartupFailed:
+    """The engine process could not start (the message says why); it exits."""
+
+    kind: str  # the exception's type name: TypeError, ValueError, OSError, ...
+    message: str
