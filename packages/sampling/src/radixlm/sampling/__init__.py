@@ -3,6 +3,7 @@
 from radixlm.sampling._version import __version__
 from radixlm.sampling.defaults import GENERATION_CONFIG_FIELDS, DefaultsMode, SamplingDefaults
 from radixlm.sampling.errors import EngineOverloaded, EngineUnavailable, FieldError, InvalidRequest
+from radixlm.sampling.limits import check_text_fits, max_token_chars
 from radixlm.sampling.logit_processor import CustomLogitProcessor
 from radixlm.sampling.outputs import FinishReason, GenerateChunk, LogprobEntry
 from radixlm.sampling.params import CONSTRAINT_FIELDS, RepetitionDetection, SamplingParams
@@ -25,4 +26,6 @@ __all__ = [
     "SamplingDefaults",
     "SamplingParams",
     "__version__",
+    "check_text_fits",
+    "max_token_chars",
 ]
