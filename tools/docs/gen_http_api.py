@@ -37,7 +37,8 @@ at `/docs`. How the routes behave (streaming, errors, authentication, batching) 
 - Authentication: with `--api-key KEY`, every route except `/health` and `/health_generate`
   needs `Authorization: Bearer KEY` (401 otherwise).
 - Errors are JSON in OpenAI's shape, `{{"error": {{"message", "type", "param", "code"}}}}`, with
-  the HTTP status (400 bad input, 401, 404, 503 overloaded, 500).
+  the HTTP status (400 bad input, 401, 404, 413 body over `--max-request-bytes`, 503
+  overloaded, 500).
 - `/metrics` answers 404 unless the server runs with `--enable-metrics`.
 - The "from" column says where each field comes from — OpenAI's API, SGLang's `/generate`
   and extras, vLLM's extras, or radixlm's own — and, after a colon, where radixlm behaves

@@ -127,6 +127,15 @@ def test_server_flags_build_the_server_config(tmp_path: Any) -> None:
     assert config.tool_call_parser == "llama3" and config.enable_metrics
 
 
+def test_max_request_bytes_flag_sets_the_body_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert server_config(build_parser().parse_args([])).max_request_bytes == 32 * 1024 * 1024
+    args = build_parser().parse_args(["--max-request-bytes", "1048576"])
+    assert server_config(args).max_request_bytes == 1048576
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--max-request-bytes", "0"])
+    assert "must be a positive number of bytes" in capsys.readouterr().err
+
+
 def install_runtime(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType) -> None:
     monkeypatch.setitem(sys.modules, "radixlm.runtime", module)
 
@@ -189,7 +198,13 @@ def test_openapi_schema_documents_the_request_bodies(tokenizer: Any) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"tool_call_parser": "mistral"}, {"port": 0}, {"api_key": ""}, {"log_level": "loud"}],
+    [
+        {"tool_call_parser": "mistral"},
+        {"port": 0},
+        {"api_key": ""},
+        {"log_level": "loud"},
+        {"max_request_bytes": 0},
+    ],
 )
 def test_server_config_rejects_bad_values(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):

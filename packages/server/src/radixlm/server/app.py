@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixlm.server._version import __version__
 from radixlm.server.config import ServerConfig
-from radixlm.server.errors import APIError, install_error_handlers
+from radixlm.server.errors import APIError, BodyTooLarge, body_too_large, install_error_handlers
+from radixlm.server.metrics import ServerMetrics
 from radixlm.server.native import native_router
 from radixlm.server.openai_chat import create_chat_completion
 from radixlm.server.openai_completions import create_completion
@@ -52,6 +55,55 @@ class ApiKeyMiddleware:
             401, f"{message}; send it as 'Authorization: Bearer <key>'", code="invalid_api_key"
         ).response()
         await response(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `limit` bytes, on every route. A body whose Content-Length
+    says so is refused before any of it is read; one without (chunked) is counted as the app
+    reads it, and reading stops with BodyTooLarge once it passes the limit. Nothing is
+    buffered here."""
+
+    def __init__(self, app: ASGIApp, limit: int, metrics: ServerMetrics | None = None) -> None:
+        self.app = app
+        self.limit = limit
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None:
+            if declared > self.limit:
+                if self.metrics is not None:
+                    self.metrics.errors.labels(status="413").inc()
+                await body_too_large(self.limit).response()(scope, receive, send)
+                return
+            # The HTTP server delivers no more than Content-Length bytes.
+            await self.app(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers") or []:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
 
 
 def _openai_router(state: ServerState) -> APIRouter:
@@ -132,10 +184,19 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             f"{type(engine).__name__} is not an EngineClient (missing: {', '.join(missing) or 'tokenizer'})"
         )
     state = ServerState(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            state.close()
+
     app = FastAPI(
         title="radixlm",
         version=__version__,
         description="OpenAI-compatible and SGLang-native LLM serving.",
+        lifespan=lifespan,
     )
     app.state.radixlm = state
     install_error_handlers(app)
@@ -146,6 +207,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
     app.add_exception_handler(ClientDisconnected, on_disconnect)
     app.include_router(native_router(state))
     app.include_router(_openai_router(state))
-    if config.api_key is not None:
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes, metrics=state.metrics)
+    if config.api_key is not None:  # outermost: checked first
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app

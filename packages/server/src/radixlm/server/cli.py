@@ -12,6 +12,7 @@ from typing import Any
 
 from radixlm.server._version import __version__
 from radixlm.server.config import (
+    DEFAULT_MAX_REQUEST_BYTES,
     LOG_LEVELS,
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
@@ -137,6 +138,13 @@ Hugging Face model directory, for example:
 """
 
 
+def _byte_count(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes; got {text}")
+    return value
+
+
 def _add_flag(parser: argparse._ActionsContainer, dest: str, spec: dict[str, Any]) -> None:
     parser.add_argument("--" + dest.replace("_", "-"), dest=dest, **spec)
 
@@ -180,6 +188,14 @@ def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
         metavar="N",
         help="Responses API responses kept in memory for previous_response_id (0: none)",
     )
+    server.add_argument(
+        "--max-request-bytes",
+        type=_byte_count,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="N",
+        help="largest request body accepted, in bytes; larger ones get HTTP 413, refused from "
+        "their Content-Length before they are read (default 32 MiB)",
+    )
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     engine = parser.add_argument_group("engine")
     for dest, spec in ENGINE_FLAGS.items():
@@ -212,6 +228,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         log_level=args.log_level,
         response_store_size=args.response_store_size,
+        max_request_bytes=args.max_request_bytes,
     )
 
 

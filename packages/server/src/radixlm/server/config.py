@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 TOOL_CALL_PARSERS = ("hermes", "qwen", "qwen25", "llama3")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class ServerConfig:
     - `response_store_size`: how many Responses API responses (`store: true`) are kept in
       memory for `previous_response_id` and `GET /v1/responses/{id}`; the least recently used
       go first; 0 keeps none.
+    - `max_request_bytes`: the largest request body accepted, in bytes (413 beyond it, before
+      the body is read when its `Content-Length` says so, else once that much has arrived).
     """
 
     served_model_name: str | None = None
@@ -50,6 +53,7 @@ class ServerConfig:
     log_level: str = "info"
     log_requests: bool = True
     response_store_size: int = 1024
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -72,6 +76,8 @@ class ServerConfig:
             raise ValueError("health_generate_timeout must be positive")
         if self.response_store_size < 0:
             raise ValueError(f"response_store_size must be >= 0; got {self.response_store_size}")
+        if self.max_request_bytes <= 0:
+            raise ValueError(f"max_request_bytes must be positive; got {self.max_request_bytes}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty; omit it to disable authentication")
 

@@ -73,6 +73,26 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+def body_too_large(limit: int) -> APIError:
+    """The 413 for a request body over the server's `--max-request-bytes`."""
+    return APIError(
+        413,
+        f"the request body is larger than this server's limit of {limit:,} bytes; send a "
+        "smaller one, or start the server with a larger --max-request-bytes",
+        code="request_too_large",
+    )
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised while a body is read, once more than `limit` bytes of it have arrived; answered
+    with `body_too_large(limit)`. An HTTPException, so that FastAPI's own body parsing (routes
+    with a body parameter) lets it through unchanged."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, body_too_large(limit).message)
+        self.limit = limit
+
+
 def overloaded(error: EngineOverloaded) -> APIError:
     message = str(error) or "the server is overloaded; retry later"
     return APIError(503, message, code="overloaded")
@@ -133,6 +153,10 @@ def install_error_handlers(app: FastAPI) -> None:
         response = APIError(400, message, param=param, code="invalid_request").response()
         return _counted(request, response)
 
+    async def on_too_large(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, BodyTooLarge)
+        return _counted(request, body_too_large(error.limit).response())
+
     async def on_http(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, StarletteHTTPException)
         status = error.status_code
@@ -155,5 +179,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(EngineOverloaded, on_invalid)
     app.add_exception_handler(ValidationError, on_invalid)
     app.add_exception_handler(RequestValidationError, on_request_validation)
+    app.add_exception_handler(BodyTooLarge, on_too_large)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(Exception, on_unexpected)

@@ -15,7 +15,7 @@ from radixlm.sampling import GenerateRequest, SamplingParams
 from radixlm.server._version import __version__
 from radixlm.server.errors import APIError, as_api_error
 from radixlm.server.metrics import CONTENT_TYPE
-from radixlm.server.state import ServerState, finish_type, read_json, read_object, renamed_errors
+from radixlm.server.state import ServerState, finish_type, renamed_errors
 from radixlm.server.streams import (
     DONE_EVENT,
     EngineJSONResponse,
@@ -90,7 +90,7 @@ def native_router(state: ServerState) -> APIRouter:
     @router.post("/generate", openapi_extra=_schema_of(GenerateRequest), tags=["native"])
     async def generate(http: Request) -> Response:
         """SGLang's `/generate`: text or token ids, single or batch, streamed as SSE on request."""
-        request = GenerateRequest.parse(read_object(await read_json(http)))
+        request = await state.read_body(http, GenerateRequest.parse)
         with renamed_errors(_SAMPLING_NAMES):  # the engine names bare SamplingParams fields
             call = _Generate(state, request)
             streams = state.streams("/generate", call.items)
@@ -159,7 +159,7 @@ def native_router(state: ServerState) -> APIRouter:
     @router.post("/abort_request", tags=["native"])
     async def abort_request(http: Request) -> dict[str, Any]:
         """Abort `{"rid": ...}` (its stream ends with finish_reason abort) or `{"abort_all": true}`."""
-        body = read_object(await read_json(http))
+        body = await state.read_body(http, dict)
         unknown = set(body) - {"rid", "abort_all"}
         if unknown:
             raise APIError(400, f"unknown fields {sorted(unknown)}; send rid or abort_all")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -26,9 +28,14 @@ from radixlm.server.openai_common import (
     stream_events,
     usage,
 )
-from radixlm.server.openai_models import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from radixlm.server.openai_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    NamedToolChoice,
+    Tool,
+)
 from radixlm.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
-from radixlm.server.state import ServerState, read_json, read_object, renamed_errors
+from radixlm.server.state import ServerState, renamed_errors
 from radixlm.server.streams import (
     EngineJSONResponse,
     EngineStreams,
@@ -98,16 +105,60 @@ def render_chat(
     return str(prompt)
 
 
-class _Chat:
-    """One `/v1/chat/completions` call."""
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation rendered through the chat template, and its tokens."""
 
-    def __init__(self, state: ServerState, request: ChatCompletionRequest) -> None:
+    text: str
+    input_ids: list[int]
+
+
+def _offered_tools(request: ChatCompletionRequest) -> list[Tool] | None:
+    """The tools the model is told about (none under tool_choice "none")."""
+    return request.tools if request.effective_tool_choice != "none" else None
+
+
+async def chat_prompt(state: ServerState, request: ChatCompletionRequest) -> ChatPrompt:
+    """Render and tokenize the conversation in the server's thread pool (a long conversation
+    takes long), after refusing one whose contents alone cannot fit in the context.
+
+    Chat templates write each message's content in full, so the contents' total length is a
+    lower bound on the prompt's. (A template that drops some, such as earlier turns' reasoning,
+    is refused wrongly only when what it drops is itself longer than the bound: the context's
+    size times the tokenizer's longest token, many times what real text needs.) The rendered
+    prompt is checked again, exactly, before it is tokenized."""
+    state.check_text_fits(sum(len(m.text() or "") for m in request.messages), "messages")
+    tokenizer = state.engine.tokenizer
+    tools = _offered_tools(request)
+    messages = [_template_message(m) for m in request.messages]
+    tool_specs = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+    def render() -> ChatPrompt:
+        text = render_chat(
+            tokenizer,
+            messages,
+            tool_specs,
+            state.config.chat_template,
+            request.chat_template_kwargs,
+        )
+        state.check_text_fits(text, "messages")
+        return ChatPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+
+    return await state.run_blocking(render)
+
+
+class _Chat:
+    """One `/v1/chat/completions` call, on its rendered prompt."""
+
+    def __init__(
+        self, state: ServerState, request: ChatCompletionRequest, prompt: ChatPrompt
+    ) -> None:
         self.state = state
         self.request = request
         self.id = state.new_id("chatcmpl-")
         self.created = now()
         choice = request.effective_tool_choice
-        tools = request.tools if choice != "none" else None
+        tools = _offered_tools(request)
         self.reader_mode: str | None = None
         self.function_name: str | None = None
         if tools:
@@ -117,19 +168,10 @@ class _Chat:
                 self.reader_mode = "required"
             else:
                 self.reader_mode = state.config.tool_call_parser
-        tokenizer = state.engine.tokenizer
-        prompt = render_chat(
-            tokenizer,
-            [_template_message(m) for m in request.messages],
-            [t.model_dump(exclude_none=True) for t in tools] if tools else None,
-            state.config.chat_template,
-            request.chat_template_kwargs,
-        )
-        input_ids = list(tokenizer.encode(prompt, add_special_tokens=False))
         self.reasoning: ReasoningFormat | None = None
         if request.separate_reasoning:
             self.reasoning = reasoning_format(
-                state.config.reasoning_parser, prompt, request.chat_template_kwargs
+                state.config.reasoning_parser, prompt.text, request.chat_template_kwargs
             )
         self.constraint_param: str | None = None
         params = sampling_params(
@@ -141,7 +183,7 @@ class _Chat:
         )
         item = GenerateRequest.parse(
             {
-                "input_ids": input_ids,
+                "input_ids": prompt.input_ids,
                 "sampling_params": params,
                 "rid": request.rid,
                 "return_logprob": request.logprobs,
@@ -315,10 +357,10 @@ class _Chat:
 
 
 async def create_chat_completion(state: ServerState, http: Request) -> Response:
-    request = parse_body(ChatCompletionRequest, read_object(await read_json(http)))
+    request = await state.read_body(http, partial(parse_body, ChatCompletionRequest))
     state.check_model(request.model)
     with renamed_errors({"text": "messages", "input_ids": "messages", **param_names(request)}):
-        call = _Chat(state, request)
+        call = _Chat(state, request, await chat_prompt(state, request))
     with renamed_errors(call.param_names()):
         streams = state.streams("/v1/chat/completions", [call.item])
         if request.stream:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -23,7 +24,7 @@ from radixlm.server.openai_common import (
     usage,
 )
 from radixlm.server.openai_models import CompletionRequest
-from radixlm.server.state import ServerState, read_json, read_object, renamed_errors
+from radixlm.server.state import ServerState, renamed_errors
 from radixlm.server.streams import (
     EngineJSONResponse,
     EngineStreams,
@@ -218,7 +219,7 @@ class _Completion:
 
 
 async def create_completion(state: ServerState, http: Request) -> Response:
-    request = parse_body(CompletionRequest, read_object(await read_json(http)))
+    request = await state.read_body(http, partial(parse_body, CompletionRequest))
     state.check_model(request.model)
     names = {"text": "prompt", "input_ids": "prompt", **param_names(request)}
     with renamed_errors(names):

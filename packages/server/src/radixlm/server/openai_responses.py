@@ -5,6 +5,7 @@ responses continue a conversation through `previous_response_id`."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -12,7 +13,7 @@ from starlette.responses import Response
 
 from radixlm.sampling import InvalidRequest
 from radixlm.server.errors import APIError, as_api_error
-from radixlm.server.openai_chat import _Chat
+from radixlm.server.openai_chat import _Chat, chat_prompt
 from radixlm.server.openai_common import StreamUsage, now, parse_body
 from radixlm.server.openai_models import ChatCompletionRequest
 from radixlm.server.openai_responses_models import (
@@ -24,7 +25,7 @@ from radixlm.server.openai_responses_models import (
     ResponsesRequest,
 )
 from radixlm.server.response_store import StoredResponse
-from radixlm.server.state import ServerState, read_json, read_object
+from radixlm.server.state import ServerState
 from radixlm.server.streams import (
     EngineJSONResponse,
     EngineStreams,
@@ -153,14 +154,27 @@ def as_input_item(item: dict[str, Any]) -> ConversationItem | None:
 
 class _Turn:
     """One `/v1/responses` call: the conversation so far, the chat call that answers it, and
-    the response object built from the answer."""
+    the response object built from the answer. Start one with `await _Turn.start(...)`."""
 
-    def __init__(self, state: ServerState, request: ResponsesRequest) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        request: ResponsesRequest,
+        conversation: tuple[ConversationItem, ...],
+        chat: _Chat,
+    ) -> None:
         self.state = state
         self.request = request
         self.id = state.new_id("resp_")
         self.created_at = now()
-        earlier: tuple[Any, ...] = ()
+        self.conversation = conversation
+        self.chat = chat
+
+    @classmethod
+    async def start(cls, state: ServerState, request: ResponsesRequest) -> _Turn:
+        """The turn that answers `request` after the stored conversation it continues (404
+        when that is gone), its prompt rendered and tokenized."""
+        earlier: tuple[ConversationItem, ...] = ()
         if request.previous_response_id is not None:
             previous = state.responses.get(request.previous_response_id)
             if previous is None:
@@ -171,11 +185,13 @@ class _Turn:
                     code="previous_response_not_found",
                 )
             earlier = previous.conversation
-        self.conversation = (*earlier, *request.items())
+        conversation = (*earlier, *request.items())
         try:
-            self.chat = _Chat(state, chat_request(request, list(self.conversation)))
+            chat_call = chat_request(request, list(conversation))
+            chat = _Chat(state, chat_call, await chat_prompt(state, chat_call))
         except InvalidRequest as error:
             raise _renamed(error) from None
+        return cls(state, request, conversation, chat)
 
     def new_item_id(self, prefix: str) -> str:
         return f"{prefix}_{self.state.new_id('')}"
@@ -417,9 +433,9 @@ class _ResponseEvents:
 
 
 async def create_response(state: ServerState, http: Request) -> Response:
-    request = parse_body(ResponsesRequest, read_object(await read_json(http)))
+    request = await state.read_body(http, partial(parse_body, ResponsesRequest))
     state.check_model(request.model)
-    turn = _Turn(state, request)
+    turn = await _Turn.start(state, request)
     try:
         streams = state.streams(ROUTE, [turn.chat.item])
         if request.stream:

@@ -41,7 +41,9 @@ What the server sends (so an engine can rely on it): `generate` receives single 
 rid already running is refused with a 400 before it reaches the engine). Sampling parameters
 hold only the fields the client sent (`model_fields_set`), so `SamplingDefaults.apply` can put
 the model's defaults under them. The server has already checked token ids against
-`model_info()["vocab_size"]`, token-id prompts against `max_context_length`, and a
+`model_info()["vocab_size"]`, token-id prompts against `max_context_length`, text prompts'
+length in characters against `max_context_length` times `radixlm.sampling.max_token_chars`
+of `tokenizer` (a text longer than that cannot fit whatever its tokens), and a
 `custom_logit_processor` (present only when the server enables them, and loadable with
 `CustomLogitProcessor.from_str`). OpenAI chat requests arrive as `input_ids` (the chat template
 is rendered and tokenized by the server, without adding special tokens again); completions
@@ -117,5 +119,6 @@ class EngineClient(Protocol):
 
     @property
     def tokenizer(self) -> Any:
-        """A Hugging Face tokenizer (chat templates, token counting, token-id texts)."""
+        """A Hugging Face tokenizer (chat templates, token counting, token-id texts), read
+        once when the app is created and then used from the server's worker threads."""
         ...

@@ -3,13 +3,16 @@ plus the one place that submits requests to the engine and accounts for them."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from starlette.requests import Request
 
@@ -18,6 +21,8 @@ from radixlm.sampling import (
     EngineOverloaded,
     GenerateRequest,
     InvalidRequest,
+    check_text_fits,
+    max_token_chars,
 )
 from radixlm.server.config import ServerConfig
 from radixlm.server.errors import APIError, invalid_json
@@ -27,18 +32,27 @@ from radixlm.server.response_store import ResponseStore
 from radixlm.server.streams import EngineStreams, close_iterator
 
 logger = logging.getLogger("radixlm.server")
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: Threads of a server's pool for blocking work (chat templates, tokenizing, parsing large
+#: bodies): a few, so that such work from many clients queues there, not on the event loop.
+BLOCKING_WORKERS = 4
+#: Bodies larger than this are parsed and validated in the pool (~10 ms per MiB, more for
+#: long lists of token ids).
+LARGE_BODY_BYTES = 1 << 20
 
 
-async def read_json(request: Request) -> Any:
-    """The request body as JSON; 400 when it is not JSON."""
-    raw = await request.body()
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON (None when empty); 400 when it is not JSON."""
     try:
         return json.loads(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise invalid_json(error) from None
 
 
-def read_object(body: Any) -> dict[str, Any]:
+def as_object(body: Any) -> dict[str, Any]:
+    """`body` when it is a JSON object; 400 otherwise."""
     if not isinstance(body, dict):
         kind = "nothing" if body is None else type(body).__name__
         raise APIError(400, f"the request body must be a JSON object; got {kind}", code="invalid")
@@ -77,6 +91,36 @@ class ServerState:
             self.metrics = ServerMetrics(engine.server_info, lambda: len(self.inflight))
         self._model_info: dict[str, Any] | None = None
         self.responses = ResponseStore(config.response_store_size)  # /v1/responses
+        # Read once, before serving: it walks the whole vocabulary.
+        self.max_token_chars = max_token_chars(getattr(engine, "tokenizer", None))
+        self._pool: ThreadPoolExecutor | None = None  # started on first use
+
+    # Work off the event loop.
+
+    async def run_blocking(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`fn(*args, **kwargs)` in the server's thread pool, awaited. Cancelling the await
+        does not stop a call already running (it finishes in its thread)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(BLOCKING_WORKERS, thread_name_prefix="radixlm-server")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    async def read_body(self, request: Request, parse: Callable[[dict[str, Any]], T]) -> T:
+        """The request body as a JSON object (400 when it is not one), then `parse(body)` (the
+        route's validation); both in the pool when the body is large."""
+        raw = await request.body()
+
+        def read() -> T:
+            return parse(as_object(parse_json(raw)))
+
+        return await self.run_blocking(read) if len(raw) > LARGE_BODY_BYTES else read()
+
+    def close(self) -> None:
+        """Stop the thread pool when the app shuts down (calls running in it finish; one
+        started after is served by a new pool, as when the app starts again)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # Model facts.
 
@@ -101,6 +145,14 @@ class ServerState:
     def context_length(self) -> int | None:
         value = self.model_info.get("max_context_length")
         return int(value) if isinstance(value, int) else None
+
+    def check_text_fits(self, text: str | int, field: str) -> None:
+        """InvalidRequest naming `field` when a prompt of this many characters cannot fit in
+        the model's context whatever its tokens (see `radixlm.sampling.check_text_fits`), so
+        that it is refused before anything tokenizes it."""
+        context = self.context_length
+        if context is not None:
+            check_text_fits(text, context, self.max_token_chars, field)
 
     def check_model(self, name: str | None) -> None:
         """None, "default" (SGLang's documentation's name) and the served name are served;
@@ -136,6 +188,8 @@ class ServerState:
         vocab = self.vocab_size
         if vocab is not None:
             request.params.check(vocab)
+        if isinstance(request.text, str):
+            self.check_text_fits(request.text, "text")
         ids = request.input_ids
         if isinstance(ids, list) and ids and isinstance(ids[0], int):
             flat: list[int] = ids
