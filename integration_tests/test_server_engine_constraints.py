@@ -286,7 +286,7 @@ def test_server_info_reports_the_grammar_settings(http: httpx.Client, limited: A
 
 
 def test_cli_offers_the_runtimes_grammar_backends() -> None:
-    from radixlm.runtime.engine_config import GRAMMAR_BACKENDS
+    from radixlm.runtime.config import GRAMMAR_BACKENDS
     from radixlm.server.cli import GRAMMAR_BACKENDS as CLI_CHOICES
     from radixlm.server.cli import build_parser
 

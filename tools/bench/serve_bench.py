@@ -17,6 +17,11 @@ end-to-end latency (mean, p50, p99).
     .venv/bin/python tools/bench/serve_bench.py --compare --dummy-model tiny
     .venv/bin/python tools/bench/serve_bench.py --compare --dummy-model qwen2.5-0.5b --num-prompts 64
 
+    # the engine on a thread of the server process vs in its own process (--engine-mode), the
+    # same server and workload one after the other: 64 concurrent streams of short prompts
+    .venv/bin/python tools/bench/serve_bench.py --compare-modes --dummy-model tiny \
+        --dataset random --num-prompts 256 --max-concurrency 64 --input-len 16 --output-len 32
+
     # llama.cpp as a peer (built once into tools/bench/.cache/llamacpp/, see _llamacpp.py):
     # the same bf16 checkpoint converted to GGUF, one compute thread per server, the issue's
     # workloads (--workload sets the dataset, lengths in tokens, 16 requests at concurrency 8)
@@ -518,7 +523,7 @@ def launch(
 ) -> subprocess.Popen[bytes]:
     """`radixlm serve` or `transformers serve` on `model`, with `peer_args` (a shell-quoted
     string) appended; `threads` > 0 caps torch's compute threads (OMP_NUM_THREADS)."""
-    if name == "radixlm":
+    if name.startswith("radixlm"):
         cmd = [sys.executable, "-m", "radixlm.server", "--model-path", model, "--port", str(port),
                "--served-model-name", model, "--log-level", "warning",
                *shlex.split(peer_args)]  # fmt: skip
@@ -555,12 +560,17 @@ def compare(args: argparse.Namespace) -> dict[str, dict[str, float] | None]:
         for p in prompts
     ]
     columns: dict[str, dict[str, float] | None] = {}
-    for name in ("radixlm", *args.peers):
+    names = MODES if args.compare_modes else ("radixlm", *args.peers)
+    for name in names:
         columns[name] = _bench_server(name, model, tokenizer, args, count_tokens, prompts,
                                       [len(ids) for ids in prompt_ids])  # fmt: skip
-    if not args.no_limit:
+    if not args.no_limit and not args.compare_modes:
         add_limit(columns, Path(model), prompt_ids, args)
     return columns
+
+
+#: --compare-modes: `radixlm serve --engine-mode process`, then `--engine-mode thread`.
+MODES = ("radixlm-process", "radixlm-thread")
 
 
 def _bench_server(
@@ -595,7 +605,11 @@ def _bench_server(
         banned = {str(i): -1e9 for i in tokenizer.all_special_ids}
         extra: dict[str, Any] = {"logit_bias": banned}
     else:
-        peer_args = args.radixlm_args if name == "radixlm" else args.transformers_args
+        if name in MODES:
+            mode = name.removeprefix("radixlm-")
+            peer_args = f"{args.radixlm_args} --engine-mode {mode}"
+        else:
+            peer_args = args.radixlm_args if name == "radixlm" else args.transformers_args
         process = launch(name, model, port, log, peer_args, args.threads)
 
         def stop() -> None:
@@ -610,7 +624,7 @@ def _bench_server(
             tail = log.read_text(errors="replace")[-1500:]
             print(f"[{name}] did not start; its log ends with:\n{tail}", file=sys.stderr)
             return None
-        extra = {"ignore_eos": True} if name == "radixlm" else {}
+        extra = {"ignore_eos": True} if name.startswith("radixlm") else {}
     try:
         return bench(args, url, model, extra, count_tokens, prompts, prompt_counts)
     finally:
@@ -689,6 +703,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     target.add_argument("--fake-token-delay", type=float, default=0.002)
     target.add_argument("--compare", action="store_true",
                         help="radixlm serve vs --peers on the same model")  # fmt: skip
+    target.add_argument("--compare-modes", action="store_true",
+                        help="like --compare, but radixlm against itself: the engine in its own "
+                        "process (--engine-mode process) and on a thread (thread)")
     target.add_argument("--peers", default="transformers", help="servers --compare runs after "
                         "radixlm: comma-separated from transformers, llamacpp")  # fmt: skip
     target.add_argument("--model-path", help="model for --compare (default: a dummy model)")
@@ -745,8 +762,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(str(error))
     apply_preset(args)
-    if not (args.compare or args.fake or args.base_url):
-        parser.error("give --base-url, --fake or --compare")
+    if not (args.compare or args.compare_modes or args.fake or args.base_url):
+        parser.error("give --base-url, --fake, --compare or --compare-modes")
     return args
 
 
@@ -760,7 +777,7 @@ def main() -> int:
         + (f", {args.num_groups} prefixes of {args.prefix_len} {args.length_unit}" if args.dataset == "shared-prefix" else "")
     )  # fmt: skip
     columns: dict[str, dict[str, float] | None]
-    if args.compare:
+    if args.compare or args.compare_modes:
         columns = compare(args)
     elif args.fake:
         url, model, stop = fake_server(args.fake_token_delay)

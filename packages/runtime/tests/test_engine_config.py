@@ -26,7 +26,8 @@ def test_sglang_kwargs_land_in_the_composed_config() -> None:
     )
     assert config.model_path == "/models/m"
     assert config.runner.memory.kv_cache_fraction == 0.5
-    assert config.runner.memory.max_running_requests == config.scheduler.max_running_requests == 12
+    assert config.runner.memory.max_running_requests == 12
+    assert not hasattr(config.scheduler, "max_running_requests")  # held once, by the memory
     assert config.scheduler.chunked_prefill_size is None  # -1 disables chunking
     assert config.scheduler.schedule_policy == "dfs-weight"
     assert config.cache.disable_radix_cache
@@ -57,11 +58,39 @@ def test_grammar_kwargs_set_backend_strictness_and_size_limit() -> None:
 
 
 def test_every_grammar_backend_choice_is_accepted() -> None:
-    from radixlm.runtime.engine_config import GRAMMAR_BACKENDS
+    from radixlm.runtime.config import GRAMMAR_BACKENDS
 
     assert GRAMMAR_BACKENDS == ("auto", "xgrammar", "llguidance", "outlines", "none")
     for name in GRAMMAR_BACKENDS:
         assert EngineConfig.from_kwargs("/m", grammar_backend=name).grammar.backend == name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"chunked_prefill_size": 0}, "chunked_prefill_size"),
+        ({"quantization": "none"}, "quantization"),
+        ({"schedule_policy": "longest"}, "schedule_policy"),
+        ({"radix_eviction_policy": "mru"}, "radix_eviction_policy"),
+        ({"dtype": "float64"}, "dtype"),
+        ({"attention_backend": "flash"}, "attention_backend"),
+        ({"log_level": "loud"}, "log_level"),
+        ({"quantization_group_size": 48}, "quantization_group_size"),
+    ],
+)
+def test_invalid_values_are_errors_naming_the_keyword(
+    kwargs: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ValueError, match=f"^{field} must"):
+        EngineConfig.from_kwargs("/m", **kwargs)
+
+
+def test_every_choice_the_cli_offers_is_accepted() -> None:
+    from radixlm.runtime.config import ENGINE_CHOICES
+
+    for keyword, choices in ENGINE_CHOICES.items():
+        for value in choices:
+            EngineConfig.from_kwargs("/m", **{keyword: value})
 
 
 def test_unknown_argument_names_the_closest_known_one() -> None:

@@ -202,7 +202,7 @@ def test_retracted_embeddings_prompts_resume_with_the_same_tokens_and_hidden_sta
 ) -> None:
     import dataclasses
 
-    from radixlm.runtime.engine_config import EngineConfig
+    from radixlm.runtime.config import EngineConfig
     from radixlm.runtime.fixtures import sample_texts
 
     base = EngineConfig.from_kwargs(

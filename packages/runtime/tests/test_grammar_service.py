@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from radixlm.constrained import GrammarError, GrammarSpec
-from radixlm.runtime.engine_config import GrammarConfig
+from radixlm.runtime.config import GrammarConfig
 from radixlm.runtime.grammar import GrammarService
 from radixlm.sampling import InvalidRequest, SamplingParams
 

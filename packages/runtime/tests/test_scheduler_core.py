@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from radixlm.cache import RadixCache, TokenSlotAllocator
-from radixlm.runtime.engine_config import SchedulerConfig
+from radixlm.runtime.config import SchedulerConfig
 from radixlm.runtime.scheduler import Req, ReqStatus, ScheduledBatch, Scheduler, dfs_weight
 from radixlm.sampling import EngineOverloaded
 
@@ -98,8 +98,13 @@ class FakeModel:
 
 def make(pool: int = 4096, page: int = 1, rows: int = 64, **config: Any) -> Scheduler:
     config.setdefault("schedule_policy", "fcfs")
+    running = config.pop("max_running_requests", 256)
     return Scheduler(
-        SchedulerConfig(**config), PagedSlots(pool, page), Rows(rows), RadixCache(page_size=page)
+        SchedulerConfig(**config),
+        PagedSlots(pool, page),
+        Rows(rows),
+        RadixCache(page_size=page),
+        max_running_requests=running,
     )
 
 

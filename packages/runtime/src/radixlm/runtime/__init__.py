@@ -4,13 +4,16 @@ from radixlm.runtime._version import __version__
 from radixlm.runtime.builtin import BUILTIN_MODEL_NAME, builtin_model_path
 from radixlm.runtime.config import (
     AttentionConfig,
+    CacheConfig,
+    EngineConfig,
+    GrammarConfig,
     MemoryConfig,
     ModelConfig,
     RunnerConfig,
     SamplerConfig,
+    SchedulerConfig,
 )
 from radixlm.runtime.engine import Engine, Reply
-from radixlm.runtime.engine_config import CacheConfig, EngineConfig, GrammarConfig, SchedulerConfig
 from radixlm.runtime.forward_batch import BatchEntry, ForwardBatch, InputLogprobRequest
 from radixlm.runtime.loader import (
     ModelInfo,

@@ -30,8 +30,8 @@ from radixlm.runtime.beam_search import (
     step_candidates,
     step_request,
 )
+from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import TextDecoder, load_tokenizer
-from radixlm.runtime.engine_config import EngineConfig
 from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.engine_process import ProcessConnection, ThreadConnection
 from radixlm.runtime.messages import (
@@ -126,7 +126,7 @@ class Engine:
     """An LLM engine: continuous batching over RadixAttention on one model.
 
     `Engine(model_path, **kwargs)` takes SGLang-style keyword arguments (see
-    `radixlm.runtime.engine_config.ENGINE_KWARGS`), or `config=EngineConfig(...)`. A
+    `radixlm.runtime.config.ENGINE_KWARGS`), or `config=EngineConfig(...)`. A
     `ModelRunner` already built may be passed as `runner=` (its config then wins; the core
     then runs on a thread).
 
@@ -183,7 +183,7 @@ class Engine:
         self.context_length = info.context_length
         self.sampling_defaults = SamplingDefaults.from_generation_config(
             dict(info.generation_config),
-            mode=config.sampling_defaults,  # type: ignore[arg-type]
+            mode=config.sampling_defaults,
         )
         self._preparer = RequestPreparer(
             self._tokenizer,

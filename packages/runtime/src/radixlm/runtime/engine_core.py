@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from radixlm.cache import RadixCache
+from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import load_tokenizer
-from radixlm.runtime.engine_config import EngineConfig
 from radixlm.runtime.executor import EntryInputs, InputLogprobAsk, ModelExecutor
 from radixlm.runtime.grammar import GrammarService
 from radixlm.runtime.messages import (
@@ -488,7 +488,7 @@ def create_core(
     pool = runner.kv_pool
     cache = RadixCache(
         page_size=pool.page_size,
-        eviction_policy=config.cache.eviction_policy,  # type: ignore[arg-type]
+        eviction_policy=config.cache.eviction_policy,
         disable=config.cache.disable_radix_cache,
     )
     rows = runner.req_to_token_pool

@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from radixlm.runtime.engine_config import EngineConfig
+from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine_core import EngineCore, create_core
 from radixlm.runtime.messages import (
     Command,

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from radixlm.runtime.engine_config import GrammarConfig
+from radixlm.runtime.config import GrammarConfig
 from radixlm.sampling import InvalidRequest, SamplingParams
 
 logger = logging.getLogger("radixlm.runtime.grammar")
@@ -65,7 +65,7 @@ class GrammarService:
                     stop_token_ids=self.stop_token_ids or None,
                 )
                 options = GrammarOptions(
-                    json_whitespace=self.config.json_whitespace,  # type: ignore[arg-type]
+                    json_whitespace=self.config.json_whitespace,
                     max_source_bytes=self.config.max_constraint_bytes,
                 )
                 backend = create_backend(self.config.backend, info, options)

@@ -22,6 +22,8 @@ from radixlm.sampling import (
     InvalidRequest,
     SamplingDefaults,
     SamplingParams,
+    check_text_fits,
+    max_token_chars,
 )
 
 T = TypeVar("T")
@@ -61,6 +63,8 @@ class RequestPreparer:
         self.defaults = defaults
         self.limits = limits
         self.incremental_streaming = incremental_streaming
+        # A text longer than context_length * this cannot fit: refused before tokenizing it.
+        self.max_token_chars = max_token_chars(tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
@@ -140,7 +144,9 @@ class RequestPreparer:
             ids = input_embeds_cache_ids(embeds)
         elif item.text is not None:
             field = "text"
-            ids = self.encode(str(item.text))
+            text = str(item.text)
+            check_text_fits(text, self.limits.context_length, self.max_token_chars, field)
+            ids = self.encode(text)
         else:
             field = "input_ids"
             ids = [int(t) for t in item.input_ids or []]  # type: ignore[arg-type]

@@ -12,12 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from radixlm.runtime.config import QUANTIZATION_GROUP_SIZES
+from radixlm.runtime.config import QUANTIZATION_METHODS as QUANTIZATION_METHODS
+
 #: What `quantization=` accepts. int8: weight-only int8, per output channel. w8a8_int8: the same
 #: weights, and activations quantized to int8 per token at each call (SGLang's name). int4:
 #: weight-only int4 in groups along the input. fp8: weight-only float8 e4m3, per output channel.
 #: gptq / awq / fp8 also name pre-quantized checkpoints (read from their config.json).
-QUANTIZATION_METHODS = ("int8", "w8a8_int8", "int4", "fp8", "gptq", "awq")
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = QUANTIZATION_GROUP_SIZES
 
 #: The in-memory layouts (see `radixlm.kernels.quant`).
 Format = Literal["int8", "int4", "fp8"]

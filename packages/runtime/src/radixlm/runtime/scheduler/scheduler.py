@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from radixlm.cache import RadixCache
-from radixlm.runtime.engine_config import SchedulerConfig
+from radixlm.runtime.config import SchedulerConfig
 from radixlm.runtime.scheduler.batch import ScheduledBatch, StepEntry
 from radixlm.runtime.scheduler.policy import Policy, common_prefix_tokens
 from radixlm.runtime.scheduler.request import Req, ReqStatus
@@ -62,7 +62,7 @@ class Scheduler:
         pool: SlotPool,
         rows: RowPool,
         cache: RadixCache,
-        max_running_requests: int | None = None,
+        max_running_requests: int = 256,
     ) -> None:
         if cache.page_size != pool.page_size:
             raise ValueError("the radix cache and the KV pool must use the same page size")
@@ -71,7 +71,8 @@ class Scheduler:
         self.rows = rows
         self.cache = cache
         self.page = pool.page_size
-        self.max_running = min(config.max_running_requests, max_running_requests or 1 << 30)
+        #: The most requests running at once: the request-to-token table's rows.
+        self.max_running = max_running_requests
         self.policy = Policy(
             config.schedule_policy, config.policy_fallback_queue_len, config.random_seed
         )
