@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from radixlm.cache import RadixCache, TokenSlotAllocator
 from radixlm.runtime.config import SchedulerConfig
 from radixlm.runtime.scheduler import Req, ReqStatus, ScheduledBatch, Scheduler, dfs_weight
-from radixlm.sampling import EngineOverloaded
+from radixlm.sampling import EngineOverloaded, FinishReason
 
 VOCAB = 97
 
@@ -503,3 +504,104 @@ def test_input_logprobs_resume_after_a_retraction_without_repeats() -> None:
             sched._retract(req)  # as decode pressure would
     assert scored == prompt[1:]
     assert_clean(sched, 4096)
+
+
+# ------------------------------------------------------------------------ the update phase
+
+
+class CountStopper:
+    """Stops after `limit` tokens, or at `stop_id`; records what it was told."""
+
+    def __init__(self, limit: int, stop_id: int | None = None) -> None:
+        self.limit, self.stop_id = limit, stop_id
+        self.ids: list[int] = []
+        self.finish: FinishReason | None = None
+
+    def append(self, token_id: int) -> FinishReason | None:
+        self.ids.append(token_id)
+        if token_id == self.stop_id:
+            self.finish = FinishReason("stop", matched=token_id)
+        elif len(self.ids) >= self.limit:
+            self.finish = FinishReason("length")
+        return self.finish
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.ids[len(self.ids) - num_tokens :]
+
+    def finish_length(self, message: str | None = None) -> FinishReason:
+        self.finish = FinishReason("length", message=message)
+        return self.finish
+
+    def stop(self, matched: int | str | None = None, message: str | None = None) -> FinishReason:
+        self.finish = FinishReason("stop", matched, message)
+        return self.finish
+
+    def abort(self, message: str | None = None) -> FinishReason:
+        self.finish = FinishReason("abort", message=message)
+        return self.finish
+
+
+class ForcingGrammar:
+    """Accepts every token but `refused`; after the first token forces `forced`."""
+
+    def __init__(self, forced: tuple[int, ...], refused: int = -1) -> None:
+        self.forced, self.refused, self.accepted = forced, refused, 0
+
+    def accept_token(self, token: int) -> bool:
+        self.accepted += 1
+        return token != self.refused
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def rollback(self, num_tokens: int) -> None:
+        self.accepted -= num_tokens
+
+    def jump_forward(self) -> Any:
+        forced, self.forced = self.forced, ()
+        return SimpleNamespace(text="", token_ids=forced, rollback=0) if forced else None
+
+
+def _step(sched: Scheduler, model: FakeModel) -> list[Any]:
+    batch = sched.schedule()
+    tokens = model.forward(batch) if batch.entries else []
+    sampled = [t if e.sample else None for e, t in zip(batch.entries, tokens, strict=True)]
+    return sched.update(batch, sampled)
+
+
+def test_update_appends_checks_stops_and_releases_a_finished_request() -> None:
+    sched, model = make(pool=256), FakeModel()
+    stopper = CountStopper(limit=3)
+    req = Req("a", [1, 2, 3, 4], max_new_tokens=3, stopper=stopper)
+    sched.add(req)
+    finished = None
+    for _ in range(10):
+        for update in _step(sched, model):
+            assert update.req is req and req.output_ids == stopper.ids
+            finished = update.finish
+        if finished is not None:
+            break
+    assert finished == FinishReason("length") and len(req.output_ids) == 3
+    assert req.status is ReqStatus.FINISHED and not sched.running
+    sched.check_memory(256)
+    # Every computed token (all but the last one sampled) went to the cache.
+    assert sched.cache.match_prefix(req.tokens()).length == req.seq_len - 1
+    assert sched.generated_tokens == 3
+
+
+def test_update_appends_forced_tokens_and_a_refused_token_aborts() -> None:
+    sched, model = make(pool=256), FakeModel()
+    forced = Req("f", [5, 6, 7], max_new_tokens=10, stopper=CountStopper(limit=10))
+    forced.grammar, forced.jump_forward = ForcingGrammar((40, 41, 42)), True
+    sched.add(forced)
+    _step(sched, model)
+    assert forced.output_ids[1:] == [40, 41, 42] and sched.jump_forward_tokens == 3
+    first = forced.output_ids[0]
+    refused = Req("r", [8, 9], max_new_tokens=10, stopper=CountStopper(limit=10))
+    refused.grammar = ForcingGrammar((), refused=next_token([8, 9]))
+    sched.add(refused)
+    updates = {u.req.rid: u for u in _step(sched, model)}
+    assert updates["r"].finish is not None and updates["r"].finish.type == "abort"
+    assert refused.output_ids == [] and refused.status is ReqStatus.FINISHED
+    assert forced.output_ids[0] == first
+    sched.check_memory(256)

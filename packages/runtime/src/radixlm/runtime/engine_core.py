@@ -13,7 +13,7 @@ import logging
 import queue
 import traceback
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from radixlm.cache import RadixCache
 from radixlm.runtime.config import EngineConfig
@@ -46,10 +46,6 @@ logger = logging.getLogger("radixlm.runtime.engine")
 #: Seconds between checks of compiling grammars while nothing else can run.
 _GRAMMAR_POLL_S = 0.002
 
-#: What appending one token did: the sequence goes on, it finished, or a grammar violation
-#: took tokens back (the token was not kept).
-Appended = Literal["ok", "finished", "rolled_back"]
-
 Emit = Callable[[list[Output]], None]
 
 
@@ -79,13 +75,12 @@ class EngineCore:
         self.pool_size = pool_size
         self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.handles: dict[str, RequestHandle] = {}
+        #: The engine-side state of each running sequence, by its scheduler request's rid.
+        self._seqs: dict[str, SequenceState] = {}
         self._compiling: list[SequenceState] = []
         self._out: list[Output] = []
         self._stopped = False
         # Statistics.
-        self.generated_tokens = 0
-        self.jump_forward_tokens = 0
-        self.grammar_rollbacks = 0
         self.finished_requests = 0
         self.steps = 0
 
@@ -186,6 +181,7 @@ class EngineCore:
             self._out.append(RequestFailed(rid, error))
             return
         self.handles[rid] = handle
+        self._seqs.update((seq.req.rid, seq) for seq in handle.seqs)
         self._compiling.extend(s for s in handle.seqs if s.req.grammar_pending)
 
     def abort(self, rid: str) -> bool:
@@ -217,9 +213,9 @@ class EngineCore:
             "prompt_tokens": sched.prompt_tokens,
             "cached_tokens": sched.cached_tokens,
             "cache_size": sched.cache.total_size,
-            "generated_tokens": self.generated_tokens,
-            "jump_forward_tokens": self.jump_forward_tokens,
-            "grammar_rollbacks": self.grammar_rollbacks,
+            "generated_tokens": sched.generated_tokens,
+            "jump_forward_tokens": sched.jump_forward_tokens,
+            "grammar_rollbacks": sched.grammar_rollbacks,
             "finished_requests": self.finished_requests,
             "num_retractions": sched.num_retractions,
             "forward_passes": stats.forward_calls,
@@ -234,7 +230,7 @@ class EngineCore:
         batch = self.scheduler.schedule()
         touched: dict[str, RequestHandle] = {}
         for req in batch.dropped:
-            seq: SequenceState = req.payload
+            seq = self._seqs[req.rid]
             seq.output.abort("the request does not fit in the KV cache")
             seq.dirty = True
             touched[seq.handle.rid] = seq.handle
@@ -250,7 +246,7 @@ class EngineCore:
         grammars: list[Any] = []
         inputs: list[EntryInputs | None] = []
         for entry in batch.entries:
-            seq: SequenceState = entry.req.payload
+            seq = self._seqs[entry.req.rid]
             options = seq.handle.logprobs
             inputs.append(_entry_inputs(seq.handle))
             asks.append(
@@ -270,8 +266,8 @@ class EngineCore:
             self.grammar.bitmask(grammars),
             inputs if any(inputs) else None,
         )
-        self.scheduler.after_forward(batch)
         hidden = result.hidden_states or [None] * len(batch.entries)
+        # What the forward computed besides tokens is recorded while the rows line up.
         for entry, token, logprob, scored, rows in zip(
             batch.entries,
             result.tokens,
@@ -280,24 +276,22 @@ class EngineCore:
             hidden,
             strict=True,
         ):
-            req = entry.req
-            seq = req.payload
-            if req.status is not ReqStatus.RUNNING:
+            if entry.req.status is not ReqStatus.RUNNING:
                 continue
+            seq = self._seqs[entry.req.rid]
             if rows is not None and seq.hidden_states is not None:
                 seq.hidden_states.record(entry.prefix_len, rows)
             if entry.logprob_targets is not None:
                 seq.record_input_logprobs(scored or [])
-            if not entry.sample or token is None:
-                continue
-            touched[seq.handle.rid] = seq.handle
+            if entry.sample and token is not None:
+                seq.record_output_logprob(logprob)
+        # The one update phase: the scheduler appends, takes back, stops and ends requests.
+        for update in self.scheduler.update(batch, result.tokens):
+            seq = self._seqs[update.req.rid]
+            # Logprobs of tokens taken back (or of a token the grammar refused) go too.
+            seq.truncate_logprobs(len(update.req.output_ids))
             seq.dirty = True
-            if req.max_new_tokens == 0:  # prompt scoring: nothing is generated
-                seq.output.finish_length()
-            elif self._append(seq, token, logprob) == "ok" and self._can_jump(seq):
-                self._jump_forward(seq)
-            if seq.finish is not None:
-                self._finish(seq)
+            touched[seq.handle.rid] = seq.handle
 
     def _sampling_request(self, seq: SequenceState) -> SamplingRequest:
         handle = seq.handle
@@ -317,92 +311,6 @@ class EngineCore:
             ),
         )
 
-    def _append(self, seq: SequenceState, token: int, logprob: Any = None) -> Appended:
-        """Add one token to a sequence (sampled or forced by the grammar)."""
-        seq.record_output_logprob(logprob)
-        grammar = seq.grammar
-        if grammar is not None:
-            if not grammar.accept_token(token):
-                # A grammar that ran into its own limits says why (llguidance's lexer fuel).
-                check = getattr(grammar, "violation", None)
-                reason = check() if check is not None else None
-                seq.output.abort(
-                    reason.message
-                    if reason is not None
-                    else f"the grammar does not allow token {token}"
-                )
-                return "finished"
-            check = getattr(grammar, "violation", None)
-            violation = check() if check is not None else None
-            if violation is not None:
-                return self._violated(seq, violation)
-        reason = seq.output.append(token)
-        self.generated_tokens += 1
-        if reason is None and seq.req.seq_len >= self.context_length:
-            reason = seq.output.finish_length("the context length is reached")
-        if reason is None and grammar is not None and grammar.is_terminated():
-            seq.output.stop(matched=token)
-        return "ok" if seq.finish is None else "finished"
-
-    def _violated(self, seq: SequenceState, violation: Any) -> Appended:
-        """A completed value broke a keyword the grammar validates: take back
-        `violation.rollback` tokens (the one just accepted, which never reached the output, and
-        those before it) and decode on from there; end the sequence when the grammar's retries
-        are used up or the tokens cannot be taken back."""
-        req = seq.req
-        count = int(violation.rollback)
-        earlier = count - 1  # output tokens to take back besides the one just accepted
-        if violation.fatal:
-            seq.output.abort(violation.message)
-            return "finished"
-        if count < 1 or not self.scheduler.can_rewind(req, earlier):
-            seq.output.abort(
-                f"{violation.message} (the output cannot be taken back {count} tokens to retry)"
-            )
-            return "finished"
-        seq.grammar.rollback(count)
-        seq.output.rollback(earlier)
-        seq.truncate_logprobs(len(req.output_ids))
-        # The last token kept is computed again: its logits choose the next token anew.
-        self.scheduler.trim_kv(req, recompute_last=True)
-        self.generated_tokens -= earlier
-        self.grammar_rollbacks += 1
-        seq.grammar_rollbacks += 1
-        return "rolled_back"
-
-    def _can_jump(self, seq: SequenceState) -> bool:
-        return (
-            self.jump_forward
-            and seq.grammar is not None
-            and not seq.handle.logprobs.enabled
-            and seq.finish is None
-        )
-
-    def _jump_forward(self, seq: SequenceState) -> None:
-        """Append the tokens the grammar forces; the next step computes them in one extend."""
-        jump = seq.grammar.jump_forward()
-        if jump is None or not jump.token_ids:
-            return
-        req = seq.req
-        if jump.rollback:
-            if not self.scheduler.can_rollback(req, jump.rollback):
-                return
-            seq.grammar.rollback(jump.rollback)
-            seq.output.rollback(jump.rollback)
-            self.scheduler.trim_kv(req)
-            self.generated_tokens -= jump.rollback
-        for token in jump.token_ids:
-            self.jump_forward_tokens += 1
-            if self._append(seq, token) != "ok":
-                return
-
-    def _finish(self, seq: SequenceState) -> None:
-        finish = seq.finish
-        if finish is not None and finish.type == "abort":
-            self.scheduler.abort(seq.req)
-        else:
-            self.scheduler.finish(seq.req)
-
     # ------------------------------------------------------------------------------ grammar
 
     def _poll_grammars(self) -> None:
@@ -421,9 +329,12 @@ class EngineCore:
             except Exception as error:  # a GrammarError (InvalidRequest) for this request only
                 self._close_with_error(seq.handle, self.grammar.explain(error))
                 continue
-            seq.grammar = self.grammar.matcher(compiled)
+            req = seq.req
+            req.grammar = self.grammar.matcher(compiled)
+            # Forced tokens are appended unless the request wants logprobs of each one.
+            req.jump_forward = self.jump_forward and not seq.handle.logprobs.enabled
             seq.grammar_info = self.grammar.describe(compiled)
-            seq.req.grammar_pending = False
+            req.grammar_pending = False
         self._compiling = still
 
     # ------------------------------------------------------------------------------ output
@@ -444,7 +355,7 @@ class EngineCore:
             handle.closed = True
             self._out.append(RequestClosed(handle.rid))
             self.finished_requests += 1
-            self.handles.pop(handle.rid, None)
+            self._forget(handle)
 
     def _close_with_error(self, handle: RequestHandle, error: BaseException) -> None:
         for seq in handle.seqs:
@@ -454,11 +365,17 @@ class EngineCore:
         if not handle.closed:
             handle.closed = True
             self._out.append(RequestFailed(handle.rid, error))
+        self._forget(handle)
+
+    def _forget(self, handle: RequestHandle) -> None:
         self.handles.pop(handle.rid, None)
+        for seq in handle.seqs:
+            self._seqs.pop(seq.req.rid, None)
 
     def _fail_running(self, error: BaseException) -> None:
         """After a failed step: end every running request with the error, free their memory."""
-        failed = {req.payload.handle.rid: req.payload.handle for req in self.scheduler.running}
+        running = [self._seqs[req.rid].handle for req in self.scheduler.running]
+        failed = {handle.rid: handle for handle in running}
         for handle in failed.values():
             self._close_with_error(handle, RuntimeError(f"the engine step failed: {error}"))
 
@@ -492,7 +409,9 @@ def create_core(
         disable=config.cache.disable_radix_cache,
     )
     rows = runner.req_to_token_pool
-    scheduler = Scheduler(config.scheduler, pool, rows, cache, rows.max_requests)
+    scheduler = Scheduler(
+        config.scheduler, pool, rows, cache, rows.max_requests, runner.context_length
+    )
     grammar = GrammarService(config.grammar, tokenizer, runner.vocab_size, eos_token_ids)
     core = EngineCore(
         scheduler,

@@ -91,17 +91,16 @@ def open_request(
     thinking_end = request.thinking_end
     first: Req | None = None
     for index in range(params.n):
+        output = SequenceOutput(params, decoder, eos_token_ids, request.max_new_tokens)
         req = Req(
             request.rid if params.n == 1 else f"{request.rid}#{index}",
             prompt_ids,
             request.max_new_tokens,
             input_logprob_start=request.logprobs.input_start,
             wait_for=first if prefix_sharing else None,
+            stopper=output,
             # Every prompt position's hidden state is returned: none comes from the cache.
             reuse_prefix=not hidden,
-        )
-        output = SequenceOutput(
-            params, decoder, eos_token_ids, request.max_new_tokens, output_ids=req.output_ids
         )
         seq = SequenceState(
             handle,
@@ -117,7 +116,6 @@ def open_request(
             else ThinkingBudget(thinking_end, params.thinking_token_budget),
             hidden_states=HiddenStates(len(prompt_ids)) if hidden else None,
         )
-        req.payload = seq
         seq.record_input_logprobs([])  # the first prompt token's entry has no logprob
         req.grammar_pending = req.rewindable = grammar_future is not None
         handle.seqs.append(seq)
@@ -135,11 +133,9 @@ class SequenceState:
     output: SequenceOutput
     decoder: TextDecoder
     seed: int | None = None
-    grammar: Any = None
     grammar_future: Any = None
     #: `meta_info["grammar"]` without the rollback count (set once the grammar compiled).
     grammar_info: dict[str, Any] | None = None
-    grammar_rollbacks: int = 0
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     thinking: ThinkingBudget | None = None
     output_logprobs: list[LogprobEntry] = field(default_factory=list)
@@ -158,6 +154,11 @@ class SequenceState:
     @property
     def finish(self) -> FinishReason | None:
         return self.output.finish
+
+    @property
+    def grammar(self) -> Any:
+        """The structured-output matcher (owned by the scheduler's request), or None."""
+        return self.req.grammar
 
     def _text(self, token_id: int) -> str | None:
         # A token's own text, special tokens written out (SGLang's logprob texts), so texts
@@ -255,7 +256,7 @@ class SequenceState:
         options = handle.logprobs
         out: dict[str, Any] = {}
         if self.grammar_info is not None:
-            out["grammar"] = {**self.grammar_info, "rollbacks": self.grammar_rollbacks}
+            out["grammar"] = {**self.grammar_info, "rollbacks": self.req.grammar_rollbacks}
         if options.enabled:
             out["output_token_logprobs"] = tuple(self.output_logprobs[start_lp:num_lp])
             out["output_token_logprobs_length"] = num_lp

@@ -1,6 +1,6 @@
 """The engine's scheduler (torch-free): requests, queue policies, budgets, prefix reuse, retraction."""
 
-from radixlm.runtime.scheduler.batch import ScheduledBatch, StepEntry
+from radixlm.runtime.scheduler.batch import ScheduledBatch, SeqUpdate, StepEntry
 from radixlm.runtime.scheduler.policy import (
     POLICIES,
     Policy,
@@ -8,7 +8,7 @@ from radixlm.runtime.scheduler.policy import (
     fcfs,
     longest_prefix_match,
 )
-from radixlm.runtime.scheduler.request import Req, ReqStatus
+from radixlm.runtime.scheduler.request import Req, ReqStatus, Stopper
 from radixlm.runtime.scheduler.scheduler import RowPool, Scheduler, SlotPool
 
 __all__ = [
@@ -19,8 +19,10 @@ __all__ = [
     "RowPool",
     "ScheduledBatch",
     "Scheduler",
+    "SeqUpdate",
     "SlotPool",
     "StepEntry",
+    "Stopper",
     "dfs_weight",
     "fcfs",
     "longest_prefix_match",

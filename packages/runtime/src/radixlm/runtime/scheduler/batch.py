@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixlm.runtime.scheduler.request import Req
+from radixlm.sampling import FinishReason
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,13 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+@dataclass(frozen=True, slots=True)
+class SeqUpdate:
+    """What the update phase did to one request's output this step: its tokens changed
+    (appended, forced, or taken back: read `req.output_ids`), and `finish` when it ended (its
+    memory is already released then)."""
+
+    req: Req
+    finish: FinishReason | None = None

@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, Protocol
+
+from radixlm.sampling import FinishReason
 
 _ARRIVALS = itertools.count()
 
@@ -14,6 +16,26 @@ class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class Stopper(Protocol):
+    """A sequence's stop conditions over its output (the runtime's `SequenceOutput`): it is
+    told every token appended and every token taken back, and says when the sequence ends."""
+
+    @property
+    def finish(self) -> FinishReason | None: ...
+
+    def append(self, token_id: int) -> FinishReason | None: ...
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def finish_length(self, message: str | None = None) -> FinishReason: ...
+
+    def stop(
+        self, matched: int | str | None = None, message: str | None = None
+    ) -> FinishReason: ...
+
+    def abort(self, message: str | None = None) -> FinishReason: ...
 
 
 class Req:
@@ -25,11 +47,11 @@ class Req:
     `spare_slots` (the unused tail of its last page), belong to the request. `row` is its row
     in the request-to-token table while it runs.
 
-    The engine owns the output fields: `output_ids` grows as tokens are sampled (the scheduler
-    reads it to know what to compute next) and `payload` carries whatever the engine needs
-    (detokenizer, stop checker, grammar, logprobs). A request waits in the queue while
-    `blocked()` holds: its grammar is compiling, or it is a sibling of an `n > 1` request whose
-    prompt is not cached yet.
+    The scheduler's update phase (`Scheduler.update`) owns the output: it appends sampled and
+    forced tokens to `output_ids`, takes tokens back, and ends the request, consulting the
+    request's `stopper` (stop conditions) and `grammar` (a structured-output matcher, or None).
+    A request waits in the queue while `blocked()` holds: its grammar is compiling, or it is a
+    sibling of an `n > 1` request whose prompt is not cached yet.
 
     A `rewindable` request (one with a grammar that may take tokens back) keeps the KV of its
     last prompt token and of its output out of the cache while it runs, so that any part of
@@ -46,7 +68,7 @@ class Req:
         extra_key: Hashable | None = None,
         input_logprob_start: int | None = None,
         wait_for: Req | None = None,
-        payload: Any = None,
+        stopper: Stopper | None = None,
         reuse_prefix: bool = True,
     ) -> None:
         if not prompt_ids:
@@ -64,7 +86,12 @@ class Req:
             None if input_logprob_start is None else max(input_logprob_start - 1, 0)
         )
         self.wait_for = wait_for
-        self.payload = payload
+        self.stopper = stopper
+        #: The structured-output matcher (the constrained package's `Grammar`) once compiled.
+        self.grammar: Any = None
+        #: Whether the update phase appends the tokens the grammar forces (jump-forward).
+        self.jump_forward = False
+        self.grammar_rollbacks = 0
         #: False: compute every prompt position, even those the cache holds (the engine wants
         #: an output of each, e.g. its hidden state).
         self.reuse_prefix = reuse_prefix

@@ -2,21 +2,23 @@
 
 Torch-free. One step: `schedule()` picks the work and allocates its KV slots (evicting from the
 radix cache before refusing, retracting the youngest running requests when decode runs out of
-slots), the model side computes it, `after_forward(batch)` records what was computed (and
-caches finished prefill chunks), the engine appends sampled tokens and calls `finish(req)` or
-`abort(req)`, which give every slot back (to the cache when reusable, else to the pool).
-Not thread-safe: one thread (the engine loop) calls it.
+slots), the model side computes it, and `update(batch, tokens)` — the one update phase —
+records what was computed (caching finished prefill chunks), appends the sampled and forced
+tokens, takes tokens back for grammars, checks stops and ends finished requests with
+`finish(req)` / `abort(req)`, which give every slot back (to the cache when reusable, else to
+the pool). What is left for the engine is to emit the outputs. Not thread-safe: one thread (the
+engine loop) calls it.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 from radixlm.cache import RadixCache
 from radixlm.runtime.config import SchedulerConfig
-from radixlm.runtime.scheduler.batch import ScheduledBatch, StepEntry
+from radixlm.runtime.scheduler.batch import ScheduledBatch, SeqUpdate, StepEntry
 from radixlm.runtime.scheduler.policy import Policy, common_prefix_tokens
 from radixlm.runtime.scheduler.request import Req, ReqStatus
 from radixlm.sampling import EngineOverloaded
@@ -49,6 +51,11 @@ class RowPool(Protocol):
     def free(self, row: int) -> None: ...
 
 
+#: What appending one token did: the sequence goes on, it finished, or a grammar violation
+#: took tokens back (the token was not kept).
+Appended = Literal["ok", "finished", "rolled_back"]
+
+
 def _packed(tokens: list[int]) -> bytes:
     return array("q", tokens).tobytes()
 
@@ -63,6 +70,7 @@ class Scheduler:
         rows: RowPool,
         cache: RadixCache,
         max_running_requests: int = 256,
+        context_length: int = 1 << 30,
     ) -> None:
         if cache.page_size != pool.page_size:
             raise ValueError("the radix cache and the KV pool must use the same page size")
@@ -73,6 +81,8 @@ class Scheduler:
         self.page = pool.page_size
         #: The most requests running at once: the request-to-token table's rows.
         self.max_running = max_running_requests
+        #: A sequence that reaches this many tokens ends (finish reason length).
+        self.context_length = context_length
         self.policy = Policy(
             config.schedule_policy, config.policy_fallback_queue_len, config.random_seed
         )
@@ -85,6 +95,9 @@ class Scheduler:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.num_retractions = 0
+        self.generated_tokens = 0
+        self.jump_forward_tokens = 0
+        self.grammar_rollbacks = 0
 
     # ---------------------------------------------------------------------------- the queue
 
@@ -492,6 +505,115 @@ class Scheduler:
                     req.in_prefill = False
                 self._cache_computed(req)
 
+    # ------------------------------------------------------------------------ update phase
+
+    def update(self, batch: ScheduledBatch, tokens: Sequence[int | None]) -> list[SeqUpdate]:
+        """After the forward: record what was computed (`after_forward`), then, for each entry
+        that sampled, append its token (`tokens` is row-aligned with `batch.entries`, None where
+        nothing was sampled), apply its grammar (a refused token ends the request, a completed
+        value that breaks a keyword takes tokens back), append the tokens its grammar forces
+        (jump-forward, re-tokenizing across the boundary), check its stop conditions and the
+        context, and end it when it stops: its computed tokens go to the cache, everything else
+        back to the pool. Returns one `SeqUpdate` per request whose output changed; after
+        this, nothing but emitting remains to be done for the step."""
+        self.after_forward(batch)
+        updates: list[SeqUpdate] = []
+        for entry, token in zip(batch.entries, tokens, strict=True):
+            req = entry.req
+            stopper = req.stopper
+            if req.status is not ReqStatus.RUNNING or not entry.sample or token is None:
+                continue
+            assert stopper is not None, "a running request that samples has a stopper"
+            if req.max_new_tokens == 0:  # prompt scoring: nothing is generated
+                stopper.finish_length()
+            elif self._append(req, token) == "ok" and req.jump_forward and stopper.finish is None:
+                self._jump_forward(req)
+            finish = stopper.finish
+            if finish is not None:
+                if finish.type == "abort":
+                    self.abort(req)
+                else:
+                    self.finish(req)
+            updates.append(SeqUpdate(req, finish))
+        return updates
+
+    def _append(self, req: Req, token: int) -> Appended:
+        """Add one token to a running request (sampled, or forced by its grammar)."""
+        stopper = req.stopper
+        assert stopper is not None
+        grammar = req.grammar
+        if grammar is not None:
+            if not grammar.accept_token(token):
+                # A grammar that ran into its own limits says why (llguidance's lexer fuel).
+                reason = _violation(grammar)
+                stopper.abort(
+                    reason.message
+                    if reason is not None
+                    else f"the grammar does not allow token {token}"
+                )
+                return "finished"
+            violation = _violation(grammar)
+            if violation is not None:
+                return self._violated(req, violation)
+        req.output_ids.append(token)
+        reason = stopper.append(token)
+        self.generated_tokens += 1
+        if reason is None and req.seq_len >= self.context_length:
+            reason = stopper.finish_length("the context length is reached")
+        if reason is None and grammar is not None and grammar.is_terminated():
+            stopper.stop(matched=token)
+        return "ok" if stopper.finish is None else "finished"
+
+    def _violated(self, req: Req, violation: Any) -> Appended:
+        """A completed value broke a keyword the grammar validates: take back
+        `violation.rollback` tokens (the one just accepted, which never reached the output, and
+        those before it) and decode on from there; end the request when the grammar's retries
+        are used up or the tokens cannot be taken back."""
+        stopper = req.stopper
+        assert stopper is not None
+        count = int(violation.rollback)
+        earlier = count - 1  # output tokens to take back besides the one just accepted
+        if violation.fatal:
+            stopper.abort(violation.message)
+            return "finished"
+        if count < 1 or not self.can_rewind(req, earlier):
+            stopper.abort(
+                f"{violation.message} (the output cannot be taken back {count} tokens to retry)"
+            )
+            return "finished"
+        req.grammar.rollback(count)
+        self._take_back(req, earlier)
+        # The last token kept is computed again: its logits choose the next token anew.
+        self.trim_kv(req, recompute_last=True)
+        self.generated_tokens -= earlier
+        self.grammar_rollbacks += 1
+        req.grammar_rollbacks += 1
+        return "rolled_back"
+
+    def _jump_forward(self, req: Req) -> None:
+        """Append the tokens the grammar forces; the next step computes them in one extend."""
+        jump = req.grammar.jump_forward()
+        if jump is None or not jump.token_ids:
+            return
+        if jump.rollback:
+            if not self.can_rollback(req, jump.rollback):
+                return
+            req.grammar.rollback(jump.rollback)
+            self._take_back(req, jump.rollback)
+            self.trim_kv(req)
+            self.generated_tokens -= jump.rollback
+        for token in jump.token_ids:
+            self.jump_forward_tokens += 1
+            if self._append(req, token) != "ok":
+                return
+
+    @staticmethod
+    def _take_back(req: Req, num_tokens: int) -> None:
+        if num_tokens > 0:
+            del req.output_ids[len(req.output_ids) - num_tokens :]
+            assert req.stopper is not None
+            req.stopper.rollback(num_tokens)
+
     # ------------------------------------------------------------------------- inspection
 
     def evictable_tokens(self) -> int:
@@ -513,3 +635,9 @@ class Scheduler:
 
 def _arrival(req: Req) -> int:
     return req.arrival
+
+
+def _violation(grammar: Any) -> Any:
+    """A grammar's report of a broken keyword or of its own limits (None: nothing)."""
+    check = getattr(grammar, "violation", None)
+    return check() if check is not None else None
