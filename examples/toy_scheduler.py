@@ -77,7 +77,7 @@ def simulate(pool_size: int, num_chats: int = 12, max_running: int = 4) -> dict[
     def finish(req: Request) -> None:
         sequence = req.prompt + req.output
         used, unused = req.slots[: len(sequence)], req.slots[len(sequence) :]
-        already = cache.insert(sequence, used)  # the cache keeps used[already:]
+        already = cache.insert(sequence, used).prefix_len  # the cache keeps used[already:]
         pool.free(used[req.cached : already] + unused)  # our duplicates and the spare slots
         assert req.node is not None
         cache.unlock(req.node)

@@ -142,7 +142,7 @@ class RadixAdapter:
         return result.indices, result.node
 
     def insert(self, key: list[int], slots: list[int]) -> int:
-        return self.cache.insert(key, slots)
+        return self.cache.insert(key, slots).prefix_len
 
     def lock(self, node: Any) -> None:
         self.cache.lock(node)

@@ -6,7 +6,7 @@ from array import array
 
 import pytest
 
-from radixlm.cache import CacheStats, MatchResult, RadixCache, RadixNode
+from radixlm.cache import CacheStats, InsertResult, MatchResult, RadixCache, RadixNode
 
 Tree = dict[tuple[int, ...], "Tree"]
 
@@ -33,7 +33,7 @@ def test_empty_cache_matches_nothing() -> None:
 
 def test_insert_stores_a_sequence_as_one_edge() -> None:
     cache = RadixCache()
-    assert cache.insert([1, 2, 3, 4], slots(10, 4)) == 0
+    assert cache.insert([1, 2, 3, 4], slots(10, 4)).prefix_len == 0
     assert edges(cache) == {(1, 2, 3, 4): {}}
     assert cache.total_size == cache.evictable_size == 4
 
@@ -41,8 +41,8 @@ def test_insert_stores_a_sequence_as_one_edge() -> None:
 def test_insert_returns_the_already_cached_length() -> None:
     cache = RadixCache()
     cache.insert([1, 2, 3, 4], slots(10, 4))
-    assert cache.insert([1, 2, 3, 9, 9], slots(20, 5)) == 3
-    assert cache.insert([1, 2], slots(30, 2)) == 2
+    assert cache.insert([1, 2, 3, 9, 9], slots(20, 5)).prefix_len == 3
+    assert cache.insert([1, 2], slots(30, 2)).prefix_len == 2
     assert cache.total_size == 6
 
 
@@ -78,11 +78,71 @@ def test_insert_diverging_inside_an_edge_splits_it_and_adds_a_leaf() -> None:
     cache.check_invariants()
 
 
-def test_insert_of_a_cached_prefix_does_not_split() -> None:
+def test_insert_of_a_cached_prefix_splits_the_edge_where_the_key_ends() -> None:
     cache = RadixCache()
     cache.insert([1, 2, 3, 4, 5], slots(0, 5))
-    assert cache.insert([1, 2, 3], slots(10, 3)) == 3
-    assert edges(cache) == {(1, 2, 3, 4, 5): {}}
+    result = cache.insert([1, 2, 3], slots(10, 3))
+    assert result == InsertResult(3, result.node, [0, 1, 2])
+    assert edges(cache) == {(1, 2, 3): {(4, 5): {}}}
+    assert result.node.tokens() == [1, 2, 3]
+    cache.check_invariants()
+
+
+def test_insert_returns_the_node_ending_the_key_and_the_cache_slots_for_it() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3], [10, 11, 12])
+    result = cache.insert([1, 2, 3, 4, 5], [20, 21, 22, 23, 24])
+    assert (result.prefix_len, result.indices) == (3, [10, 11, 12, 23, 24])
+    assert result.node.tokens() == [4, 5]
+
+
+def insert_then_match(
+    cache: RadixCache, key: list[int], start: int, extra_key: str | None = None
+) -> tuple[InsertResult, MatchResult]:
+    inserted = cache.insert(key, slots(start, len(key)), extra_key)
+    return inserted, cache.match_prefix(key, extra_key)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("extra_key", [None, "lora-a"])
+def test_insert_result_is_what_a_match_right_after_returns(
+    page_size: int, extra_key: str | None
+) -> None:
+    cache = RadixCache(page_size=page_size)
+    cache.insert(list(range(12)), slots(100, 12))  # in the default namespace
+    keys = [
+        list(range(10)),  # a prefix of that edge (split where it ends), or new with extra_key
+        list(range(6)),  # a shorter prefix: another split, at a page boundary
+        [*range(8), 50, 51, 52, 53, 54],  # diverges after 8 tokens: a split and a new leaf
+        [*range(8), 50, 51, 52, 53, 54],  # all cached already: the same node, no new leaf
+        [7, 7, 7],  # new; with pages of 4 shorter than a page: nothing stored, the root handle
+    ]
+    for i, key in enumerate(keys):
+        inserted, match = insert_then_match(cache, key, 1000 * (i + 1), extra_key)
+        stored = len(key) - len(key) % page_size
+        assert match.length == stored
+        assert inserted.node is match.node
+        assert inserted.indices == match.indices
+        cache.check_invariants()
+
+
+def test_insert_result_node_can_be_locked_in_place_of_a_second_match() -> None:
+    cache = RadixCache()
+    result = cache.insert([1, 2, 3], slots(0, 3))
+    cache.lock(result.node)
+    assert (cache.protected_size, cache.evict(10)) == (3, [])
+    cache.unlock(result.node)
+    assert cache.evict(10) == [0, 1, 2]
+
+
+def test_match_checks_every_edge_on_the_path_not_only_its_first_token() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3], slots(0, 3))
+    cache.insert([1, 2, 3, 4, 5, 6], slots(10, 6))
+    result = cache.match_prefix([1, 9, 3, 4, 5, 6])  # the first edge differs inside
+    assert (result.length, result.indices) == (1, [0])
+    assert edges(cache) == {(1,): {(2, 3): {(4, 5, 6): {}}}}
+    cache.check_invariants()
 
 
 def test_a_handle_stays_valid_when_its_edge_is_split_later() -> None:
@@ -144,7 +204,7 @@ def test_match_prompt_of_one_token_matches_nothing() -> None:
 
 def test_pages_store_only_whole_pages() -> None:
     cache = RadixCache(page_size=4)
-    assert cache.insert(list(range(10)), slots(0, 10)) == 0
+    assert cache.insert(list(range(10)), slots(0, 10)).prefix_len == 0
     assert cache.total_size == 8
     assert cache.match_prefix(list(range(10))).length == 8
 
@@ -169,12 +229,12 @@ def test_pages_children_are_found_by_their_first_page() -> None:
 def test_pages_insert_returns_a_page_aligned_cached_length() -> None:
     cache = RadixCache(page_size=4)
     cache.insert(list(range(8)), slots(0, 8))
-    assert cache.insert([0, 1, 2, 3, 4, 5, 6, 99, 8, 9, 10, 11], slots(20, 12)) == 4
+    assert cache.insert([0, 1, 2, 3, 4, 5, 6, 99, 8, 9, 10, 11], slots(20, 12)).prefix_len == 4
 
 
 def test_a_key_shorter_than_a_page_is_not_stored() -> None:
     cache = RadixCache(page_size=4)
-    assert cache.insert([1, 2, 3], [0, 1, 2]) == 0
+    assert cache.insert([1, 2, 3], [0, 1, 2]).prefix_len == 0
     assert cache.total_size == 0
 
 
@@ -184,8 +244,8 @@ def test_a_key_shorter_than_a_page_is_not_stored() -> None:
 def test_namespaces_never_share_nodes() -> None:
     cache = RadixCache()
     key = [1, 2, 3]
-    assert cache.insert(key, slots(0, 3)) == 0
-    assert cache.insert(key, slots(10, 3), extra_key="lora-a") == 0
+    assert cache.insert(key, slots(0, 3)).prefix_len == 0
+    assert cache.insert(key, slots(10, 3), extra_key="lora-a").prefix_len == 0
     assert cache.match_prefix(key, extra_key="lora-b").length == 0
     assert cache.match_prefix(key, extra_key="lora-a").indices == slots(10, 3)
     assert cache.match_prefix(key).indices == slots(0, 3)
@@ -399,7 +459,8 @@ def test_pretty_print_prints_the_tree(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_disabled_cache_matches_nothing_and_stores_nothing() -> None:
     cache = RadixCache(disable=True)
-    assert cache.insert([1, 2, 3], slots(0, 3)) == 3
+    inserted = cache.insert([1, 2, 3], slots(0, 3))
+    assert (inserted.prefix_len, inserted.indices) == (3, [])
     result = cache.match_prefix([1, 2, 3])
     assert (result.indices, result.length) == ([], 0)
     cache.lock(result.node)
@@ -411,7 +472,7 @@ def test_disabled_cache_matches_nothing_and_stores_nothing() -> None:
 def test_disabled_cache_insert_lets_the_caller_free_all_its_slots() -> None:
     cache = RadixCache(page_size=4, disable=True)
     indices = slots(0, 10)
-    stored = cache.insert(list(range(10)), indices)
+    stored = cache.insert(list(range(10)), indices).prefix_len
     assert indices[:stored] + indices[8:] == indices
 
 

@@ -159,11 +159,13 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
             slots = self.alloc(len(key) - result.length)
             if slots is not None:
                 indices = result.indices + slots
-                cached = self.cache.insert(key, indices, extra_key=ns)
+                inserted = self.cache.insert(key, indices, extra_key=ns)
+                cached = inserted.prefix_len
                 assert cached == result.length
                 stored = self.aligned(len(key))
                 self.pool.free(indices[result.length : cached] + indices[stored:])
                 self.store(ns, key, indices, cached)
+                assert inserted.indices == self.slots_of(ns, key, stored)
             self.cache.unlock(result.node)
             self.held.remove(entry)
             return key
@@ -180,10 +182,13 @@ def make_machine(page_size: int, alphabet: int, max_len: int) -> type[RuleBasedS
             if indices is None:
                 return key
             expected = self.cached_length(ns, key, len(key))  # the alloc may have evicted
-            cached = self.cache.insert(form(key), indices, extra_key=ns)
+            inserted = self.cache.insert(form(key), indices, extra_key=ns)
+            cached = inserted.prefix_len
             assert cached == expected
-            self.pool.free(indices[:cached] + indices[self.aligned(len(key)) :])
+            stored = self.aligned(len(key))
+            self.pool.free(indices[:cached] + indices[stored:])
             self.store(ns, key, indices, cached)
+            assert inserted.indices == self.slots_of(ns, key, stored)
             return key
 
         @rule(num_tokens=st.integers(0, 2 * CAPACITY))

@@ -70,7 +70,7 @@ class Server:
         full = prompt + output
         indices = result.indices + slots
         self.slot_token.update(zip(slots, full[result.length :], strict=True))
-        cached = self.cache.insert(full, indices)
+        cached = self.cache.insert(full, indices).prefix_len
         self.pool.free(indices[result.length : cached])
         self.cache.unlock(result.node)
         self.cache.check_invariants()

@@ -3,30 +3,28 @@
 from __future__ import annotations
 
 import heapq
-from array import array
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Literal, NamedTuple
 
 from radixlm.cache._node import (
     RadixNode,
+    Tokens,
+    as_tokens,
     child_key,
     common_prefix_length,
     edge_child_key,
-    pack_tokens,
+    pack_prefix,
 )
 from radixlm.cache._report import check_tree, format_tree
 
 EvictionPolicy = Literal["lru", "lfu"]
 _POLICIES = ("lru", "lfu")
-# match_prefix packs the query lazily, at least this many tokens at a time (doubling after):
-# a typical prompt is packed in one call, a long one only as far as the tree can match it.
-_PACK_CHUNK = 4096
 
 
-@dataclass(frozen=True, slots=True)
-class MatchResult:
-    """The longest cached prefix of a key.
+class MatchResult(NamedTuple):
+    """The longest cached prefix of a key (frozen: a named tuple, cheap to make per lookup).
 
     - `indices`: the KV slot ids of the matched tokens, a new plain `list[int]` the caller
       may keep or convert (e.g. `torch.tensor(result.indices)`); the slots still belong to
@@ -38,6 +36,28 @@ class MatchResult:
     indices: list[int]
     node: RadixNode
     length: int
+
+
+# Makes a MatchResult without the generated __new__'s extra call (a lookup's last step).
+_new_match: Callable[[tuple[list[int], RadixNode, int]], MatchResult] = partial(
+    tuple.__new__, MatchResult
+)
+
+
+class InsertResult(NamedTuple):
+    """What `insert` left in the cache for a key (frozen, like `MatchResult`).
+
+    - `prefix_len`: how many leading tokens of the key were cached before the call (their
+      slots stay the cache's; the caller's slots for them are duplicates to free).
+    - `node`: an opaque handle to the node that ends the stored (page-aligned) key, for
+      `lock` / `unlock`: the node `match_prefix` of the stored key would return.
+    - `indices`: the cache's slot ids for the whole stored key, in order, a new plain
+      `list[int]`; they stay valid while `node` is locked (see `RadixCache.insert`).
+    """
+
+    prefix_len: int
+    node: RadixNode
+    indices: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +197,7 @@ class RadixCache:
         A full-prompt hit leaves nothing to compute logits from: for prompts use
         `match_prompt`, which never matches the last token.
         """
-        return self._match(key, len(key), extra_key)
+        return self._match(key, len(key), extra_key, len(key))
 
     def match_prompt(self, prompt: Sequence[int], extra_key: Hashable | None = None) -> MatchResult:
         """`match_prefix` for a prompt that is about to be prefilled: never a full hit.
@@ -189,154 +209,148 @@ class RadixCache:
         return self._match(prompt, len(prompt) - 1, extra_key, len(prompt))
 
     def _match(
-        self, key: Sequence[int], limit: int, extra_key: Hashable | None, offered: int = -1
+        self, key: Sequence[int], limit: int, extra_key: Hashable | None, offered: int
     ) -> MatchResult:
         self._queries += 1
-        self._query_tokens += len(key) if offered < 0 else offered
-        root = self._root
+        self._query_tokens += offered
         page = self._page
-        n = limit - limit % page if limit > 0 else 0
-        if self._disabled or n == 0:
-            return MatchResult([], root, 0)
+        if self._disabled or limit < page:
+            return MatchResult([], self._root, 0)
         self._clock += 1
+        if type(key) is not list:
+            key = as_tokens(key)
+        path, length, _ = self._descend(key, limit - limit % page, extra_key, b"")
+        if not path:
+            return MatchResult([], self._root, 0)
         tick = self._clock
-        lfu = self._lfu
         indices: list[int] = []
-        node = root
-        # Positions are byte offsets into `packed`, the key as int64 (8 bytes per token),
-        # packed on demand so that a long key is converted only as far as the tree matches.
-        if type(key) is array and key.typecode == "q":
-            packed = key.tobytes()
-        else:
-            packed = b""
-            if type(key) is not list:
-                key = list(key)
-        have = len(packed)
-        stop = 8 * n
-        at = 0
-        ckey = child_key(key, 0, page, extra_key)
-        while True:
-            child = node.children.get(ckey)
-            if child is None:
-                break
-            edge = child.key
-            end = at + len(edge)
-            if end > have and have < stop:
-                # Packing past `stop` is harmless (comparisons stop there) and packing the
-                # whole key avoids copying a slice of it first.
-                done = have >> 3
-                upto = min(len(key), max(end >> 3, 2 * done, _PACK_CHUNK))
-                packed += pack_tokens(key, done, upto)
-                have = len(packed)
-            if end <= stop and packed[at:end] == edge:
-                indices += child.value
-                child.tick = tick
-                if lfu:
-                    child.hits += 1
-                node = child
-                at = end
-                if end == stop:
-                    break
-                ckey = key[end >> 3] if page == 1 else tuple(key[end >> 3 : (end >> 3) + page])
-                continue
-            # The match ends inside this edge: split it there.
-            same = common_prefix_length(packed, at >> 3, edge, (min(end, stop) - at) >> 3)
-            child = self._split(child, same - same % page)
-            indices += child.value
-            child.tick = tick
-            if lfu:
-                child.hits += 1
-            node = child
-            at += len(child.key)
-            break
-        pos = at >> 3
-        if node is not root and node.lock_ref == 0 and not node.children:
+        for node in path:
+            indices += node.value
+            node.tick = tick
+        if self._lfu:
+            for node in path:
+                node.hits += 1
+        if node.lock_ref == 0 and not node.children:
             self._push(node)
-        self._matched_tokens += pos
-        return MatchResult(indices, node, pos)
+        self._matched_tokens += length
+        return _new_match((indices, node, length))
+
+    def _descend(
+        self, key: Tokens, n: int, extra_key: Hashable | None, packed: bytes
+    ) -> tuple[list[RadixNode], int, bytes]:
+        """The nodes from the root that spell the longest cached prefix of `key[:n]`, its
+        length, and `key` packed at least that far (`packed` if it is long enough).
+
+        `n` is page-aligned. If the prefix ends inside an edge, that edge is split there, so
+        the last node ends at the prefix; nothing else changes (the caller touches the path).
+        """
+        page = self._page
+        # Walk by first tokens (first pages) alone, then check the edges on the way with one
+        # comparison: one memcmp per lookup instead of a slice and a compare per edge.
+        path: list[RadixNode] = []
+        inside: list[bytes] = []  # the keys of the edges that end inside key[:n]
+        first = key[0] if page == 1 and extra_key is None else child_key(key, 0, page, extra_key)
+        child = self._root.children.get(first)
+        end = 0
+        while child is not None:
+            path.append(child)
+            end += len(child.value)
+            if end >= n:
+                break
+            inside.append(child.key)
+            child = child.children.get(key[end] if page == 1 else tuple(key[end : end + page]))
+        if not path:
+            return path, 0, packed
+        if len(packed) < 8 * min(end, n):
+            packed = pack_prefix(key, min(end, n))  # only as far as the tree can match
+        last = path[-1]
+        start = end - len(last.value)
+        if packed.startswith(b"".join(inside)):
+            if len(inside) == len(path) or (end == n and packed[8 * start : 8 * end] == last.key):
+                return path, end, packed
+        else:
+            # An edge differs: the prefix ends inside the first one that does.
+            i = start = 0
+            while packed[8 * start : 8 * start + len(path[i].key)] == path[i].key:
+                start += len(path[i].value)
+                i += 1
+            del path[i + 1 :]
+            last = path[i]
+        size = min(start + len(last.value), n) - start
+        same = common_prefix_length(packed, start, last.key, size)
+        # The edge was found by its first page, so at least one page is shared.
+        path[-1] = self._split(last, same - same % page)
+        return path, start + same - same % page, packed
 
     # -------------------------------------------------------------------------------- updates
 
     def insert(
         self, key: Sequence[int], indices: Sequence[int], extra_key: Hashable | None = None
-    ) -> int:
-        """Store `key` with one KV slot id per token; return the already-cached length `n`.
+    ) -> InsertResult:
+        """Store `key` with one KV slot id per token in namespace `extra_key`.
 
-        Only whole pages are stored: `stored = len(key) // page_size * page_size`. The
-        tokens `key[:n]` were already cached (the cache keeps its own slots for them), so
-        `indices[:n]` stay with the caller; the cache takes ownership of `indices[n:stored]`;
-        `indices[stored:]` (a partial last page) stay with the caller. A caller that matched
-        `prefix_len` tokens first (whose slots were the cache's own) therefore frees
-        `indices[prefix_len:n]` (its duplicates) and `indices[stored:]`, and nothing else.
-        A disabled cache stores nothing and returns `stored`, so the same recipe frees all.
+        Only whole pages are stored: `stored = len(key) // page_size * page_size`. Returns
+        `InsertResult(prefix_len, node, indices)`. The tokens `key[:prefix_len]` were already
+        cached (the cache keeps its own slots for them), so the caller's `indices[:prefix_len]`
+        stay with the caller; the cache takes ownership of `indices[prefix_len:stored]`; the
+        caller's `indices[stored:]` (a partial last page) stay with the caller. A caller that
+        matched `m` tokens first (whose slots were the cache's own) therefore frees
+        `indices[m:prefix_len]` (its duplicates) and `indices[stored:]`, and nothing else.
 
-        Mutates the tree (may split one edge and add one leaf), access times and stats.
-        Never evicts: make room before allocating the slots.
+        The result's `node` ends exactly at `stored` and its `indices` are the cache's slot
+        ids for `key[:stored]`: what `match_prefix(key[:stored], extra_key)` would return
+        right after, so a caller that keeps using the slots locks `node` without a second
+        lookup. A disabled cache stores nothing and returns `InsertResult(stored, <root
+        handle>, [])`, so the same recipe frees every slot; so does a key shorter than a page.
+
+        Mutates the tree (may split one edge, so that `node` ends at `stored`, and add one
+        leaf), the access time (and use count) of every node on the path, the stats. Never
+        evicts: make room before allocating the slots. Validity: as for `match_prefix`, the
+        result's `indices` stay valid while `node` is locked; unlocked, only until the next
+        `evict`; `reset` invalidates all.
         """
-        if type(key) is array and key.typecode == "q":
-            packed = key.tobytes()
-        else:
-            if type(key) is not list:
-                key = list(key)
-            packed = b""
+        tokens = as_tokens(key)
         if type(indices) is not list:
             indices = list(indices)
-        if len(indices) != len(key):
+        if len(indices) != len(tokens):
             raise ValueError(
-                f"insert needs one slot id per token: got {len(key)} tokens and "
+                f"insert needs one slot id per token: got {len(tokens)} tokens and "
                 f"{len(indices)} slot ids"
             )
         page = self._page
-        n = len(key) - len(key) % page
+        n = len(tokens) - len(tokens) % page
+        root = self._root
         if self._disabled or n == 0:
-            return n
+            return InsertResult(n, root, [])
         self._clock += 1
         tick = self._clock
-        lfu = self._lfu
-        root = self._root
-        node = root
-        pos = 0
-        packed = packed[: 8 * n] if packed else pack_tokens(key, 0, n)
-        ckey = child_key(key, 0, page, extra_key)
-        while True:
-            child = node.children.get(ckey)
-            if child is None:
-                leaf = RadixNode(node, packed[8 * pos :], indices[pos:n], ckey, extra_key, tick)
-                node.children[ckey] = leaf
-                self._nodes += 1
-                self._evictable += n - pos
-                self._inserted_tokens += n - pos
-                self._push(leaf)
-                return pos
-            edge = child.key
-            size = len(child.value)
-            end = pos + size
-            if end <= n and packed[8 * pos : 8 * end] == edge:
-                child.tick = tick
-                if lfu:
-                    child.hits += 1
-                node = child
-                pos = end
-                if pos == n:
-                    break
-                ckey = key[pos] if page == 1 else tuple(key[pos : pos + page])
-                continue
-            same = common_prefix_length(packed, pos, edge, min(n - pos, size))
-            same -= same % page
-            if pos + same != n:
-                child = self._split(child, same)
-            # else the key ends inside this edge: all of it is cached; no need to split.
-            child.tick = tick
-            if lfu:
-                child.hits += 1
-            node = child
-            pos += same
-            if pos == n:
-                break
-            ckey = key[pos] if page == 1 else tuple(key[pos : pos + page])
-        if node is not root and node.lock_ref == 0 and not node.children:
-            self._push(node)
-        return n
+        # The new leaf stores its part of the packed key, so pack all of it now.
+        path, length, packed = self._descend(tokens, n, extra_key, pack_prefix(tokens, n))
+        cached: list[int] = []
+        for node in path:
+            cached += node.value
+            node.tick = tick
+        if self._lfu:
+            for node in path:
+                node.hits += 1
+        node = path[-1] if path else root
+        if length == n:
+            if node.lock_ref == 0 and not node.children:
+                self._push(node)
+            return InsertResult(n, node, cached)
+        if node is root:
+            ckey = child_key(tokens, 0, page, extra_key)
+        else:
+            ckey = tokens[length] if page == 1 else tuple(tokens[length : length + page])
+        value = indices[length:n]
+        leaf = RadixNode(node, packed[8 * length : 8 * n], value, ckey, extra_key, tick)
+        node.children[ckey] = leaf
+        self._nodes += 1
+        self._evictable += n - length
+        self._inserted_tokens += n - length
+        self._push(leaf)
+        cached += value
+        return InsertResult(length, leaf, cached)
 
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Cut `child`'s edge after `at` tokens; return the new upper node.

@@ -199,7 +199,7 @@ class Scheduler:
         computed tokens into the cache (which keeps the new part)."""
         kv = req.kv_len
         if cache_it and self.caching and kv > 0:
-            inserted = self.cache.insert(req.tokens(0, kv), req.kv_slots, req.extra_key)
+            inserted = self.cache.insert(req.tokens(0, kv), req.kv_slots, req.extra_key).prefix_len
             stored = kv - kv % self.page
             duplicates = req.kv_slots[req.cache_len : max(req.cache_len, inserted)]
             self.pool.free(duplicates + req.kv_slots[stored:] + req.spare_slots)
@@ -227,17 +227,16 @@ class Scheduler:
             return
         key = req.tokens(0, stored)
         inserted = self.cache.insert(key, req.kv_slots[:stored], req.extra_key)
-        match = self.cache.match_prefix(key, req.extra_key)
-        assert match.length == stored, "a fresh insert must match in full"
-        if inserted > req.cache_len:
-            self.pool.free(req.kv_slots[req.cache_len : inserted])
+        assert len(inserted.indices) == stored, "a fresh insert must hold the key in full"
+        if inserted.prefix_len > req.cache_len:
+            self.pool.free(req.kv_slots[req.cache_len : inserted.prefix_len])
             req.row_synced = min(req.row_synced, req.cache_len)
-        self.cache.lock(match.node)
+        self.cache.lock(inserted.node)
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
-        req.kv_slots[:stored] = match.indices
+        req.kv_slots[:stored] = inserted.indices
         req.cache_len = stored
-        req.last_node = match.node
+        req.last_node = inserted.node
 
     def _cacheable(self, req: Req, tokens: int) -> int:
         """How many of the first `tokens` tokens of `req` may belong to the cache while it
