@@ -605,3 +605,22 @@ def test_update_appends_forced_tokens_and_a_refused_token_aborts() -> None:
     assert refused.output_ids == [] and refused.status is ReqStatus.FINISHED
     assert forced.output_ids[0] == first
     sched.check_memory(256)
+
+
+def test_each_waiting_request_is_prefix_matched_once_per_step() -> None:
+    sched, model = make(pool=4096, schedule_policy="lpm"), FakeModel()
+    for k in range(6):
+        sched.add(Req(f"r{k}", [1, 2, 3, 10 + k, 20 + k], 2, stopper=CountStopper(limit=2)))
+    calls: list[int] = []
+    original = sched.cache.match_prompt
+
+    def counting(key: Any, extra_key: Any = None) -> Any:
+        calls.append(1)
+        return original(key, extra_key)
+
+    sched.cache.match_prompt = counting  # type: ignore[method-assign]
+    batch = sched.schedule()
+    assert len(batch.entries) == 6
+    assert len(calls) == 6  # ordering by prefix and admitting share one match per request
+    sched.update(batch, model.forward(batch))
+    sched.check_memory(4096)

@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
-from radixlm.cache import RadixCache
+from radixlm.cache import MatchResult, RadixCache
 from radixlm.runtime.config import SchedulerConfig
 from radixlm.runtime.scheduler.batch import ScheduledBatch, SeqUpdate, StepEntry
 from radixlm.runtime.scheduler.policy import Policy, common_prefix_tokens
@@ -91,6 +91,10 @@ class Scheduler:
         self.new_token_ratio = config.init_new_token_ratio
         # The last step left requests waiting for memory (KV slots or table rows), not slots.
         self.memory_bound = False
+        # Prefix matches made while ordering the queue, reused at admission when no eviction
+        # came between (each candidate is matched once per step).
+        self._matches: dict[Req, tuple[int, MatchResult]] = {}
+        self._evictions = 0
         # Statistics (cumulative).
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -168,6 +172,7 @@ class Scheduler:
         short = tokens - available
         if not self.caching or self.cache.evictable_size < short:
             return False
+        self._evictions += 1  # matches made before this may hold evicted nodes
         self.pool.free(self.cache.evict(short))
         return self.pool.available >= tokens
 
@@ -409,6 +414,7 @@ class Scheduler:
         if not candidates:
             return entries
         self.memory_bound = bool(retracted)  # set again below if memory stops admission
+        self._matches.clear()
         order = self.policy.order(candidates, self._prefix_length)
         prefix_aware = self.policy.name in ("lpm", "dfs-weight") and (
             len(candidates) <= self.config.policy_fallback_queue_len
@@ -418,7 +424,7 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
-            match = self.cache.match_prompt(req.tokens(), req.extra_key)
+            match = self._match(req)
             prefix = match.length if req.reuse_prefix else 0
             if req.input_logprob_next is not None and not req.input_logprobs_done:
                 limit = req.input_logprob_next  # its logits must be computed
@@ -454,12 +460,23 @@ class Scheduler:
             reserve += self._reserve(req)
             if prefix_aware:
                 in_flight.append(packed)
+        self._matches.clear()
         return entries
 
     def _prefix_length(self, req: Req) -> int:
         if not self.caching:
             return 0
-        return self.cache.match_prompt(req.tokens(), req.extra_key).length
+        match = self.cache.match_prompt(req.tokens(), req.extra_key)
+        self._matches[req] = (self._evictions, match)
+        return match.length
+
+    def _match(self, req: Req) -> MatchResult:
+        """The request's cached prefix: the match made while ordering the queue this step if
+        nothing was evicted since (its node and indices are still valid), else a new one."""
+        made = self._matches.pop(req, None)
+        if made is not None and made[0] == self._evictions:
+            return made[1]
+        return self.cache.match_prompt(req.tokens(), req.extra_key)
 
     def _shares_in_flight(self, packed: bytes, prefix: int, in_flight: list[bytes]) -> bool:
         threshold = self.config.in_batch_prefix_min
