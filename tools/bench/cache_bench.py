@@ -7,11 +7,12 @@ free duplicates, unlock): few-shot batches sharing their examples, multi-turn ch
 tree-of-thought branching and self-consistency sampling. For each trace it prints ops/s of
 match / insert / evict, the hit rate at a capacity of a third (--capacity) of the trace's distinct tokens
 beside the optimal hit rate (unbounded capacity, never evicting), and the same for the peer.
-Then the memory per cached token (tracemalloc) and the headline: the median time to match a
-2,000-token prompt whose path has 10 nodes in a tree holding 1,000,000 tokens, with insert and
-evict of the same size.
+Then the memory per cached token (tracemalloc) and the headline: the median time of
+`match_prefix` (and `match_prompt`) matching 2,000 tokens whose path has 10 nodes in a tree
+holding 1,000,000 tokens, with insert and evict of the same size.
 
     python tools/bench/cache_bench.py             # about 30 s on one core
+    python tools/bench/cache_bench.py --headline  # the headline alone, a few seconds
     python tools/bench/cache_bench.py --json out.json
 
 The peer is what a first implementation looks like: one trie node per token, a Python loop
@@ -402,11 +403,12 @@ def build_million(rng: random.Random, cache: Any, path: list[int], total: int) -
         put(_tokens(rng, 2000))
 
 
-def median_us(fn: Callable[[], object], repeat: int, blocks: int = 5) -> float:
-    """The lowest of `blocks` medians of `repeat // blocks` calls each: a median that a
-    neighbour's burst of CPU use on a shared machine does not inflate."""
+def timed_us(fn: Callable[[], object], repeat: int, blocks: int = 5) -> tuple[float, float]:
+    """(median of all `repeat` calls, lowest of the medians of `blocks` equal runs of calls)
+    in µs. The first is the figure; the second is what a neighbour's burst of CPU use on a
+    shared machine inflates least."""
     clock = time.perf_counter
-    medians = []
+    medians, every = [], []
     for _ in range(blocks):
         times = []
         for _ in range(repeat // blocks):
@@ -415,7 +417,8 @@ def median_us(fn: Callable[[], object], repeat: int, blocks: int = 5) -> float:
             times.append(clock() - t0)
             del result  # dropping the result is the caller's cost, after it used it
         medians.append(statistics.median(times))
-    return min(medians) * 1e6
+        every += times
+    return statistics.median(every) * 1e6, min(medians) * 1e6
 
 
 def bench_headline(rng: random.Random, results: dict[str, Any]) -> None:
@@ -423,15 +426,16 @@ def bench_headline(rng: random.Random, results: dict[str, Any]) -> None:
     adapter = RadixAdapter()
     build_million(rng, adapter, path, 1_000_000)
     cache = adapter.cache
-    query = [*_renew(path), 7]
-    assert cache.match_prefix(query).length == 2000
+    query = [*_renew(path), 7]  # the path's tokens as fresh ints, then one the tree lacks
+    assert cache.match_prefix(query).length == cache.match_prompt(query).length == 2000
     packed = array("q", query)
-    figures = {
-        "tree_tokens": cache.total_size,
-        "tree_nodes": cache.node_count,
-        "match_list_us": median_us(lambda: cache.match_prefix(query), 3000),
-        "match_array_us": median_us(lambda: cache.match_prefix(packed), 3000),
-    }
+    figures: dict[str, float] = {"tree_tokens": cache.total_size, "tree_nodes": cache.node_count}
+    for name, fn in (
+        ("match_list", lambda: cache.match_prefix(query)),
+        ("match_prompt_list", lambda: cache.match_prompt(query)),
+        ("match_array", lambda: cache.match_prefix(packed)),
+    ):
+        figures[f"{name}_us"], figures[f"{name}_best_block_us"] = timed_us(fn, 3000)
 
     # Insert 2,000 tokens that share the first 1,000 (5 edges) with the path, adding a
     # 1,000-token leaf; then evict 2,000 tokens (the least recently used filler leaf).
@@ -454,22 +458,41 @@ def bench_headline(rng: random.Random, results: dict[str, Any]) -> None:
     # take about 1 GB here; its match time does not depend on the tree's size).
     peer = NaiveTrie()
     build_million(rng, peer, path, 100_000)
-    figures["peer_match_us"] = median_us(lambda: peer.match_prompt(query), 300)
+    figures["peer_match_us"], figures["peer_match_best_block_us"] = timed_us(
+        lambda: peer.match_prompt(query), 300
+    )
     results["headline"] = figures
 
     print()
     print(
-        f"Match a 2,000-token prompt (10 edges) in a tree of {figures['tree_tokens']:,} tokens"
-        f" ({figures['tree_nodes']:,} nodes), best of 5 medians of 600 calls:"
+        f"Headline: a 2,000-token match (10 edges) in a tree of {figures['tree_tokens']:,}"
+        f" tokens ({figures['tree_nodes']:,} nodes).\nMedian of 3,000 calls; in brackets the"
+        " lowest median of 5 runs of 600 (the least inflated by other load on the machine):"
     )
-    print(f"  key as list[int] (fresh ints):   {figures['match_list_us']:7.1f} us")
-    print(f"  key as array('q'):               {figures['match_array_us']:7.1f} us")
+
+    def row(label: str, name: str) -> None:
+        median, best = figures[f"{name}_us"], figures[f"{name}_best_block_us"]
+        print(f"  {label:<36}{median:7.1f} us  ({best:.1f})")
+
+    row("match_prefix, key as list[int]:", "match_list")
+    row("match_prompt, key as list[int]:", "match_prompt_list")
+    row("match_prefix, key as array('q'):", "match_array")
+    row("naive per-token trie (list):", "peer_match")
+    print("  (list[int]: fresh int objects, as a tokenizer makes them)")
+    for label, name in (("insert 2,000 (1,000 cached):", "insert"), ("evict 2,000:", "evict")):
+        print(f"  {label:<36}{figures[f'{name}_us']:7.1f} us  (median of 300)")
+
+
+def run_traces_and_memory(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    bench_traces(random.Random(args.seed), results, args.capacity, args.repeats)
+    radix_b = bytes_per_token(RadixAdapter, random.Random(args.seed))
+    naive_b = bytes_per_token(NaiveTrie, random.Random(args.seed))
+    results["bytes_per_token"] = {"radix": radix_b, "naive": naive_b}
+    print()
     print(
-        f"  naive per-token trie (list):     {figures['peer_match_us']:7.1f} us"
-        f"   ({figures['peer_match_us'] / figures['match_list_us']:.0f}x slower)"
+        f"Memory per cached token (tracemalloc, token ints included): radix {radix_b:.1f} B,"
+        f" naive trie {naive_b:.1f} B ({naive_b / radix_b:.1f}x)"
     )
-    print(f"  insert 2,000 (1,000 cached, 1,000 new): {figures['insert_us']:5.1f} us")
-    print(f"  evict 2,000 tokens:                {figures['evict_us']:5.1f} us")
 
 
 def main() -> None:
@@ -485,26 +508,20 @@ def main() -> None:
         "--repeats", type=int, default=3, help="replays per trace and cache; best op time kept"
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--headline", action="store_true", help="only the headline figures (a few seconds)"
+    )
     args = parser.parse_args()
-    rng = random.Random(args.seed)
     started = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     results: dict[str, Any] = {"python": sys.version.split()[0], "load": load, "traces": {}}
-    print(f"Python {results['python']}, {os.cpu_count()} CPUs, load average {load:.2f}\n")
-
-    bench_traces(rng, results, args.capacity, args.repeats)
-
-    radix_b = bytes_per_token(RadixAdapter, random.Random(args.seed))
-    naive_b = bytes_per_token(NaiveTrie, random.Random(args.seed))
-    results["bytes_per_token"] = {"radix": radix_b, "naive": naive_b}
-    print()
-    print(
-        f"Memory per cached token (tracemalloc, token ints included): radix {radix_b:.1f} B,"
-        f" naive trie {naive_b:.1f} B ({naive_b / radix_b:.1f}x)"
-    )
-
-    bench_headline(rng, results)
-    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+    print(f"Python {results['python']}, {os.cpu_count()} CPUs, load average {load:.2f}")
+    if not args.headline:
+        print()
+        run_traces_and_memory(args, results)
+    bench_headline(random.Random(args.seed), results)
+    load = results["load_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"\n(total {time.perf_counter() - started:.0f} s; load average {load:.2f} at the end)")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
