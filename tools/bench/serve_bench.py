@@ -703,9 +703,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     target.add_argument("--fake-token-delay", type=float, default=0.002)
     target.add_argument("--compare", action="store_true",
                         help="radixlm serve vs --peers on the same model")  # fmt: skip
-    target.add_argument("--compare-modes", action="store_true",
-                        help="like --compare, but radixlm against itself: the engine in its own "
-                        "process (--engine-mode process) and on a thread (thread)")
+    target.add_argument(
+        "--compare-modes",
+        action="store_true",
+        help="like --compare, but radixlm against itself: the engine in its own "
+        "process (--engine-mode process) and on a thread (thread)",
+    )
     target.add_argument("--peers", default="transformers", help="servers --compare runs after "
                         "radixlm: comma-separated from transformers, llamacpp")  # fmt: skip
     target.add_argument("--model-path", help="model for --compare (default: a dummy model)")

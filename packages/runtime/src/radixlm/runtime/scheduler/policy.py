@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -29,7 +28,7 @@ def longest_prefix_match(queue: Sequence[Req], prefix_length: PrefixLength) -> l
 
 
 def _packed(req: Req) -> bytes:
-    return array("q", req.tokens()).tobytes()
+    return req.key().tobytes()
 
 
 def common_prefix_bytes(a: bytes, b: bytes) -> int:

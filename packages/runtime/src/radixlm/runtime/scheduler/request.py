@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from array import array
 from collections.abc import Hashable
 from typing import Any, Protocol
 
@@ -95,6 +96,7 @@ class Req:
         #: False: compute every prompt position, even those the cache holds (the engine wants
         #: an output of each, e.g. its hidden state).
         self.reuse_prefix = reuse_prefix
+        self._prompt_key: array[int] | None = None
         self.arrival = next(_ARRIVALS)
         self.status = ReqStatus.WAITING
         self.grammar_pending = False
@@ -131,6 +133,16 @@ class Req:
         if start >= prompt:
             return self.output_ids[start - prompt : end - prompt]
         return self.prompt_ids[start:] + self.output_ids[: end - prompt]
+
+    def key(self) -> array[int]:
+        """Prompt + output as `array("q")`: the key the radix cache matches without converting
+        it (a list key costs more to pack than the whole match). The prompt's part is packed
+        once per request."""
+        if self._prompt_key is None:
+            self._prompt_key = array("q", self.prompt_ids)
+        if not self.output_ids:
+            return self._prompt_key
+        return self._prompt_key + array("q", self.output_ids)
 
     @property
     def input_logprobs_done(self) -> bool:

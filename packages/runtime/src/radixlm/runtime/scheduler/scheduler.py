@@ -12,7 +12,6 @@ engine loop) calls it.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
@@ -54,10 +53,6 @@ class RowPool(Protocol):
 #: What appending one token did: the sequence goes on, it finished, or a grammar violation
 #: took tokens back (the token was not kept).
 Appended = Literal["ok", "finished", "rolled_back"]
-
-
-def _packed(tokens: list[int]) -> bytes:
-    return array("q", tokens).tobytes()
 
 
 class Scheduler:
@@ -419,7 +414,7 @@ class Scheduler:
         prefix_aware = self.policy.name in ("lpm", "dfs-weight") and (
             len(candidates) <= self.config.policy_fallback_queue_len
         )
-        in_flight = [_packed(r.tokens()) for r in self.running if r.in_prefill]
+        in_flight = [r.key().tobytes() for r in self.running if r.in_prefill]
         reserve = sum(self._reserve(r) for r in self.running)
         for req in order:
             if budget <= 0 or len(self.running) >= self.max_running:
@@ -431,7 +426,7 @@ class Scheduler:
                 prefix = min(prefix, limit - limit % self.page)
             limit = self._cacheable(req, prefix)  # a retracted one recomputes its output
             prefix = min(prefix, limit - limit % self.page)
-            packed = _packed(req.tokens()) if prefix_aware else b""
+            packed = req.key().tobytes() if prefix_aware else b""
             if prefix_aware and self._shares_in_flight(packed, prefix, in_flight):
                 continue  # reuse it from the cache once the other request has computed it
             extend = req.seq_len - prefix
@@ -466,7 +461,7 @@ class Scheduler:
     def _prefix_length(self, req: Req) -> int:
         if not self.caching:
             return 0
-        match = self.cache.match_prompt(req.tokens(), req.extra_key)
+        match = self.cache.match_prompt(req.key(), req.extra_key)
         self._matches[req] = (self._evictions, match)
         return match.length
 
@@ -476,7 +471,7 @@ class Scheduler:
         made = self._matches.pop(req, None)
         if made is not None and made[0] == self._evictions:
             return made[1]
-        return self.cache.match_prompt(req.tokens(), req.extra_key)
+        return self.cache.match_prompt(req.key(), req.extra_key)
 
     def _shares_in_flight(self, packed: bytes, prefix: int, in_flight: list[bytes]) -> bool:
         threshold = self.config.in_batch_prefix_min
