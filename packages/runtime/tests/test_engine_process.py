@@ -105,6 +105,7 @@ def test_abort_flush_and_the_memory_check_cross_the_process(engine: Engine) -> N
     engine.check_invariants()
     assert engine.flush_cache().result(10) is True
     assert engine.server_info()["cache_size"] == 0
+    assert engine.server_info(fresh=True)["cache_size"] == 0
     with pytest.raises(RuntimeError, match="engine_process=False"):
         engine.run_in_loop(lambda core: None)
 

@@ -45,6 +45,7 @@ from radixlm.runtime.messages import (
     Output,
     RequestClosed,
     RequestFailed,
+    Stats,
 )
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.preparer import FrontendLimits, RequestPreparer
@@ -162,6 +163,7 @@ class Engine:
         self._next_reply = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
+        self._live: dict[str, Any] = {}  # the engine process's latest Stats
         self._connection: ThreadConnection | ProcessConnection
         if config.engine_process:
             self._connection = ProcessConnection(
@@ -179,6 +181,8 @@ class Engine:
             self.grammar = core.grammar
         info = self._connection.info
         self.info = info
+        if isinstance(self._connection, ProcessConnection):
+            self._live = self._connection.stats
         self.eos_token_ids = info.eos_token_ids
         self.context_length = info.context_length
         self.sampling_defaults = SamplingDefaults.from_generation_config(
@@ -253,6 +257,8 @@ class Engine:
                     if sink is not None:
                         sink(error)
                         sink(END)
+                case Stats(values):
+                    self._live = values
                 case CommandResult(reply, value, error):
                     with self._lock:
                         future = self._replies.pop(reply, None)
@@ -666,18 +672,18 @@ class Engine:
 
     get_model_info = model_info
 
-    def server_info(self, timeout: float = 2.0) -> dict[str, Any]:
-        """Configuration and live statistics (a snapshot; counters are cumulative). Asks the
-        core, which answers between steps; without an answer within `timeout` (or while the
-        engine is down) the live part is missing and `healthy` says why."""
-        live: dict[str, Any] = {}
+    def server_info(self, fresh: bool = False) -> dict[str, Any]:
+        """Configuration and live statistics (a snapshot; counters are cumulative). Does not
+        wait for the core: on a thread it reads the core's counters, from a process it gives
+        the statistics the process last sent (at least every 50 ms while busy, and whenever
+        it goes idle, ahead of the outputs they follow). `fresh=True` asks the process and
+        waits for its answer (between two steps)."""
         if isinstance(self._connection, ThreadConnection):
             live = self._connection.core.live_stats()  # read across threads: a snapshot
-        elif self.healthy:
-            try:
-                live = self._ask(GetServerInfo).result(timeout)
-            except Exception:  # down or busy: report what is known
-                live = {}
+        elif fresh:
+            live = self._live = self._ask(GetServerInfo).result(60)
+        else:
+            live = self._live
         return {
             "config": self.config.to_dict(),
             **self.info.static_info,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,7 @@ from radixlm.runtime.messages import (
     RequestClosed,
     RequestFailed,
     Shutdown,
+    Stats,
 )
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.request_state import RequestHandle, SequenceState, open_request
@@ -45,6 +47,8 @@ logger = logging.getLogger("radixlm.runtime.engine")
 
 #: Seconds between checks of compiling grammars while nothing else can run.
 _GRAMMAR_POLL_S = 0.002
+#: Seconds between the live statistics a busy core sends (process mode).
+_STATS_S = 0.05
 
 Emit = Callable[[list[Output]], None]
 
@@ -63,6 +67,7 @@ class EngineCore:
         emit: Emit,
         jump_forward: bool = True,
         pool_size: int = 0,
+        publish_stats: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -73,6 +78,10 @@ class EngineCore:
         self.emit = emit
         self.jump_forward = jump_forward
         self.pool_size = pool_size
+        #: Send `Stats` with the outputs (at most every `_STATS_S`, and whenever it goes idle):
+        #: a front end in another process reads them without asking.
+        self.publish_stats = publish_stats
+        self._stats_at = 0.0
         self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.handles: dict[str, RequestHandle] = {}
         #: The engine-side state of each running sequence, by its scheduler request's rid.
@@ -106,9 +115,15 @@ class EngineCore:
         self._flush()
 
     def _flush(self) -> None:
-        if self._out:
-            out, self._out = self._out, []
-            self.emit(out)
+        if not self._out:
+            return
+        out, self._out = self._out, []
+        if self.publish_stats:
+            now = time.monotonic()
+            if now - self._stats_at >= _STATS_S or not self._has_work():
+                self._stats_at = now
+                out.insert(0, Stats(self.live_stats()))
+        self.emit(out)
 
     def _has_work(self) -> bool:
         sched = self.scheduler
@@ -392,6 +407,7 @@ def create_core(
     emit: Emit,
     runner: ModelRunner | None = None,
     tokenizer: Any = None,
+    publish_stats: bool = False,
 ) -> tuple[EngineCore, EngineInfo]:
     """Build the model runner (unless given), the cache, the scheduler and the grammar
     service, and the core over them; with what the front end needs to know of them."""
@@ -423,6 +439,7 @@ def create_core(
         emit,
         jump_forward=config.grammar.jump_forward,
         pool_size=pool.num_slots,
+        publish_stats=publish_stats,
     )
     quant = info.quantization
     static = {

@@ -34,6 +34,7 @@ from radixlm.runtime.messages import (
     Ready,
     Shutdown,
     StartupFailed,
+    Stats,
 )
 from radixlm.runtime.model_runner import ModelRunner
 
@@ -113,6 +114,7 @@ class ProcessConnection:
         self._healthy = False
         self.failed = False
         self.restarts = 0
+        self.stats: dict[str, Any] = {}  # the live statistics the process sent with Ready
         self._process = self._spawn()
         try:
             self.info = self._wait_ready(startup_timeout)
@@ -155,6 +157,7 @@ class ProcessConnection:
             if self._outputs.poll(int(_WATCH_S * 1000)):
                 message = pickle.loads(self._outputs.recv())
                 if isinstance(message, Ready):
+                    self.stats = message.stats
                     return message.info
                 if isinstance(message, StartupFailed):
                     raise _STARTUP_ERRORS.get(message.kind, RuntimeError)(message.message)
@@ -208,6 +211,7 @@ class ProcessConnection:
                     self._on_outputs(message)
                 elif isinstance(message, Ready):
                     self.info = message.info
+                    self._on_outputs([Stats(message.stats)])
                     self._healthy = True
                     logger.warning("the engine process serves again (restart %d)", self.restarts)
                 elif isinstance(message, StartupFailed):
@@ -256,14 +260,14 @@ def _engine_main(config: EngineConfig, tokenizer: Any, directory: str, parent: i
         outputs.send(pickle.dumps(items, protocol=5), copy=False)
 
     try:
-        core, info = create_core(config, emit, tokenizer=tokenizer)
+        core, info = create_core(config, emit, tokenizer=tokenizer, publish_stats=True)
     except Exception as error:
         logger.error("the engine could not start: %s", error)
         outputs.send(pickle.dumps(StartupFailed(type(error).__name__, str(error))))
         outputs.close(linger=5000)
         ctx.term()
         raise SystemExit(1) from None
-    outputs.send(pickle.dumps(Ready(info), protocol=5))
+    outputs.send(pickle.dumps(Ready(info, core.live_stats()), protocol=5))
 
     def read_commands() -> None:
         while True:

@@ -126,7 +126,15 @@ class CommandResult:
     error: BaseException | None = None
 
 
-Output = GenerateChunk | RequestClosed | RequestFailed | CommandResult
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """The core's live statistics after an iteration (the engine process sends them with its
+    outputs, ahead of them, so a reader woken by its request's end sees them updated)."""
+
+    values: dict[str, Any]
+
+
+Output = GenerateChunk | RequestClosed | RequestFailed | CommandResult | Stats
 
 
 # -------------------------------------------------------------------------- startup (out)
@@ -149,9 +157,10 @@ class EngineInfo:
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    """The engine process has loaded the model and serves."""
+    """The engine process has loaded the model and serves (with its first statistics)."""
 
     info: EngineInfo
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
