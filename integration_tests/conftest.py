@@ -102,7 +102,8 @@ def serve(tiny_llama: Path) -> Iterator[Callable[..., Served]]:
 
     def start(config: dict[str, Any] | None = None, **engine_kwargs: Any) -> Served:
         options = {"served_model_name": "tiny-llama", "log_requests": False, **(config or {})}
-        if options.get("enable_custom_logit_processor"):  # as `radixlm serve` passes the flag
+        # An engine setting, as `radixlm serve --enable-custom-logit-processor` passes it.
+        if options.pop("enable_custom_logit_processor", False):
             engine_kwargs.setdefault("enable_custom_logit_processor", True)
         engine = _engine(tiny_llama, **engine_kwargs)
         app = create_app(engine, ServerConfig(**options))

@@ -122,7 +122,7 @@ def test_serve_passes_engine_flags_to_the_engine(cli_server: Any) -> None:
     config = info["config"]
     assert info["max_total_num_tokens"] == 4096
     assert info["model"]["max_context_length"] == 512
-    assert config["scheduler"]["max_running_requests"] == 8
+    assert config["runner"]["memory"]["max_running_requests"] == 8
     assert config["scheduler"]["max_queued_requests"] == 16
     assert config["scheduler"]["chunked_prefill_size"] == 64
     assert config["grammar"]["json_whitespace"] == "flexible"

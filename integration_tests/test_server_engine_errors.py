@@ -181,6 +181,24 @@ def test_a_rid_in_use_is_refused(http: httpx.Client, server: Any) -> None:
     _healthy(http)
 
 
+@pytest.mark.parametrize(
+    "input_ids",
+    [[1, 10**6], [5] * TOO_LONG],
+    ids=["token id outside the vocabulary", "prompt longer than the context"],
+)
+def test_a_limit_has_one_message_on_the_engine_api_and_over_http(
+    http: httpx.Client, server: Any, input_ids: list[int]
+) -> None:
+    from radixlm.sampling import InvalidRequest
+
+    params = {"max_new_tokens": 2}
+    with pytest.raises(InvalidRequest) as raised:
+        server.engine.generate(input_ids=input_ids, sampling_params=params)
+    body = {"input_ids": input_ids, "sampling_params": params}
+    error = _check_error(http.post("/generate", json=body), 400, "input_ids")
+    assert error["message"] == str(raised.value)
+
+
 # --------------------------------------------------------------------------------------- auth
 
 

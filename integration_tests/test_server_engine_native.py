@@ -271,7 +271,8 @@ def test_custom_logit_processor_is_refused_when_disabled(serve: Callable[..., An
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["param"] == "custom_logit_processor"
-        assert "--enable-custom-logit-processor" in error["message"]
+        # The engine's own check and message, the same as its Python API gives.
+        assert "custom logit processors are disabled on this engine" in error["message"]
         assert http.get("/health_generate").status_code == 200
 
 

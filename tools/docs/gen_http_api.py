@@ -38,7 +38,8 @@ at `/docs`. How the routes behave (streaming, errors, authentication, batching) 
   needs `Authorization: Bearer KEY` (401 otherwise).
 - Errors are JSON in OpenAI's shape, `{{"error": {{"message", "type", "param", "code"}}}}`, with
   the HTTP status (400 bad input, 401, 404, 413 body over `--max-request-bytes`, 503
-  overloaded, 500).
+  overloaded or the engine not serving, 500). A stream the engine fails after it started ends
+  with a `data: {{"error": ...}}` event, then `data: [DONE]`.
 - `/metrics` answers 404 unless the server runs with `--enable-metrics`.
 - The "from" column says where each field comes from — OpenAI's API, SGLang's `/generate`
   and extras, vLLM's extras, or radixlm's own — and, after a colon, where radixlm behaves

@@ -19,7 +19,13 @@ import zlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from radixlm.sampling import GenerateRequest, SamplingParams
+from radixlm.sampling import (
+    FinishReason,
+    GenerateChunk,
+    GenerateRequest,
+    LogprobEntry,
+    SamplingParams,
+)
 
 try:  # Python 3.11+
     from re import _parser as sre_parse  # type: ignore[attr-defined]
@@ -251,16 +257,19 @@ class ToyCore:
                 best = max(best, n)
             return min(best, max(len(ids) - 1, 0))
 
-    def _entries(self, tokens: list[str], start: int, with_text: bool) -> list[list[Any]]:
+    def _entries(self, tokens: list[str], start: int, with_text: bool) -> tuple[LogprobEntry, ...]:
         out = []
         if self.omit_first_logprob:
             start = max(start, 1)
         for i in range(max(start, 0), len(tokens)):
             value = None if i == 0 else self.model.logprob("".join(tokens[:i]), tokens[i])
-            out.append([value, self.vocab.id(tokens[i]), tokens[i] if with_text else None])
-        return out
+            out.append(
+                LogprobEntry(value, self.vocab.id(tokens[i]), tokens[i] if with_text else None)
+            )
+        return tuple(out)
 
     def _one(self, req: GenerateRequest, index: int) -> dict[str, Any]:
+        """One sequence's /generate answer, written as a radixlm server writes it."""
         if req.input_ids is not None:
             prompt_tokens = [self.vocab.text(i) for i in req.input_ids]  # type: ignore[union-attr]
         else:
@@ -274,29 +283,28 @@ class ToyCore:
         text, finish = self.model.complete(prompt, params)
         out_tokens = tokenize(text)
         ids = tuple(self.vocab.id(t) for t in prompt_tokens)
-        meta: dict[str, Any] = {
-            "id": req.rid or f"req-{len(self.requests)}",
-            "prompt_tokens": len(prompt_tokens),
-            "completion_tokens": len(out_tokens),
-            "cached_tokens": self._cached(ids),
-            "finish_reason": finish,
-            "e2e_latency": 0.0,
-        }
+        logprobs: dict[str, Any] = {}
         if req.return_logprob:
             with_text = bool(req.return_text_in_logprobs)
             start = req.logprob_start_len
             start = len(prompt_tokens) if start == -1 else start  # type: ignore[assignment]
-            meta["input_token_logprobs"] = self._entries(prompt_tokens, start, with_text)  # type: ignore[arg-type]
+            logprobs["input_token_logprobs"] = self._entries(prompt_tokens, start, with_text)  # type: ignore[arg-type]
             every = prompt_tokens + out_tokens
-            meta["output_token_logprobs"] = self._entries(every, len(prompt_tokens), with_text)
+            logprobs["output_token_logprobs"] = self._entries(every, len(prompt_tokens), with_text)
+        chunk = GenerateChunk(
+            rid=str(req.rid or f"req-{len(self.requests)}"),
+            index=index,
+            text=text,
+            output_ids=tuple(self.vocab.id(t) for t in out_tokens),
+            prompt_tokens=len(prompt_tokens),
+            completion_tokens=len(out_tokens),
+            cached_tokens=self._cached(ids),
+            finish_reason=FinishReason.from_json(finish),
+            **logprobs,
+        )
         with self._lock:
-            self._cache.append(ids + tuple(self.vocab.id(t) for t in out_tokens))
-        return {
-            "index": index,
-            "text": text,
-            "output_ids": [self.vocab.id(t) for t in out_tokens],
-            "meta_info": meta,
-        }
+            self._cache.append(ids + chunk.output_ids)
+        return chunk.to_json()
 
     def generate(self, body: dict[str, Any]) -> Any:
         """A /generate body -> its JSON answer. Raises InvalidRequest / re.error for a 400."""

@@ -76,12 +76,10 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="session")
 def engine(tokenizer: Any) -> Any:
-    return fake.FakeEngine(tokenizer)
+    return fake.FakeEngine(tokenizer, enable_custom_logit_processor=True)
 
 
-DEFAULT_CONFIG = ServerConfig(
-    served_model_name="toy", enable_metrics=True, enable_custom_logit_processor=True
-)
+DEFAULT_CONFIG = ServerConfig(served_model_name="toy", enable_metrics=True)
 
 
 @pytest.fixture(scope="session")

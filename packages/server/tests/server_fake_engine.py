@@ -26,9 +26,14 @@ from typing import Any
 from radixlm.sampling import (
     CustomLogitProcessor,
     EngineOverloaded,
+    FinishReason,
+    GenerateChunk,
     GenerateRequest,
     InvalidRequest,
+    LogprobEntry,
     SamplingParams,
+    check_text_fits,
+    max_token_chars,
 )
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
@@ -136,11 +141,14 @@ class _Sequence:
     target: list[int]
     ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish: dict[str, Any] | None = None
+    finish: FinishReason | None = None
 
 
 class FakeEngine:
-    """A toy EngineClient. `token_delay` seconds pass between tokens."""
+    """A toy EngineClient. `token_delay` seconds pass between tokens. Like radixlm's engine, it
+    validates what it is sent (token ids, the context, a text too long in characters to fit
+    it, custom logit processors, a rid in use) and raises InvalidRequest before the first
+    chunk; the server checks none of that."""
 
     def __init__(
         self,
@@ -150,12 +158,15 @@ class FakeEngine:
         max_context_length: int = 512,
         max_queued: int | None = None,
         model_path: str = "toy/fake-model",
+        enable_custom_logit_processor: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self.token_delay = token_delay
         self.max_context_length = max_context_length
         self.max_queued = max_queued
         self.model_path = model_path
+        self.enable_custom_logit_processor = enable_custom_logit_processor
+        self.max_token_chars = max_token_chars(tokenizer)
         self.vocab_size = len(tokenizer)
         self.eos_id = int(tokenizer.eos_token_id)
         self.received: list[GenerateRequest] = []
@@ -201,10 +212,42 @@ class FakeEngine:
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.input_ids is not None:
-            return list(request.input_ids)  # type: ignore[arg-type]
+            ids = [int(t) for t in request.input_ids]  # type: ignore[union-attr, arg-type]
+            outside = [t for t in ids if t >= self.vocab_size]
+            if outside:
+                raise InvalidRequest(
+                    "input_ids",
+                    f"token ids {outside[:5]} are outside the vocabulary of "
+                    f"{self.vocab_size} tokens",
+                )
+            return ids
         if request.text is None:
             raise InvalidRequest("input_embeds", "this engine takes text or input_ids only")
-        return list(self._tokenizer.encode(str(request.text), add_special_tokens=False))
+        text = str(request.text)
+        check_text_fits(text, self.max_context_length, self.max_token_chars, "text")
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _check(self, request: GenerateRequest, prompt: list[int]) -> None:
+        """What radixlm's engine refuses, with its fields (messages shortened)."""
+        request.params.check(self.vocab_size)
+        custom = request.custom_logit_processor
+        if custom is not None:
+            if not self.enable_custom_logit_processor:
+                raise InvalidRequest(
+                    "custom_logit_processor",
+                    "custom logit processors are disabled on this engine; start it with "
+                    "enable_custom_logit_processor=True to allow them",
+                )
+            try:
+                CustomLogitProcessor.from_str(str(custom))
+            except ValueError as error:
+                raise InvalidRequest("custom_logit_processor", str(error)) from None
+        room = 0 if request.params.max_new_tokens == 0 else 1
+        if len(prompt) + room > self.max_context_length:
+            raise InvalidRequest(
+                "text" if request.text is not None else "input_ids",
+                f"the prompt has {len(prompt)} tokens; the context holds {self.max_context_length}",
+            )
 
     def _target_text(self, prompt: str, params: SamplingParams, index: int) -> str:
         constraint = params.constraint
@@ -251,10 +294,10 @@ class FakeEngine:
             targets.append(ids)
         return targets
 
-    def _triple(self, token: int, logprob: float | None, with_text: bool) -> list[Any]:
-        return [logprob, token, self._tokenizer.decode([token]) if with_text else None]
+    def _triple(self, token: int, logprob: float | None, with_text: bool) -> LogprobEntry:
+        return LogprobEntry(logprob, token, self._tokenizer.decode([token]) if with_text else None)
 
-    def _top(self, token: int, k: int, with_text: bool) -> list[list[Any]]:
+    def _top(self, token: int, k: int, with_text: bool) -> tuple[LogprobEntry, ...]:
         chosen = self._triple(token, self.logprob(token), with_text)
         # The third alternative is ruled out (-inf), as grammar masks do in real engines.
         others = [
@@ -265,7 +308,7 @@ class FakeEngine:
             )
             for j in range(1, k)
         ]
-        return [chosen, *others]
+        return (chosen, *others)
 
     @staticmethod
     def logprob(token: int) -> float:
@@ -273,73 +316,71 @@ class FakeEngine:
 
     def _chunk(
         self, request: GenerateRequest, seq: _Sequence, prompt: list[int], arrival: float
-    ) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": request.rid,
-            "prompt_tokens": len(prompt),
-            "completion_tokens": len(seq.ids),
-            "cached_tokens": len(prompt) // 2,
-            "finish_reason": seq.finish,
-            "e2e_latency": time.monotonic() - arrival,
-        }
+    ) -> GenerateChunk:
+        logprobs: dict[str, Any] = {}
         if request.return_logprob:
             text = bool(request.return_text_in_logprobs)
             k = int(request.top_logprobs_num)  # type: ignore[arg-type]
-            meta["output_token_logprobs"] = [
+            logprobs["output_token_logprobs"] = tuple(
                 self._triple(t, self.logprob(t), text) for t in seq.ids
-            ]
-            meta["output_top_logprobs"] = [self._top(t, k, text) if k else [] for t in seq.ids]
+            )
+            logprobs["output_top_logprobs"] = tuple(
+                self._top(t, k, text) if k else () for t in seq.ids
+            )
             start = int(request.logprob_start_len)  # type: ignore[arg-type]
             if start >= 0:
                 positions = range(start, len(prompt))
-                meta["input_token_logprobs"] = [
+                logprobs["input_token_logprobs"] = tuple(
                     self._triple(prompt[p], None if p == 0 else self.logprob(prompt[p]), text)
                     for p in positions
-                ]
-                meta["input_top_logprobs"] = [
-                    None if p == 0 else (self._top(prompt[p], k, text) if k else [])
+                )
+                logprobs["input_top_logprobs"] = tuple(
+                    None if p == 0 else (self._top(prompt[p], k, text) if k else ())
                     for p in positions
-                ]
-        return {
-            "index": seq.index,
-            "text": seq.text,
-            "output_ids": list(seq.ids),
-            "meta_info": meta,
-        }
+                )
+        return GenerateChunk(
+            rid=str(request.rid),
+            index=seq.index,
+            text=seq.text,
+            output_ids=tuple(seq.ids),
+            prompt_tokens=len(prompt),
+            completion_tokens=len(seq.ids),
+            cached_tokens=len(prompt) // 2,
+            finish_reason=seq.finish,
+            e2e_latency=time.monotonic() - arrival,
+            **logprobs,
+        )
 
     def _advance(self, seq: _Sequence, params: SamplingParams, limit: int | None) -> None:
         token = seq.target[len(seq.ids)] if len(seq.ids) < len(seq.target) else self.eos_id
         if token == self.eos_id and not params.ignore_eos:
-            seq.finish = {"type": "stop", "matched": token}
+            seq.finish = FinishReason("stop", token)
             return
         seq.ids.append(token)
         seq.text = str(self._tokenizer.decode(seq.ids, skip_special_tokens=True))
         if token in (params.stop_token_ids or []):
-            seq.finish = {"type": "stop", "matched": token}
+            seq.finish = FinishReason("stop", token)
         for stop in params.stop_strings:
             at = seq.text.find(stop)
             if at >= 0:
                 seq.text = seq.text[: at + len(stop)] if params.keeps_stop_string else seq.text[:at]
-                seq.finish = {"type": "stop", "matched": stop}
+                seq.finish = FinishReason("stop", stop)
                 return
         if seq.finish is None and limit is not None and len(seq.ids) >= limit:
-            seq.finish = {"type": "length", "matched": None}
+            seq.finish = FinishReason("length")
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         self.received.append(request)
+        rid = str(request.rid)
+        if rid in self.active:
+            raise InvalidRequest("rid", f"request id {rid!r} is already in use")
         if self.max_queued is not None and len(self.active) >= self.max_queued:
             raise EngineOverloaded(f"the queue is full ({self.max_queued} requests); retry later")
         params = request.params
         prompt = self._prompt_ids(request)
-        room = 0 if params.max_new_tokens == 0 else 1
-        if len(prompt) + room > self.max_context_length:
-            raise InvalidRequest(
-                "text",
-                f"the prompt has {len(prompt)} tokens; the context holds {self.max_context_length}",
-            )
+        self._check(request, prompt)
         prompt_text = str(self._tokenizer.decode(prompt))
         seqs = [_Sequence(i, t) for i, t in enumerate(self._targets(request, prompt_text))]
-        rid = str(request.rid)
         arrival = time.monotonic()
         state = {"abort": False}
         self.active[rid] = state
@@ -347,7 +388,7 @@ class FakeEngine:
         try:
             if params.max_new_tokens == 0:
                 for seq in seqs:
-                    seq.finish = {"type": "length", "matched": None}
+                    seq.finish = FinishReason("length")
                     yield self._chunk(request, seq, prompt, arrival)
                 done = True
                 return
@@ -357,7 +398,7 @@ class FakeEngine:
                     if seq.finish is not None:
                         continue
                     if state["abort"]:
-                        seq.finish = {"type": "abort", "message": "aborted by request"}
+                        seq.finish = FinishReason("abort", message="aborted by request")
                     else:
                         self._advance(seq, params, params.max_new_tokens)
                     if request.stream or seq.finish is not None:

@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from radixlm.sampling import GenerateRequest
+from radixlm.sampling import FinishReason, GenerateChunk, GenerateRequest
 from radixlm.server import ServerConfig
 
 fake = sys.modules["server_fake_engine"]  # loaded by conftest
@@ -30,27 +30,24 @@ class BeamEngine(fake.FakeEngine):  # type: ignore[name-defined,misc]
         *,
         length_penalty: float = 1.0,
         early_stopping: bool = False,
-    ) -> list[dict[str, Any]]:
+    ) -> list[GenerateChunk]:
         self.searches.append((request, beam_width, length_penalty, early_stopping))
         prompt = request.text or ""
         out = []
         for i in range(beam_width):
             ids = self.tokenizer.encode(f" beam {i}", add_special_tokens=False)
-            reason = {"type": "length", "matched": None} if i % 2 else None
+            reason = FinishReason("length") if i % 2 else FinishReason("stop", self.eos_id)
             out.append(
-                {
-                    "index": i,
-                    "text": f" beam {i}",
-                    "output_ids": ids,
-                    "meta_info": {
-                        "id": request.rid,
-                        "prompt_tokens": len(self.tokenizer.encode(prompt)),
-                        "completion_tokens": len(ids),
-                        "cached_tokens": 0,
-                        "finish_reason": reason or {"type": "stop", "matched": self.eos_id},
-                        "score": -float(i),
-                    },
-                }
+                GenerateChunk(
+                    rid=str(request.rid),
+                    index=i,
+                    text=f" beam {i}",
+                    output_ids=tuple(ids),
+                    prompt_tokens=len(self.tokenizer.encode(prompt)),
+                    completion_tokens=len(ids),
+                    finish_reason=reason,
+                    score=-float(i),
+                )
             )
         return out
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -39,8 +41,7 @@ def test_serve_without_a_model_path_serves_the_builtin_model(
     runtime.BUILTIN_MODEL_NAME = "radixlm-demo"  # type: ignore[attr-defined]
     install_runtime(monkeypatch, runtime)
     served: dict[str, Any] = {}
-    uvicorn = pytest.importorskip("uvicorn")
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
+    install_uvicorn(monkeypatch, lambda server: served.update(app=server.config.app))
     assert serve_main([]) == 0
     assert built == {"model_path": "/builtin/demo"}
     assert served["app"].state.radixlm.served_model_name == "radixlm-demo"
@@ -87,6 +88,8 @@ def test_flags_mirror_sglang_and_reach_the_engine_only_when_given() -> None:
         "max_queued_requests": 8,
         "json_whitespace": "any",
         "enable_custom_logit_processor": True,
+        "engine_process": True,
+        "engine_restarts": 3,
     }
 
 
@@ -100,8 +103,28 @@ def test_grammar_flags_reach_the_engine() -> None:
         "strict_constraints": True,
         "max_constraint_bytes": 4096,
         "grammar_compile_timeout": 2.5,
+        "engine_process": True,
+        "engine_restarts": 3,
     }
-    assert engine_kwargs(build_parser().parse_args([])) == {}  # the engine's defaults apply
+    # The engine's defaults apply, but for where it runs.
+    assert engine_kwargs(build_parser().parse_args([])) == {
+        "engine_process": True,
+        "engine_restarts": 3,
+    }
+
+
+def test_engine_mode_flags_choose_a_thread_or_a_restarted_process(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = build_parser().parse_args(["--engine-mode", "thread", "--engine-restarts", "0"])
+    assert engine_kwargs(args) == {"engine_process": False, "engine_restarts": 0}
+    assert (
+        engine_kwargs(build_parser().parse_args(["--engine-restarts", "7"]))["engine_restarts"] == 7
+    )
+    for bad in (["--engine-mode", "fork"], ["--engine-restarts", "-1"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(bad)
+    assert "must be 0 or more" in capsys.readouterr().err
 
 
 def test_grammar_backend_flag_offers_auto_and_every_backend(
@@ -146,28 +169,70 @@ def test_launcher_explains_a_missing_engine(monkeypatch: pytest.MonkeyPatch) -> 
         launcher.build_engine("some/model", {})
 
 
-def test_serve_builds_the_runtime_engine_and_runs_uvicorn(
-    monkeypatch: pytest.MonkeyPatch, tokenizer: Any, capsys: pytest.CaptureFixture[str]
+def install_engine(
+    monkeypatch: pytest.MonkeyPatch, make: Callable[[], Any], built: dict[str, Any]
 ) -> None:
-    built: dict[str, Any] = {}
+    """A stand-in radixlm.runtime whose Engine records its arguments and returns `make()`."""
 
     def engine_factory(model_path: str, **kwargs: Any) -> Any:
         built.update(model_path=model_path, kwargs=kwargs)
-        return fake.FakeEngine(tokenizer)
+        return make()
 
     runtime = types.ModuleType("radixlm.runtime")
     runtime.Engine = engine_factory  # type: ignore[attr-defined]
     install_runtime(monkeypatch, runtime)
-    served: dict[str, Any] = {}
+
+
+def install_uvicorn(monkeypatch: pytest.MonkeyPatch, serve: Callable[[Any], None]) -> None:
+    """uvicorn.Server.run replaced by `serve(server)` (which marks the server started)."""
     uvicorn = pytest.importorskip("uvicorn")
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
+
+    def run(self: Any, sockets: Any = None) -> None:
+        self.started = True
+        serve(self)
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+
+
+def test_serve_builds_the_runtime_engine_and_runs_uvicorn(
+    monkeypatch: pytest.MonkeyPatch, tokenizer: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    built: dict[str, Any] = {}
+    install_engine(monkeypatch, lambda: fake.FakeEngine(tokenizer), built)
+    served: dict[str, Any] = {}
+    install_uvicorn(monkeypatch, lambda server: served.update(config=server.config))
     status = serve_main(["--model-path", "/models/x", "--port", "8123", "--page-size", "4"])
     assert status == 0
-    assert built == {"model_path": "/models/x", "kwargs": {"page_size": 4}}
-    assert served["port"] == 8123 and served["host"] == "127.0.0.1"
-    assert served["app"].state.radixlm.config.port == 8123
+    assert built == {
+        "model_path": "/models/x",
+        "kwargs": {"page_size": 4, "engine_process": True, "engine_restarts": 3},
+    }
+    config = served["config"]
+    assert config.port == 8123 and config.host == "127.0.0.1"
+    assert config.app.state.radixlm.config.port == 8123
     banner = capsys.readouterr().out
     assert "curl http://127.0.0.1:8123/generate" in banner and "OpenAI(" in banner
+
+
+def test_serve_exits_with_status_1_once_the_engine_is_dead_for_good(
+    monkeypatch: pytest.MonkeyPatch, tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = fake.FakeEngine(tokenizer)
+    engine.failed = False
+    engine.shut_down = False
+    engine.shutdown = lambda: setattr(engine, "shut_down", True)
+    install_engine(monkeypatch, lambda: engine, {})
+
+    def serve(server: Any) -> None:
+        engine.failed = True  # its process died with no restart left
+        deadline = time.monotonic() + 10
+        while not server.should_exit and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    install_uvicorn(monkeypatch, serve)
+    assert serve_main(["--model-path", "/models/x"]) == 1
+    assert engine.shut_down
+    assert "no restart left" in caplog.text
 
 
 def test_create_app_refuses_what_is_not_an_engine() -> None:

@@ -169,7 +169,7 @@ def test_custom_logit_processor_runs_when_enabled(http: httpx.Client) -> None:
 
 
 def test_custom_logit_processor_is_refused_when_disabled(make_server: Any) -> None:
-    live, engine = make_server(ServerConfig())
+    live, engine = make_server(ServerConfig(), enable_custom_logit_processor=False)
     request = {
         "text": "anything",
         "sampling_params": {"custom_params": {"token_id": 42}},
@@ -177,9 +177,32 @@ def test_custom_logit_processor_is_refused_when_disabled(make_server: Any) -> No
     }
     response = httpx.post(f"{live.url}/generate", json=request)
     assert response.status_code == 400
-    assert response.json()["error"]["param"] == "custom_logit_processor"
-    assert "--enable-custom-logit-processor" in response.json()["error"]["message"]
-    assert engine.received == []
+    error = response.json()["error"]
+    # The engine owns the check; its message reaches the client as it is.
+    assert error["param"] == "custom_logit_processor"
+    assert "custom logit processors are disabled on this engine" in error["message"]
+    assert engine.active == {}
+
+
+def test_a_rid_in_use_is_refused_by_the_engine_while_the_first_runs_on(
+    http: httpx.Client, engine: Any
+) -> None:
+    first = {
+        "text": "long",
+        "rid": "twice",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 5000, "ignore_eos": True},
+    }
+    with http.stream("POST", "/generate", json=first) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line)
+        again = http.post("/generate", json={"text": "x", "rid": "twice"})
+        assert again.status_code == 400
+        assert again.json()["error"]["param"] == "rid"
+        assert http.get("/get_server_info").json()["http_requests_in_flight"] == 1
+        assert http.post("/abort_request", json={"rid": "twice"}).json()["aborted"] == 1
+        last = [line for line in lines if line][-2]
+    assert json.loads(last[6:])["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 def test_health_answers_200(http: httpx.Client) -> None:

@@ -12,6 +12,7 @@ import pytest
 import server_fake_engine as fake  # loaded by conftest.py
 from starlette.testclient import TestClient
 
+from radixlm.sampling import GenerateChunk
 from radixlm.server import ServerConfig, create_app
 from radixlm.server.response_store import ResponseStore, StoredResponse
 
@@ -411,7 +412,7 @@ def test_constraint_clashes_name_the_responses_fields(http: httpx.Client) -> Non
 class FailingEngine(fake.FakeEngine):  # type: ignore[misc]
     """Fails after its first streamed chunk."""
 
-    async def generate(self, request: Any) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: Any) -> AsyncIterator[GenerateChunk]:
         async for chunk in super().generate(request):
             yield chunk
             raise RuntimeError("the GPU caught fire")

@@ -145,6 +145,13 @@ def _byte_count(text: str) -> int:
     return value
 
 
+def _restart_count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more; got {text}")
+    return value
+
+
 def _add_flag(parser: argparse._ActionsContainer, dest: str, spec: dict[str, Any]) -> None:
     parser.add_argument("--" + dest.replace("_", "-"), dest=dest, **spec)
 
@@ -179,7 +186,8 @@ def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
     server.add_argument(
         "--enable-custom-logit-processor",
         action="store_true",
-        help="accept custom_logit_processor in requests",
+        help="accept custom_logit_processor in requests (the engine checks it: it runs code "
+        "the client sends, so enable it for trusted clients only)",
     )
     server.add_argument(
         "--response-store-size",
@@ -200,6 +208,23 @@ def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
     engine = parser.add_argument_group("engine")
     for dest, spec in ENGINE_FLAGS.items():
         _add_flag(engine, dest, spec)
+    engine.add_argument(
+        "--engine-mode",
+        choices=["process", "thread"],
+        default="process",
+        help="process (default): the engine core runs in a process of its own, so that HTTP, "
+        "tokenizing and streaming do not compete with it for the GIL, and a crashed engine "
+        "is restarted; thread: on a thread of the server process (one process, for debugging)",
+    )
+    engine.add_argument(
+        "--engine-restarts",
+        type=_restart_count,
+        default=3,
+        metavar="N",
+        help="times a dead engine process is started again (default 3; its open requests end "
+        "with a 503 error either way); with none left the server exits with status 1, for "
+        "its supervisor to restart it",
+    )
     return parser
 
 
@@ -223,7 +248,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         enable_metrics=args.enable_metrics,
-        enable_custom_logit_processor=args.enable_custom_logit_processor,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
@@ -233,7 +257,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Engine settings the user gave (flags left out keep the engine's defaults)."""
+    """Engine settings the user gave (flags left out keep the engine's defaults), and where
+    the engine runs (`--engine-mode`, `--engine-restarts`: always, as the server's defaults
+    differ from the engine's)."""
     kwargs: dict[str, Any] = {}
     for dest in ENGINE_FLAGS:
         value = getattr(args, dest)
@@ -241,6 +267,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kwargs[dest] = value
     if args.enable_custom_logit_processor:
         kwargs["enable_custom_logit_processor"] = True
+    kwargs["engine_process"] = args.engine_mode == "process"
+    kwargs["engine_restarts"] = args.engine_restarts
     return kwargs
 
 
@@ -261,11 +289,10 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm serve") -
         if config.served_model_name is None:
             config = dataclasses.replace(config, served_model_name=name)
     try:
-        launch(model_path, config, engine_kwargs(args))
+        return launch(model_path, config, engine_kwargs(args))
     except LaunchError as error:
         print(f"radixlm serve: {error}", file=sys.stderr)
         return 1
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

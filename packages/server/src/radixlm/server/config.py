@@ -28,8 +28,6 @@ class ServerConfig:
       (`qwen3`, `deepseek-r1`: `<think>...</think>`); it is returned as `reasoning_content`.
       None: the output is all content.
     - `enable_metrics`: serve Prometheus metrics on `/metrics`.
-    - `enable_custom_logit_processor`: accept `custom_logit_processor` in requests (refused with
-      a 400 otherwise).
     - `health_generate_timeout`: seconds `/health_generate` waits for its one-token generation.
     - `host`, `port`, `log_level`: used by the launcher (`radixlm serve`) only.
     - `log_requests`: log one info line per finished request (tokens, cache hits, latency).
@@ -46,7 +44,6 @@ class ServerConfig:
     tool_call_parser: str = "hermes"
     reasoning_parser: str | None = None
     enable_metrics: bool = False
-    enable_custom_logit_processor: bool = False
     health_generate_timeout: float = 20.0
     host: str = "127.0.0.1"
     port: int = 30000

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixlm.sampling import EngineOverloaded, InvalidRequest
+from radixlm.sampling import EngineOverloaded, EngineUnavailable, InvalidRequest
 
 logger = logging.getLogger("radixlm.server")
 
@@ -98,6 +98,12 @@ def overloaded(error: EngineOverloaded) -> APIError:
     return APIError(503, message, code="overloaded")
 
 
+def unavailable(error: EngineUnavailable) -> APIError:
+    """The 503 for an engine that stopped serving (its process died, it shut down)."""
+    message = str(error) or "the engine is not serving; retry once /health answers 200"
+    return APIError(503, message, code="engine_unavailable", type="server_error")
+
+
 def invalid_json(error: json.JSONDecodeError | UnicodeDecodeError) -> APIError:
     return APIError(400, f"the request body is not valid JSON: {error}", code="invalid_json")
 
@@ -112,6 +118,8 @@ def as_api_error(error: BaseException) -> APIError | None:
         return APIError.from_invalid(InvalidRequest.from_validation_error(error))
     if isinstance(error, EngineOverloaded):
         return overloaded(error)
+    if isinstance(error, EngineUnavailable):
+        return unavailable(error)
     return None
 
 
@@ -177,6 +185,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(InvalidRequest, on_invalid)
     app.add_exception_handler(EngineOverloaded, on_invalid)
+    app.add_exception_handler(EngineUnavailable, on_invalid)
     app.add_exception_handler(ValidationError, on_invalid)
     app.add_exception_handler(RequestValidationError, on_request_validation)
     app.add_exception_handler(BodyTooLarge, on_too_large)

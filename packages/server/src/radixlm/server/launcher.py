@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from typing import Any
 
 from radixlm.server.app import create_app
@@ -67,8 +68,47 @@ def usage_banner(config: ServerConfig, model: str) -> str:
     )
 
 
-def launch(model_path: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> None:
-    """Start the engine and serve it until interrupted (blocks)."""
+class EngineWatchdog:
+    """Stops an HTTP server once its engine is dead for good (`engine.failed`: its process
+    died with no restart left), so that the server process exits and its supervisor (systemd,
+    Kubernetes, a shell loop) starts a new one. Polls from a daemon thread."""
+
+    def __init__(
+        self, engine: Any, server: Any, interval: float = 0.5, grace: float = 10.0
+    ) -> None:
+        self.engine = engine
+        self.server = server  # a uvicorn.Server: `should_exit`, then `force_exit`
+        self.interval = interval
+        self.grace = grace  # seconds open connections get to close after should_exit
+        self.tripped = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="radixlm-watchdog", daemon=True)
+
+    def start(self) -> EngineWatchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval):
+            if getattr(self.engine, "failed", False):
+                self.tripped = True
+                logger.error(
+                    "the engine process died and has no restart left (--engine-restarts); "
+                    "stopping the server so that its supervisor restarts it"
+                )
+                self.server.should_exit = True
+                if not self._stop.wait(self.grace):
+                    self.server.force_exit = True
+                return
+
+
+def launch(model_path: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> int:
+    """Start the engine and serve it until interrupted (blocks). Returns the exit status: 0
+    when stopped, 1 when the engine died for good (see EngineWatchdog), 3 when uvicorn could
+    not start (as `uvicorn.run` exits)."""
     import uvicorn
 
     level = "DEBUG" if config.log_level == "trace" else config.log_level.upper()
@@ -77,12 +117,24 @@ def launch(model_path: str, config: ServerConfig, engine_kwargs: dict[str, Any])
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     engine = build_engine(model_path, engine_kwargs)
+    watchdog: EngineWatchdog | None = None
     try:
         app = create_app(engine, config)
         served = app.state.radixlm.served_model_name
         print(usage_banner(config, served), flush=True)
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+        uvicorn_config = uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=config.log_level
+        )
+        server = uvicorn.Server(uvicorn_config)
+        watchdog = EngineWatchdog(engine, server).start()
+        server.run()
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         shutdown = getattr(engine, "shutdown", None)
         if callable(shutdown):
             shutdown()
+    if watchdog.tripped:
+        logger.error("radixlm serve exits with status 1: its engine is dead")
+        return 1
+    return 0 if server.started else 3

@@ -11,11 +11,11 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from radixlm.sampling import GenerateRequest, SamplingParams
+from radixlm.sampling import EngineUnavailable, GenerateChunk, GenerateRequest, SamplingParams
 from radixlm.server._version import __version__
-from radixlm.server.errors import APIError, as_api_error
+from radixlm.server.errors import APIError, as_api_error, unavailable
 from radixlm.server.metrics import CONTENT_TYPE
-from radixlm.server.state import ServerState, finish_type, renamed_errors
+from radixlm.server.state import ServerState, renamed_errors
 from radixlm.server.streams import (
     DONE_EVENT,
     EngineJSONResponse,
@@ -48,12 +48,14 @@ class _Generate:
         self.offsets = [sum(self.n[:i]) for i in range(len(self.items))]
         self.single = request.is_single and self.n[0] == 1
 
-    def shape(self, stream: int, chunk: dict[str, Any]) -> dict[str, Any]:
-        out = dict(chunk)
+    def shape(self, stream: int, chunk: GenerateChunk) -> dict[str, Any]:
+        """The chunk as /generate answers it: SGLang's layout, with the flat index (none for
+        a single request of one sequence)."""
+        out = chunk.to_json()
         if self.single:
             out.pop("index", None)
         else:
-            out["index"] = self.offsets[stream] + int(chunk.get("index", 0))
+            out["index"] = self.offsets[stream] + chunk.index
         return out
 
     async def collect(self, streams: EngineStreams) -> Any:
@@ -61,9 +63,8 @@ class _Generate:
         try:
             await streams.start()
             async for stream, chunk in streams:
-                if finish_type(chunk) is not None:
-                    shaped = self.shape(stream, chunk)
-                    finals[int(shaped.get("index", 0))] = shaped
+                if chunk.finished:
+                    finals[self.offsets[stream] + chunk.index] = self.shape(stream, chunk)
         finally:
             await streams.aclose()
         expected = sum(self.n)
@@ -101,7 +102,14 @@ def native_router(state: ServerState) -> APIRouter:
 
     @router.get("/health", tags=["native"])
     async def health() -> Response:
-        """Liveness: 200 while the process serves HTTP."""
+        """Liveness: 200 while the engine serves; 503 while it cannot (its process died and is
+        restarting, or has no restart left)."""
+        if not getattr(engine, "healthy", True):
+            if getattr(engine, "failed", False):
+                reason = "the engine process died and will not restart; restart the server"
+            else:
+                reason = "the engine is not serving (it is restarting); retry shortly"
+            raise unavailable(EngineUnavailable(reason))
         return Response(status_code=200)
 
     @router.get("/health_generate", tags=["native"])
@@ -137,8 +145,10 @@ def native_router(state: ServerState) -> APIRouter:
     @router.get("/get_server_info", tags=["native"])
     async def get_server_info() -> dict[str, Any]:
         """Engine config and live stats (cache hit rate, running / queued), server settings."""
+        # In the thread pool: an engine in its own process answers over a round trip.
+        info = await state.run_blocking(engine.server_info)
         return {
-            **engine.server_info(),
+            **info,
             "server_config": state.config.public_dict(),
             "http_requests_in_flight": len(state.inflight),
             "version": __version__,
@@ -177,6 +187,7 @@ def native_router(state: ServerState) -> APIRouter:
         @router.get("/metrics", tags=["native"])
         async def get_metrics() -> Response:
             """Prometheus metrics."""
-            return Response(metrics.render(), media_type=CONTENT_TYPE)
+            # In the thread pool: rendering asks the engine for its live stats.
+            return Response(await state.run_blocking(metrics.render), media_type=CONTENT_TYPE)
 
     return router

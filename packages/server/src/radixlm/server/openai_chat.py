@@ -14,12 +14,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixlm.sampling import GenerateRequest, InvalidRequest
+from radixlm.sampling import GenerateChunk, GenerateRequest, InvalidRequest
 from radixlm.server.openai_common import (
     StreamUsage,
     chat_logprobs,
-    finish_reason,
-    new_entries,
+    new_tokens,
+    new_tops,
     now,
     param_names,
     parse_body,
@@ -243,11 +243,11 @@ class _Chat:
             self.readers[index] = ToolCallReader(self.reader_mode, self.function_name, limit)
         return self.readers[index]
 
-    def logprobs(self, meta: dict[str, Any], start: int, end: int) -> Any:
+    def logprobs(self, chunk: GenerateChunk, start: int, end: int) -> Any:
         if not self.request.logprobs:
             return None
-        tokens = new_entries(meta, "output_token_logprobs", end, start)
-        tops = new_entries(meta, "output_top_logprobs", end, start)
+        tokens = new_tokens(chunk, end, start)
+        tops = new_tops(chunk, end, start)
         return chat_logprobs(tokens, tops, self.state.engine.tokenizer)
 
     def chunk(self, choices: list[dict[str, Any]], usage_value: Any = ...) -> dict[str, Any]:
@@ -263,28 +263,27 @@ class _Chat:
         return body
 
     async def collect(self, streams: EngineStreams) -> dict[str, Any]:
-        finals: dict[int, dict[str, Any]] = {}
+        finals: dict[int, GenerateChunk] = {}
         try:
             await streams.start()
             async for _, chunk in streams:
-                if finish_reason(chunk.get("meta_info", {})) is not None:
-                    finals[int(chunk.get("index", 0))] = chunk
+                if chunk.finished:
+                    finals[chunk.index] = chunk
         finally:
             await streams.aclose()
         choices = []
-        completion = 0
-        meta: dict[str, Any] = {}
+        completion = prompt = cached = 0
         for index in sorted(finals):
             chunk = finals[index]
-            meta = chunk.get("meta_info", {})
-            completion += int(meta.get("completion_tokens", 0))
-            text = str(chunk.get("text", ""))
+            prompt, cached = chunk.prompt_tokens, chunk.cached_tokens
+            completion += chunk.completion_tokens
+            text = chunk.text
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.reasoning is not None:
                 reasoning, text = self.reasoning.split(text)
                 message["reasoning_content"] = reasoning or None
                 message["content"] = text
-            reason = finish_reason(meta)
+            reason: str | None = chunk.finish_type
             reader = self.reader(index)
             if reader is not None:
                 content, calls = reader.result(text)
@@ -296,25 +295,23 @@ class _Chat:
                 {
                     "index": index,
                     "message": message,
-                    "logprobs": self.logprobs(meta, 0, len(chunk.get("output_ids") or [])),
+                    "logprobs": self.logprobs(chunk, 0, len(chunk.output_ids)),
                     "finish_reason": reason,
                 }
             )
-        prompt = int(meta.get("prompt_tokens", 0))
-        body = self.chunk(choices, usage(prompt, completion, int(meta.get("cached_tokens", 0))))
+        body = self.chunk(choices, usage(prompt, completion, cached))
         body["object"] = "chat.completion"
         return body
 
     def choice_deltas(
-        self, stream: int, chunk: dict[str, Any], tally: StreamUsage
+        self, stream: int, chunk: GenerateChunk, tally: StreamUsage
     ) -> list[dict[str, Any]]:
         """The chunks' choices for one engine chunk of one choice."""
-        meta = chunk.get("meta_info", {})
-        index = int(chunk.get("index", 0))
-        progress = tally.update(stream, index, meta)
-        text = str(chunk.get("text", ""))
-        output_len = len(chunk.get("output_ids") or [])
-        reason = finish_reason(meta)
+        index = chunk.index
+        progress = tally.update(stream, index, chunk)
+        text = chunk.text
+        output_len = len(chunk.output_ids)
+        reason: str | None = chunk.finish_type
         out: list[dict[str, Any]] = []
         if not progress.started:
             progress.started = True
@@ -339,7 +336,7 @@ class _Chat:
                 delta["tool_calls"] = calls
         elif fresh:
             delta["content"] = fresh
-        logprobs = self.logprobs(meta, progress.tokens, output_len)
+        logprobs = self.logprobs(chunk, progress.tokens, output_len)
         progress.chars = max(progress.chars, len(text))
         progress.tokens = max(progress.tokens, output_len)
         if delta or (logprobs and logprobs["content"]):

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from radixlm.sampling import InvalidRequest, SamplingParams
+from radixlm.sampling import GenerateChunk, InvalidRequest, LogprobEntry, SamplingParams
 from radixlm.server.errors import APIError, as_api_error
 from radixlm.server.openai_models import SamplingFields, StreamOptions
 from radixlm.server.streams import DONE_EVENT, EngineStreams, sse
@@ -200,13 +200,6 @@ def sampling_params(
         raise InvalidRequest(renamed.get(error.field, error.field), error.message) from None
 
 
-def finish_reason(meta: Mapping[str, Any]) -> str | None:
-    reason = meta.get("finish_reason")
-    if reason is None:
-        return None
-    return str(reason.get("type")) if isinstance(reason, Mapping) else str(reason)
-
-
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
@@ -216,21 +209,30 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
-def token_text(entry: list[Any] | tuple[Any, ...], tokenizer: Any) -> str:
-    """The text of a `[logprob, token_id, text]` triple (decoded when the engine left it out)."""
-    if len(entry) > 2 and entry[2] is not None:
-        return str(entry[2])
-    return str(tokenizer.decode([int(entry[1])]))
+def token_text(entry: LogprobEntry, tokenizer: Any) -> str:
+    """The text of a logprob entry (decoded when the engine left it out)."""
+    if entry.text is not None:
+        return entry.text
+    return str(tokenizer.decode([entry.token_id]))
 
 
-def new_entries(meta: Mapping[str, Any], key: str, output_len: int, sent: int) -> list[Any]:
-    """The entries of `meta[key]` for tokens not sent yet (cumulative or incremental lists)."""
-    entries = list(meta.get(key) or [])
+Positions = list[tuple[LogprobEntry, ...] | None]
+
+
+def new_tokens(chunk: GenerateChunk, output_len: int, sent: int) -> list[LogprobEntry]:
+    """The chunk's output logprob entries for tokens not sent yet (cumulative or incremental)."""
+    entries = list(chunk.output_token_logprobs or ())
+    return entries[sent:] if len(entries) >= output_len else entries
+
+
+def new_tops(chunk: GenerateChunk, output_len: int, sent: int) -> Positions:
+    """The chunk's output top logprobs for tokens not sent yet (cumulative or incremental)."""
+    entries: Positions = list(chunk.output_top_logprobs or ())
     return entries[sent:] if len(entries) >= output_len else entries
 
 
 def completion_logprobs(
-    tokens: list[Any], tops: list[Any], tokenizer: Any, offset: int
+    tokens: list[LogprobEntry], tops: Positions, tokenizer: Any, offset: int
 ) -> dict[str, Any]:
     """OpenAI completions' `logprobs` object for some tokens; `offset` is the first's position."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
@@ -238,22 +240,22 @@ def completion_logprobs(
     for i, entry in enumerate(tokens):
         text = token_text(entry, tokenizer)
         out["tokens"].append(text)
-        out["token_logprobs"].append(entry[0])
+        out["token_logprobs"].append(entry.logprob)
         top = tops[i] if i < len(tops) else None
         out["top_logprobs"].append(
-            None if top is None else {token_text(t, tokenizer): t[0] for t in top}
+            None if top is None else {token_text(t, tokenizer): t.logprob for t in top}
         )
         out["text_offset"].append(offset)
         offset += len(text)
     return out
 
 
-def _chat_entry(entry: list[Any], tokenizer: Any) -> dict[str, Any]:
+def _chat_entry(entry: LogprobEntry, tokenizer: Any) -> dict[str, Any]:
     text = token_text(entry, tokenizer)
-    return {"token": text, "logprob": entry[0], "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": entry.logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(tokens: list[Any], tops: list[Any], tokenizer: Any) -> dict[str, Any]:
+def chat_logprobs(tokens: list[LogprobEntry], tops: Positions, tokenizer: Any) -> dict[str, Any]:
     """OpenAI chat's `logprobs` object (`{"content": [...]}`) for some tokens."""
     content = []
     for i, entry in enumerate(tokens):
@@ -283,11 +285,11 @@ class StreamUsage:
     cached: dict[int, int] = field(default_factory=dict)
     choices: dict[int, ChoiceProgress] = field(default_factory=dict)
 
-    def update(self, stream: int, choice: int, meta: Mapping[str, Any]) -> ChoiceProgress:
-        self.prompt[stream] = int(meta.get("prompt_tokens", self.prompt.get(stream, 0)))
-        self.cached[stream] = int(meta.get("cached_tokens", self.cached.get(stream, 0)))
+    def update(self, stream: int, choice: int, chunk: GenerateChunk) -> ChoiceProgress:
+        self.prompt[stream] = chunk.prompt_tokens
+        self.cached[stream] = chunk.cached_tokens
         progress = self.choices.setdefault(choice, ChoiceProgress())
-        progress.completion_tokens = int(meta.get("completion_tokens", 0))
+        progress.completion_tokens = chunk.completion_tokens
         return progress
 
     def summary(self) -> dict[str, Any]:
@@ -300,7 +302,7 @@ def now() -> int:
 
 
 #: The choices to send for one engine chunk: (stream, chunk, usage so far) -> choice dicts.
-ChoiceDeltas = Callable[[int, dict[str, Any], StreamUsage], list[dict[str, Any]]]
+ChoiceDeltas = Callable[[int, GenerateChunk, StreamUsage], list[dict[str, Any]]]
 
 
 async def stream_events(

@@ -10,12 +10,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixlm.sampling import GenerateRequest, InvalidRequest
+from radixlm.sampling import GenerateChunk, GenerateRequest, InvalidRequest
 from radixlm.server.openai_common import (
     StreamUsage,
     completion_logprobs,
-    finish_reason,
-    new_entries,
+    new_tokens,
+    new_tops,
     now,
     param_names,
     parse_body,
@@ -83,19 +83,19 @@ class _Completion:
         text, ids = self.prompts[stream]
         return text if text is not None else str(self.state.engine.tokenizer.decode(ids))
 
-    def choice_index(self, stream: int, chunk: dict[str, Any]) -> int:
-        return stream * self.n + int(chunk.get("index", 0))
+    def choice_index(self, stream: int, chunk: GenerateChunk) -> int:
+        return stream * self.n + chunk.index
 
-    def logprobs(self, meta: dict[str, Any], start: int, count: int, offset: int) -> Any:
+    def logprobs(self, chunk: GenerateChunk, start: int, count: int, offset: int) -> Any:
         """Logprobs of output tokens [start, start+count), plus the prompt's when echoing."""
         if self.request.logprobs is None:
             return None
         tokenizer = self.state.engine.tokenizer
-        tokens = new_entries(meta, "output_token_logprobs", start + count, start)
-        tops = new_entries(meta, "output_top_logprobs", start + count, start)
+        tokens = new_tokens(chunk, start + count, start)
+        tops = new_tops(chunk, start + count, start)
         if self.request.echo and start == 0:
-            tokens = list(meta.get("input_token_logprobs") or []) + tokens
-            tops = list(meta.get("input_top_logprobs") or []) + tops
+            tokens = list(chunk.input_token_logprobs or ()) + tokens
+            tops = list(chunk.input_top_logprobs or ()) + tops
         return completion_logprobs(tokens, tops, tokenizer, offset)
 
     def chunk(self, choices: list[dict[str, Any]], usage_value: Any = ...) -> dict[str, Any]:
@@ -111,11 +111,11 @@ class _Completion:
         return body
 
     async def collect(self, streams: EngineStreams) -> dict[str, Any]:
-        finals: dict[int, tuple[int, dict[str, Any]]] = {}
+        finals: dict[int, tuple[int, GenerateChunk]] = {}
         try:
             await streams.start()
             async for stream, chunk in streams:
-                if finish_reason(chunk.get("meta_info", {})) is not None:
+                if chunk.finished:
                     finals[self.choice_index(stream, chunk)] = (stream, chunk)
         finally:
             await streams.aclose()
@@ -125,40 +125,37 @@ class _Completion:
         completion = 0
         for index in sorted(finals):
             stream, chunk = finals[index]
-            meta = chunk.get("meta_info", {})
-            prompt_tokens[stream] = int(meta.get("prompt_tokens", 0))
-            cached[stream] = int(meta.get("cached_tokens", 0))
-            completion += int(meta.get("completion_tokens", 0))
+            prompt_tokens[stream] = chunk.prompt_tokens
+            cached[stream] = chunk.cached_tokens
+            completion += chunk.completion_tokens
             prefix = self.prompt_text(stream) if self.request.echo else ""
-            output_len = len(chunk.get("output_ids") or [])
             choices.append(
                 {
                     "index": index,
-                    "text": prefix + str(chunk.get("text", "")),
-                    "logprobs": self.logprobs(meta, 0, output_len, 0),
-                    "finish_reason": finish_reason(meta),
+                    "text": prefix + chunk.text,
+                    "logprobs": self.logprobs(chunk, 0, len(chunk.output_ids), 0),
+                    "finish_reason": chunk.finish_type,
                 }
             )
         total = usage(sum(prompt_tokens.values()), completion, sum(cached.values()))
         return self.chunk(choices, total)
 
     def choice_deltas(
-        self, stream: int, chunk: dict[str, Any], tally: StreamUsage
+        self, stream: int, chunk: GenerateChunk, tally: StreamUsage
     ) -> list[dict[str, Any]]:
         """The choice to send for one engine chunk of one prompt (none when nothing is new)."""
-        meta = chunk.get("meta_info", {})
         index = self.choice_index(stream, chunk)
-        progress = tally.update(stream, index, meta)
-        text = str(chunk.get("text", ""))
-        output_len = len(chunk.get("output_ids") or [])
+        progress = tally.update(stream, index, chunk)
+        text = chunk.text
+        output_len = len(chunk.output_ids)
         delta = text[progress.chars :]
         offset = progress.chars
         if not progress.started and self.request.echo:
             delta = self.prompt_text(stream) + delta
             offset = 0
         count = output_len - progress.tokens
-        logprobs = self.logprobs(meta, progress.tokens, count, offset)
-        reason = finish_reason(meta)
+        logprobs = self.logprobs(chunk, progress.tokens, count, offset)
+        reason = chunk.finish_type
         out: list[dict[str, Any]] = []
         if delta or count > 0 or reason is not None or not progress.started:
             out.append(
@@ -192,7 +189,7 @@ class _Completion:
             for item in self.items
         ]
         try:
-            beams = await asyncio.gather(*tasks)
+            beams: list[list[GenerateChunk]] = await asyncio.gather(*tasks)
         except BaseException:
             for task in tasks:  # one prompt failed: stop the others' searches too
                 task.cancel()
@@ -202,19 +199,18 @@ class _Completion:
         for stream, results in enumerate(beams):
             prefix = self.prompt_text(stream) if request.echo else ""
             for rank, result in enumerate(results[: self.n]):
-                meta = result.get("meta_info", {})
-                completion += int(meta.get("completion_tokens", 0))
+                completion += result.completion_tokens
                 choices.append(
                     {
                         "index": stream * self.n + rank,
-                        "text": prefix + str(result.get("text", "")),
+                        "text": prefix + result.text,
                         "logprobs": None,
-                        "finish_reason": finish_reason(meta),
+                        "finish_reason": result.finish_type,
                     }
                 )
-            first = results[0].get("meta_info", {}) if results else {}
-            prompt_tokens += int(first.get("prompt_tokens", 0))
-            cached += int(first.get("cached_tokens", 0))
+            if results:
+                prompt_tokens += results[0].prompt_tokens
+                cached += results[0].cached_tokens
         return self.chunk(choices, usage(prompt_tokens, completion, cached))
 
 

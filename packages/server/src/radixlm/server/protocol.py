@@ -4,50 +4,42 @@ The server never imports an engine. Anything with these members can be served by
 `create_app(engine, config)`: radixlm's own `radixlm.runtime.Engine`, a remote-engine proxy, or a
 test double. The runtime satisfies it structurally (it does not import this module).
 
-Output chunks are plain dicts in SGLang's `/generate` response shape:
+Output chunks are `radixlm.sampling.GenerateChunk`s, frozen dataclasses the server reads by
+attribute; `chunk.to_json()` writes SGLang's `/generate` response layout (`index`, `text`,
+`output_ids`, `meta_info`), the one place that layout is written, and is what `/generate`
+answers. A chunk holds `rid`, `index` (which of the request's n sequences, 0 when n == 1),
+`text` and `output_ids` (that sequence's output so far), `prompt_tokens`, `completion_tokens`,
+`cached_tokens` (prompt tokens served from the prefix cache), `e2e_latency` (seconds since the
+request arrived) and `finish_reason`: None until the sequence's last chunk, then a
+`FinishReason(type="stop" | "length" | "abort", matched=token id | stop string | None,
+message=...)`. When the request asked for logprobs they are tuples of
+`LogprobEntry(logprob, token_id, text)`: `output_token_logprobs` and `input_token_logprobs`
+one entry per token, `output_top_logprobs`, `input_top_logprobs` and the
+`*_token_ids_logprobs` one tuple of entries per position (None where a position has none);
+other `meta_info` keys an engine reports go in `extra`.
 
-    {
-      "index": 0,                        # which of the request's n sequences (0 when n == 1)
-      "text": "...",                     # cumulative decoded text of that sequence
-      "output_ids": [...],               # cumulative output token ids of that sequence
-      "meta_info": {
-        "id": "<rid>",
-        "prompt_tokens": int,
-        "completion_tokens": int,
-        "cached_tokens": int,            # prompt tokens served from the radix cache
-        "finish_reason": None | {"type": "stop" | "length" | "abort", "matched": int | str | None,
-                                  "message": str (abort only, optional)},
-        "e2e_latency": float,            # seconds since the request arrived
-        # present when the request asked for logprobs (SGLang's layout):
-        "input_token_logprobs": [[logprob | None, token_id, text | None], ...],
-        "output_token_logprobs": [[logprob, token_id, text | None], ...],
-        "input_top_logprobs": [[[logprob, token_id, text | None], ...] | None, ...],
-        "output_top_logprobs": [[[logprob, token_id, text | None], ...], ...],
-        "input_token_ids_logprobs" / "output_token_ids_logprobs": same layout as top logprobs,
-      },
-    }
-
-A sequence's last chunk has a non-null `finish_reason`. A sequence's `text` only ever grows:
-each chunk's text starts with the previous one's (hold back what a stop string may still trim,
-and incomplete UTF-8), since the server sends clients the difference. Output logprob lists
-may be cumulative like `text` (one entry per output token so far) or hold only the new tokens'
-entries (radixlm's engine streams them so, as SGLang does, with the running count in
-`output_token_logprobs_length`); the server accepts both. `[logprob, token_id, text]` triples carry the text when the
-request set `return_text_in_logprobs` (the server sets it on OpenAI routes; it decodes the token
-itself when the text is None).
+A sequence's `text` only ever grows: each chunk's text starts with the previous one's (hold
+back what a stop string may still trim, and incomplete UTF-8), since the server sends clients
+the difference. Output logprobs may be cumulative like `text` (one entry per output token so
+far) or hold only the new tokens' entries (radixlm's engine streams them so, as SGLang does,
+with the running count in `output_token_logprobs_length`); the server accepts both. An entry
+carries its `text` when the request set `return_text_in_logprobs` (the server sets it on
+OpenAI routes; it decodes the token itself when the text is None).
 
 What the server sends (so an engine can rely on it): `generate` receives single requests only
-(batches are split by the server), always with a `rid` (the client's, or a fresh unique one; a
-rid already running is refused with a 400 before it reaches the engine). Sampling parameters
-hold only the fields the client sent (`model_fields_set`), so `SamplingDefaults.apply` can put
-the model's defaults under them. The server has already checked token ids against
-`model_info()["vocab_size"]`, token-id prompts against `max_context_length`, text prompts'
-length in characters against `max_context_length` times `radixlm.sampling.max_token_chars`
-of `tokenizer` (a text longer than that cannot fit whatever its tokens), and a
-`custom_logit_processor` (present only when the server enables them, and loadable with
-`CustomLogitProcessor.from_str`). OpenAI chat requests arrive as `input_ids` (the chat template
-is rendered and tokenized by the server, without adding special tokens again); completions
-arrive as `text` or `input_ids` as the client sent them. `response_format` and
+(batches are split by the server), always with a `rid` (the client's, or a fresh unique one).
+Sampling parameters hold only the fields the client sent (`model_fields_set`), so
+`SamplingDefaults.apply` can put the model's defaults under them. The engine validates what
+it owns, once, with the same message for its own API and for HTTP: token ids against its
+vocabulary, the prompt against its context (a `text` prompt best before tokenizing it, when
+its length in characters alone cannot fit: `radixlm.sampling.check_text_fits`),
+`custom_logit_processor` (allowed or not, and loadable), a `rid` already in use
+(`InvalidRequest` naming `rid`). The server checks before calling the engine only what it
+alone knows: its routes' fields, and the chats it renders, whose length in characters it
+checks against `max_context_length` times `radixlm.sampling.max_token_chars` of `tokenizer`
+before rendering and tokenizing them. OpenAI chat requests arrive as `input_ids` (the chat
+template is rendered and tokenized by the server, without adding special tokens again);
+completions arrive as `text` or `input_ids` as the client sent them. `response_format` and
 `tool_choice: "required"` / named arrive as `sampling_params.json_schema`.
 """
 
@@ -56,7 +48,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
-from radixlm.sampling import GenerateRequest
+from radixlm.sampling import GenerateChunk, GenerateRequest
 
 
 @runtime_checkable
@@ -65,21 +57,27 @@ class EngineClient(Protocol):
 
     All coroutine methods are called from the server's event loop and must not block it.
 
-    Optional (not part of the structural check; the server looks for it with `getattr` and
-    answers 400 "this engine does not support beam search" without it):
+    Optional members (not part of the structural check; the server looks for them with
+    `getattr`):
 
         async def beam_search(request: GenerateRequest, beam_width: int, *,
                               length_penalty: float = 1.0,
-                              early_stopping: bool = False) -> list[dict[str, Any]]
+                              early_stopping: bool = False) -> list[GenerateChunk]
 
-    Beam search over one single request's prompt (`/v1/completions` with `use_beam_search`):
-    `max_new_tokens`, `ignore_eos` and `skip_special_tokens` come from its sampling params. It
-    returns the `beam_width` best sequences, best first, as final chunks (`index` is the rank;
-    `meta_info` may add `score`, the cumulative logprob over generated_len ** length_penalty).
-    Errors are raised as for `generate`; cancelling it aborts whatever it has running.
+    Beam search over one single request's prompt (`/v1/completions` with `use_beam_search`;
+    without it that is a 400 "this engine does not support beam search"): `max_new_tokens`,
+    `ignore_eos` and `skip_special_tokens` come from its sampling params. It returns the
+    `beam_width` best sequences, best first, as final chunks (`index` is the rank; `score` may
+    hold the cumulative logprob over generated_len ** length_penalty). Errors are raised as for
+    `generate`; cancelling it aborts whatever it has running.
+
+        healthy: bool  # a property, read on every /health
+
+    False while the engine cannot serve (its process died and is restarting, or it shut
+    down): `/health` then answers 503. An engine without it counts as healthy.
     """
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Run one single (already split) request; yield its output chunks.
 
         With `request.stream` true, yield a chunk whenever a sequence has new output (text and
@@ -87,12 +85,15 @@ class EngineClient(Protocol):
         `sampling_params.n > 1`, chunks of the n sequences interleave, told apart by `index`.
         The iterator ends once every sequence has finished. Bad input raises
         `radixlm.sampling.InvalidRequest` before the first chunk (grammar errors, a prompt longer
-        than the context, token ids outside the vocabulary); an overloaded engine raises
-        `radixlm.sampling.EngineOverloaded`. An InvalidRequest's `field` is reported to the client
-        as the error's `param` (the server renames `text` / `input_ids` to `prompt` / `messages` on
-        the OpenAI routes). Closing the iterator early (`aclose()`, or a CancelledError thrown in
-        at an await, when the client disconnects) aborts the request in the engine and releases
-        everything it held.
+        than the context, token ids outside the vocabulary, a rid in use); an overloaded engine
+        raises `radixlm.sampling.EngineOverloaded` (a 503) before the first chunk. An engine
+        that stops serving (its process died, it shut down) raises
+        `radixlm.sampling.EngineUnavailable`, before the first chunk or between chunks: a 503,
+        or an error event ending the stream once chunks were sent. An InvalidRequest's `field`
+        is reported to the client as the error's `param` (the server renames `text` /
+        `input_ids` to `prompt` / `messages` on the OpenAI routes). Closing the iterator early
+        (`aclose()`, or a CancelledError thrown in at an await, when the client disconnects)
+        aborts the request in the engine and releases everything it held.
         """
         ...
 

@@ -17,8 +17,9 @@ from typing import Any, ParamSpec, TypeVar
 from starlette.requests import Request
 
 from radixlm.sampling import (
-    CustomLogitProcessor,
     EngineOverloaded,
+    EngineUnavailable,
+    GenerateChunk,
     GenerateRequest,
     InvalidRequest,
     check_text_fits,
@@ -70,13 +71,6 @@ def renamed_errors(names: Mapping[str, str]) -> Iterator[None]:
         if error.field not in names:
             raise
         raise InvalidRequest(names[error.field], error.message) from None
-
-
-def finish_type(chunk: dict[str, Any]) -> str | None:
-    reason = chunk.get("meta_info", {}).get("finish_reason")
-    if isinstance(reason, dict):
-        return str(reason.get("type"))
-    return None if reason is None else str(reason)
 
 
 class ServerState:
@@ -137,11 +131,6 @@ class ServerState:
         return str(self.model_info.get("model_path") or "default")
 
     @property
-    def vocab_size(self) -> int | None:
-        value = self.model_info.get("vocab_size")
-        return int(value) if isinstance(value, int) else None
-
-    @property
     def context_length(self) -> int | None:
         value = self.model_info.get("max_context_length")
         return int(value) if isinstance(value, int) else None
@@ -173,44 +162,12 @@ class ServerState:
     # Submission.
 
     def prepare(self, request: GenerateRequest) -> GenerateRequest:
-        """Checks the engine would otherwise make later; a request id if none was given."""
-        if request.custom_logit_processor is not None:
-            if not self.config.enable_custom_logit_processor:
-                raise InvalidRequest(
-                    "custom_logit_processor",
-                    "custom logit processors are disabled on this server; start it with "
-                    "--enable-custom-logit-processor to allow them",
-                )
-            try:
-                CustomLogitProcessor.from_str(str(request.custom_logit_processor))
-            except ValueError as error:
-                raise InvalidRequest("custom_logit_processor", str(error)) from None
-        vocab = self.vocab_size
-        if vocab is not None:
-            request.params.check(vocab)
-        if isinstance(request.text, str):
-            self.check_text_fits(request.text, "text")
-        ids = request.input_ids
-        if isinstance(ids, list) and ids and isinstance(ids[0], int):
-            flat: list[int] = ids
-            if vocab is not None and max(flat) >= vocab:
-                raise InvalidRequest(
-                    "input_ids",
-                    f"token id {max(flat)} is outside the vocabulary of {vocab} tokens",
-                )
-            context = self.context_length
-            needed = len(flat) + (0 if request.params.max_new_tokens == 0 else 1)
-            if context is not None and needed > context:
-                raise InvalidRequest(
-                    "input_ids",
-                    f"the prompt has {len(flat)} tokens but the model's context holds {context}; "
-                    "shorten the prompt",
-                )
-        rid = request.rid
-        if rid is None:
+        """The request with an id (a fresh one if the client gave none). Nothing else: the
+        engine validates what it is sent (token ids, the context, a text too long in
+        characters to fit it, custom logit processors, a rid in use), once, with the message
+        its own API gives."""
+        if request.rid is None:
             return request.model_copy(update={"rid": self.new_id("")})
-        if rid in self.inflight:
-            raise InvalidRequest("rid", f"a request with id {rid!r} is already running")
         return request
 
     def streams(self, route: str, requests: list[GenerateRequest]) -> EngineStreams:
@@ -219,23 +176,26 @@ class ServerState:
             [lambda r=r: self._tracked(route, r) for r in requests]  # type: ignore[misc]
         )
 
-    async def _tracked(self, route: str, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+    async def _tracked(self, route: str, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         rid = str(request.rid)
         arrival = time.monotonic()
-        self.inflight[rid] = arrival
-        finals: dict[int, dict[str, Any]] = {}
+        # A rid already in flight is the engine's to refuse; its entry stays the first one's.
+        owner = rid not in self.inflight
+        if owner:
+            self.inflight[rid] = arrival
+        finals: dict[int, GenerateChunk] = {}
         first_token_at: float | None = None
-        iterator: AsyncIterator[dict[str, Any]] | None = None
+        iterator: AsyncIterator[GenerateChunk] | None = None
         outcome = "disconnected"  # unless the engine finishes or refuses it
         try:
             iterator = self.engine.generate(request)
             async for chunk in iterator:
-                if first_token_at is None and chunk.get("output_ids"):
+                if first_token_at is None and chunk.output_ids:
                     first_token_at = time.monotonic()
                     if self.metrics is not None and request.stream:
                         self.metrics.ttft.observe(first_token_at - arrival)
-                if finish_type(chunk) is not None:
-                    finals[int(chunk.get("index", 0))] = chunk
+                if chunk.finished:
+                    finals[chunk.index] = chunk
                 yield chunk
             outcome = "finished"
         except InvalidRequest:
@@ -244,43 +204,47 @@ class ServerState:
         except EngineOverloaded:
             outcome = "overloaded"
             raise
+        except EngineUnavailable:
+            outcome = "unavailable"
+            raise
         except Exception:
             outcome = "error"
             raise
         finally:
             if iterator is not None:
                 await close_iterator(iterator)
-            self.inflight.pop(rid, None)
+            if owner:
+                self.inflight.pop(rid, None)
             self._account(route, request, finals, time.monotonic() - arrival, outcome)
 
     def _account(
         self,
         route: str,
         request: GenerateRequest,
-        finals: dict[int, dict[str, Any]],
+        finals: dict[int, GenerateChunk],
         latency: float,
         outcome: str,
     ) -> None:
-        if outcome in ("invalid", "overloaded", "error"):
+        if outcome in ("invalid", "overloaded", "unavailable", "error"):
             if self.config.log_requests:
                 logger.info("%s rid=%s refused by the engine (%s)", route, request.rid, outcome)
             return
         expected = request.params.n
-        meta = [finals[i].get("meta_info", {}) for i in sorted(finals)]
-        prompt = int(meta[0].get("prompt_tokens", 0)) if meta else 0
-        cached = int(meta[0].get("cached_tokens", 0)) if meta else 0
-        completion = sum(int(m.get("completion_tokens", 0)) for m in meta)
-        reasons = [finish_type(finals[i]) or "?" for i in sorted(finals)]
+        ended = [finals[i] for i in sorted(finals)]
+        prompt = ended[0].prompt_tokens if ended else 0
+        cached = ended[0].cached_tokens if ended else 0
+        completion = sum(m.completion_tokens for m in ended)
+        reasons: list[str] = [m.finish_type or "?" for m in ended]
         if len(finals) < expected:
             reasons.append(outcome)
         if self.metrics is not None:
-            for i, m in enumerate(meta):
+            for i, m in enumerate(ended):
                 self.metrics.record_sequence(
                     route,
                     reasons[i],
                     prompt if i == 0 else 0,
                     cached if i == 0 else 0,
-                    int(m.get("completion_tokens", 0)),
+                    m.completion_tokens,
                     latency,
                 )
             if len(finals) < expected:

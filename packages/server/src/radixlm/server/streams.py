@@ -15,6 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from radixlm.sampling import GenerateChunk
+
 T = TypeVar("T")
 _END = object()
 
@@ -75,7 +77,7 @@ class EngineStreams:
     request); it is idempotent and safe to call from a cancelled task.
     """
 
-    def __init__(self, factories: Iterable[Callable[[], AsyncIterator[dict[str, Any]]]]) -> None:
+    def __init__(self, factories: Iterable[Callable[[], AsyncIterator[GenerateChunk]]]) -> None:
         self._factories = list(factories)
         self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._started = [asyncio.Event() for _ in self._factories]
@@ -85,7 +87,7 @@ class EngineStreams:
         self._closed = False
 
     async def _pump(self, index: int) -> None:
-        iterator: AsyncIterator[dict[str, Any]] | None = None
+        iterator: AsyncIterator[GenerateChunk] | None = None
         started = self._started[index]
         try:
             iterator = self._factories[index]()
@@ -121,7 +123,7 @@ class EngineStreams:
     def __aiter__(self) -> EngineStreams:
         return self
 
-    async def __anext__(self) -> tuple[int, dict[str, Any]]:
+    async def __anext__(self) -> tuple[int, GenerateChunk]:
         while self._open > 0:
             index, item = await self._queue.get()
             if item is _END:
@@ -129,7 +131,7 @@ class EngineStreams:
                 continue
             if isinstance(item, BaseException):
                 raise item
-            assert isinstance(item, dict)
+            assert isinstance(item, GenerateChunk)
             return index, item
         raise StopAsyncIteration
 
