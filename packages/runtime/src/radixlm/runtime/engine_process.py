@@ -173,12 +173,14 @@ class ProcessConnection:
         """Stop the engine process (open requests end with an error first) and wait for it."""
         if self._closing:
             return
-        self._closing = True
+        self._closing = True  # before the process ends: the watcher must not restart it
         if self._process.is_alive():
             self.post(Shutdown())
         self._process.join(timeout=30)
-        self._watcher.join(timeout=5)
         self._terminate()
+        # The watcher returns within one poll once the process is gone; only then may the
+        # sockets it reads be closed.
+        self._watcher.join()
         self._release()
 
     def _terminate(self) -> None:
@@ -196,7 +198,7 @@ class ProcessConnection:
 
     def post(self, command: Command) -> None:
         """Send a command (thread-safe). Dropped while no engine process serves."""
-        if not self._healthy and not isinstance(command, Shutdown):
+        if (self._closing or not self._healthy) and not isinstance(command, Shutdown):
             return
         data = pickle.dumps(command, protocol=5)
         with self._send_lock:

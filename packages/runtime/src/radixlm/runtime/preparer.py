@@ -192,7 +192,8 @@ class RequestPreparer:
             raise InvalidRequest(
                 "custom_logit_processor",
                 "custom logit processors are disabled on this engine; start it with "
-                "enable_custom_logit_processor=True to allow them",
+                "enable_custom_logit_processor=True (radixlm serve "
+                "--enable-custom-logit-processor) to allow them",
             )
         try:
             CustomLogitProcessor.from_str(custom)
