@@ -287,20 +287,23 @@ def test_server_info_reports_the_grammar_settings(http: httpx.Client, limited: A
 
 def test_cli_offers_the_runtimes_grammar_backends() -> None:
     from radixlm.runtime.config import GRAMMAR_BACKENDS
-    from radixlm.server.cli import GRAMMAR_BACKENDS as CLI_CHOICES
     from radixlm.server.cli import build_parser
 
-    assert CLI_CHOICES == GRAMMAR_BACKENDS
     for name in GRAMMAR_BACKENDS:
         assert build_parser().parse_args(["--grammar-backend", name]).grammar_backend == name
 
 
 def test_cli_offers_the_runtimes_quantization_methods_and_kv_dtypes() -> None:
-    from radixlm.runtime.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+    from radixlm.runtime.config import ENGINE_CHOICES, QUANTIZATION_METHODS
     from radixlm.runtime.quant import QUANTIZATION_METHODS as RUNTIME_METHODS
     from radixlm.server import cli
 
-    assert cli.QUANTIZATION_METHODS == QUANTIZATION_METHODS == RUNTIME_METHODS
-    assert cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES
+    assert QUANTIZATION_METHODS == RUNTIME_METHODS
+    parser = cli.build_parser()
+    offered = {a.dest: tuple(a.choices) for a in parser._actions if a.choices is not None}
+    for keyword in ENGINE_CHOICES.keys() & cli.ENGINE_FLAGS.keys():
+        assert offered[keyword] == ENGINE_CHOICES[keyword], keyword
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--schedule-policy", "longest"])
     args = cli.build_parser().parse_args(["--quantization", "int4", "--kv-cache-dtype", "fp8_e4m3"])
     assert (args.quantization, args.kv_cache_dtype) == ("int4", "fp8_e4m3")

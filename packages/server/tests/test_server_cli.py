@@ -127,14 +127,22 @@ def test_engine_mode_flags_choose_a_thread_or_a_restarted_process(
     assert "must be 0 or more" in capsys.readouterr().err
 
 
-def test_grammar_backend_flag_offers_auto_and_every_backend(
-    capsys: pytest.CaptureFixture[str],
+def test_engine_flag_choices_are_the_ones_the_runtime_declares(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name in ("auto", "xgrammar", "llguidance", "outlines", "none"):
-        assert build_parser().parse_args(["--grammar-backend", name]).grammar_backend == name
+    from radixlm.server import launcher
+
+    declared = {"grammar_backend": ("auto", "xgrammar"), "quantization_group_size": (32, 64)}
+    monkeypatch.setattr(launcher, "engine_choices", lambda: declared)
+    parser = build_parser()
+    assert parser.parse_args(["--grammar-backend", "xgrammar"]).grammar_backend == "xgrammar"
+    assert parser.parse_args(["--quantization-group-size", "64"]).quantization_group_size == 64
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--grammar-backend", "guidance"])
+        parser.parse_args(["--grammar-backend", "guidance"])
     assert "invalid choice" in capsys.readouterr().err
+    # Without the runtime installed there is nothing to offer: the engine checks the value.
+    monkeypatch.setattr(launcher, "engine_choices", lambda: {})
+    assert build_parser().parse_args(["--grammar-backend", "guidance"]).grammar_backend
 
 
 def test_server_flags_build_the_server_config(tmp_path: Any) -> None:

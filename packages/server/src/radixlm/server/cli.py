@@ -19,23 +19,15 @@ from radixlm.server.config import (
     ServerConfig,
 )
 
-#: `--grammar-backend`: the runtime's `GRAMMAR_BACKENDS` (this package may not import the
-#: runtime; an integration test keeps the two lists equal).
-GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
-#: `--quantization` and `--kv-cache-dtype`: the runtime's `QUANTIZATION_METHODS` and
-#: `KV_CACHE_DTYPES` (kept equal by the same integration test).
-QUANTIZATION_METHODS = ("int8", "w8a8_int8", "int4", "fp8", "gptq", "awq")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
-
 # Flags that configure the engine: (flag dest, argparse keywords). Their values go to
 # `radixlm.runtime.Engine(model_path, **kwargs)` under the dest name, only when given, so the
-# engine's own defaults apply otherwise.
+# engine's own defaults apply otherwise. Their `choices` are the runtime's, written once in
+# `radixlm.runtime.config` (`ENGINE_CHOICES`, read by `launcher.engine_choices`).
 ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "tokenizer_path": {"help": "tokenizer directory (default: the model's)"},
-    "dtype": {"choices": ["auto", "float32", "float16", "bfloat16"], "help": "weight dtype"},
+    "dtype": {"help": "weight dtype"},
     "device": {"help": "cpu, cuda, cuda:N or auto"},
     "quantization": {
-        "choices": list(QUANTIZATION_METHODS),
         "help": "quantize a full-precision checkpoint's linear layers at load time (int8: "
         "weight-only per channel; w8a8_int8: int8 weights and per-token int8 activations; int4: "
         "weight-only in groups; fp8: float8 e4m3 weights), or name a gptq / awq / fp8 "
@@ -43,16 +35,13 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     },
     "quantization_group_size": {
         "type": int,
-        "choices": [32, 64, 128],
         "help": "int4 group size along the input (default 128)",
     },
     "kv_cache_dtype": {
-        "choices": list(KV_CACHE_DTYPES),
         "help": "dtype of the KV cache (auto: the compute dtype; fp8_e4m3 / fp8_e5m2 halve "
         "its memory against bf16, with a scale of 1)",
     },
     "load_format": {
-        "choices": ["auto", "safetensors", "dummy"],
         "help": "how weights are read; dummy: random weights of the model's shape",
     },
     "context_length": {"type": int, "help": "override the model's maximum context length"},
@@ -69,12 +58,10 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "chunked_prefill_size": {"type": int, "help": "most prompt tokens prefilled per step"},
     "page_size": {"type": int, "help": "tokens per KV cache page"},
     "schedule_policy": {
-        "choices": ["lpm", "dfs-weight", "fcfs", "random"],
         "help": "order of waiting requests (lpm: longest cached prefix first)",
     },
     "disable_radix_cache": {"action": "store_true", "help": "no prefix reuse across requests"},
     "grammar_backend": {
-        "choices": list(GRAMMAR_BACKENDS),
         "help": "structured-output backend (default auto: per constraint, the installed backend "
         "that enforces all of it, validating what no grammar can; none: refuse constraints)",
     },
@@ -116,12 +103,10 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "(-1 asks for the whole vocabulary; default 20; -1 here: no limit)",
     },
     "sampling_defaults": {
-        "choices": ["model", "openai"],
         "help": "model: generation_config.json under the request; openai: constants only",
     },
     "attention_backend": {"help": "attention implementation (e.g. torch_native, triton)"},
     "json_whitespace": {
-        "choices": ["compact", "any"],
         "help": "whitespace allowed in constrained JSON (default compact)",
     },
     "random_seed": {"type": int, "help": "seed of the engine's random state"},
@@ -206,7 +191,12 @@ def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
     )
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     engine = parser.add_argument_group("engine")
+    from radixlm.server.launcher import engine_choices
+
+    choices = engine_choices()
     for dest, spec in ENGINE_FLAGS.items():
+        if dest in choices:
+            spec = {**spec, "choices": list(choices[dest])}
         _add_flag(engine, dest, spec)
     engine.add_argument(
         "--engine-mode",

@@ -43,6 +43,17 @@ def build_engine(model_path: str, engine_kwargs: dict[str, Any]) -> EngineClient
     return engine
 
 
+def engine_choices() -> dict[str, tuple[Any, ...]]:
+    """The allowed values of the engine's keywords that have a fixed set, as the runtime
+    declares them once (`radixlm.runtime.config.ENGINE_CHOICES`); empty without the runtime
+    (the engine then cannot start anyway, and says so)."""
+    try:
+        config = importlib.import_module("radixlm.runtime.config")
+        return dict(config.ENGINE_CHOICES)
+    except (ImportError, AttributeError):
+        return {}
+
+
 def builtin_model() -> tuple[str, str]:
     """(path, name) of the runtime's built-in demo model, served when no model path is given."""
     try:
