@@ -239,24 +239,33 @@ class Engine:
 
     def _dispatch(self, outputs: list[Output]) -> None:
         """Route the core's outputs to their readers (on the core's or the receiver's thread;
-        a sink only hands the item over, it never blocks)."""
+        a sink only hands the item over, it never blocks). The items for readers on an event
+        loop go over in one call per loop."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_AsyncSink, Any]]] = {}
+
+        def send(sink: Callable[[Any], None], item: Any) -> None:
+            if isinstance(sink, _AsyncSink):
+                batches.setdefault(sink.loop, []).append((sink, item))
+            else:
+                sink(item)
+
         for out in outputs:
             match out:
                 case GenerateChunk(rid=rid):
                     sink = self._sinks.get(rid)
                     if sink is not None:
-                        sink(out)
+                        send(sink, out)
                 case RequestClosed(rid):
                     with self._lock:
                         sink = self._sinks.pop(rid, None)
                     if sink is not None:
-                        sink(END)
+                        send(sink, END)
                 case RequestFailed(rid, error):
                     with self._lock:
                         sink = self._sinks.pop(rid, None)
                     if sink is not None:
-                        sink(error)
-                        sink(END)
+                        send(sink, error)
+                        send(sink, END)
                 case Stats(values):
                     self._live = values
                 case CommandResult(reply, value, error):
@@ -267,6 +276,8 @@ class Engine:
                             future.set_exception(error)
                         else:
                             future.set_result(value)
+        for loop, items in batches.items():
+            _deliver_soon(loop, items)
 
     def _engine_down(self, reason: str) -> None:
         """The engine process died: every open request and command ends with the reason."""
@@ -482,16 +493,30 @@ class Engine:
         # Tokenization and validation run off the event loop.
         rids = await loop.run_in_executor(None, self._submit, items, sinks)
         offsets = _offsets(items, request.is_single)
+        incremental = self.config.incremental_streaming_output
         open_ = len(rids)
         try:
             while open_:
-                k, item = await inbox.get()
-                if item is END:
-                    open_ -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
-                yield item.with_index(offsets[k] + item.index) if offsets[k] else item
+                # Everything that arrived while the reader was busy: a sequence's chunks that
+                # queued up are merged into one (a slow reader gets fewer, larger chunks
+                # instead of falling further behind).
+                arrived = [await inbox.get()]
+                while not inbox.empty():
+                    arrived.append(inbox.get_nowait())
+                merged: dict[tuple[int, int], GenerateChunk] = {}
+                for k, item in arrived:
+                    if item is END:
+                        open_ -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        key = (k, item.index)
+                        earlier = merged.get(key)
+                        merged[key] = (
+                            item if earlier is None else _coalesce(earlier, item, incremental)
+                        )
+                for (k, _), chunk in merged.items():
+                    yield chunk.with_index(offsets[k] + chunk.index) if offsets[k] else chunk
         finally:
             if open_:
                 self._abort_all(rids)
@@ -704,15 +729,36 @@ def _queue_sink(inbox: queue.SimpleQueue[tuple[int, Any]], k: int) -> Callable[[
     return sink
 
 
+class _AsyncSink:
+    """Hands items to a reader on an event loop. `Engine._dispatch` batches the items of one
+    loop into one `call_soon_threadsafe` (one wake-up of the loop per batch of outputs)."""
+
+    __slots__ = ("inbox", "k", "loop")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[tuple[int, Any]], k: int
+    ) -> None:
+        self.loop, self.inbox, self.k = loop, inbox, k
+
+    def __call__(self, item: Any) -> None:
+        _deliver_soon(self.loop, [(self, item)])
+
+
+def _deliver_soon(loop: asyncio.AbstractEventLoop, items: list[tuple[_AsyncSink, Any]]) -> None:
+    # A RuntimeError means the reader's event loop is gone; its request is aborted.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[_AsyncSink, Any]]) -> None:
+    for sink, item in items:
+        sink.inbox.put_nowait((sink.k, item))
+
+
 def _async_sink(
     loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[tuple[int, Any]], k: int
 ) -> Callable[[Any], None]:
-    def sink(item: Any) -> None:
-        # A RuntimeError means the reader's event loop is gone; its request is aborted.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(inbox.put_nowait, (k, item))
-
-    return sink
+    return _AsyncSink(loop, inbox, k)
 
 
 def _offsets(items: list[GenerateRequest], single: bool) -> list[int]:
@@ -724,6 +770,27 @@ def _offsets(items: list[GenerateRequest], single: bool) -> list[int]:
         offsets.append(start)
         start += item.params.n
     return offsets
+
+
+def _coalesce(earlier: GenerateChunk, later: GenerateChunk, incremental: bool) -> GenerateChunk:
+    """One chunk saying what two consecutive chunks of a sequence said. Output logprobs and
+    hidden states are streamed as only the new entries, so they add up; text and ids too when
+    the engine streams incrementally, else the later chunk's are the whole output so far."""
+
+    def joined(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+        return b if a is None or b is None else a + b
+
+    return dataclasses.replace(
+        later,
+        text=earlier.text + later.text if incremental else later.text,
+        output_ids=earlier.output_ids + later.output_ids if incremental else later.output_ids,
+        output_token_logprobs=joined(earlier.output_token_logprobs, later.output_token_logprobs),
+        output_top_logprobs=joined(earlier.output_top_logprobs, later.output_top_logprobs),
+        output_token_ids_logprobs=joined(
+            earlier.output_token_ids_logprobs, later.output_token_ids_logprobs
+        ),
+        hidden_states=joined(earlier.hidden_states, later.hidden_states),
+    )
 
 
 def _as_json(result: Any) -> Any:
