@@ -387,3 +387,21 @@ def test_flush_cache_refuses_while_requests_run(engine: Engine) -> None:
 def test_unknown_engine_argument_suggests_the_closest(model_dir: Path) -> None:
     with pytest.raises(TypeError, match="schedule_policy"):
         Engine(str(model_dir), schedule_polcy="lpm")
+
+
+def test_queued_chunks_of_a_sequence_merge_into_what_both_said() -> None:
+    from radixlm.runtime.engine import _coalesce
+    from radixlm.sampling import FinishReason, LogprobEntry
+
+    def chunk(text: str, ids: tuple[int, ...], lps: tuple[int, ...], **extra: Any) -> Any:
+        entries = tuple(LogprobEntry(-1.0, t) for t in lps)
+        return GenerateChunk("r", 0, text, ids, 3, len(ids), output_token_logprobs=entries, **extra)
+
+    first = chunk("He", (1,), (1,))
+    second = chunk("Hello", (1, 2), (2,), finish_reason=FinishReason("length"))
+    merged = _coalesce(first, second, incremental=False)
+    assert (merged.text, merged.output_ids) == ("Hello", (1, 2))  # cumulative: the later one's
+    assert [e.token_id for e in merged.output_token_logprobs or ()] == [1, 2]  # new entries add
+    assert merged.finish_reason == FinishReason("length")
+    deltas = _coalesce(chunk("He", (1,), ()), chunk("llo", (2,), ()), incremental=True)
+    assert (deltas.text, deltas.output_ids) == ("Hello", (1, 2))
