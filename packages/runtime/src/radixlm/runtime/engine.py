@@ -250,11 +250,12 @@ class Engine:
                 sink(item)
 
         for out in outputs:
+            if type(out) is GenerateChunk:  # the common case first
+                sink = self._sinks.get(out.rid)
+                if sink is not None:
+                    send(sink, out)
+                continue
             match out:
-                case GenerateChunk(rid=rid):
-                    sink = self._sinks.get(rid)
-                    if sink is not None:
-                        send(sink, out)
                 case RequestClosed(rid):
                     with self._lock:
                         sink = self._sinks.pop(rid, None)
@@ -780,8 +781,7 @@ def _coalesce(earlier: GenerateChunk, later: GenerateChunk, incremental: bool) -
     def joined(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
         return b if a is None or b is None else a + b
 
-    return dataclasses.replace(
-        later,
+    return later._replace(
         text=earlier.text + later.text if incremental else later.text,
         output_ids=earlier.output_ids + later.output_ids if incremental else later.output_ids,
         output_token_logprobs=joined(earlier.output_token_logprobs, later.output_token_logprobs),

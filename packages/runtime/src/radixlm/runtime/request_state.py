@@ -244,7 +244,6 @@ class SequenceState:
         text, num_ids, num_lp = self._visible()
         if not self.detokenize:
             text = ""  # vLLM's detokenize=false: token ids only
-        ids = self.req.output_ids[:num_ids]
         incremental = handle.stream and handle.incremental
         # Tokens taken back after they were sent (only when the grammar gives no committed
         # count) cannot be unsent: start from the current end rather than past it.
@@ -278,14 +277,14 @@ class SequenceState:
             rid=handle.rid,
             index=self.index,
             text=text[start_text:],
-            output_ids=tuple(ids[start_ids:]),
+            output_ids=tuple(self.req.output_ids[start_ids:num_ids]),
             prompt_tokens=len(self.req.prompt_ids),
-            completion_tokens=len(ids),
+            completion_tokens=num_ids,
             cached_tokens=self.req.cached_tokens or 0,
             finish_reason=self.finish if final else None,
             e2e_latency=time.monotonic() - handle.created,
             flat_logprobs=options.enabled and handle.params.flat_logprobs,
-            **out,
+            **out,  # empty unless the request asked for logprobs, hidden states, a grammar
         )
         self.sent_text = len(text)
         self.sent_ids = num_ids

@@ -5,14 +5,16 @@ An engine yields `GenerateChunk`s; a server or client reads their attributes, an
 `meta_info` with `finish_reason`, token counts and logprob triples) — the one place that
 layout is written. `GenerateChunk.from_json` reads it back (a client of an HTTP server).
 
-The types are plain frozen dataclasses of builtins, so they pickle cheaply between processes.
+The types are immutable and made of builtins, so they pickle cheaply between processes.
+`GenerateChunk` and `LogprobEntry` are named tuples rather than frozen dataclasses: an engine
+makes one per streamed token, and a frozen dataclass takes three times as long to build.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, cast
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, cast
 
 FinishType = Literal["stop", "length", "abort"]
 
@@ -48,8 +50,7 @@ class FinishReason:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class LogprobEntry:
+class LogprobEntry(NamedTuple):
     """One token's log-probability: SGLang's `[logprob, token_id, text]` triple (the logprob is
     None for the first prompt token; the text is None unless the request asked for texts)."""
 
@@ -66,8 +67,7 @@ class LogprobEntry:
         return cls(None if triple[0] is None else float(triple[0]), int(triple[1]), text)
 
 
-@dataclass(frozen=True, slots=True)
-class GenerateChunk:
+class GenerateChunk(NamedTuple):
     """One output chunk of one sequence of a request.
 
     `text` and `output_ids` are cumulative (the sequence's output so far) unless the engine
@@ -77,7 +77,7 @@ class GenerateChunk:
     """
 
     rid: str
-    index: int
+    index: int  # type: ignore[assignment]  # SGLang's name; shadows tuple.index
     text: str
     output_ids: tuple[int, ...]
     prompt_tokens: int
@@ -102,7 +102,7 @@ class GenerateChunk:
     #: vLLM's `flat_logprobs`: `to_json` writes logprobs as columns instead of triples.
     flat_logprobs: bool = False
     #: Other `meta_info` keys an engine reports (kept by `from_json`, written by `to_json`).
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -113,7 +113,7 @@ class GenerateChunk:
         return None if self.finish_reason is None else self.finish_reason.type
 
     def with_index(self, index: int) -> GenerateChunk:
-        return replace(self, index=index)
+        return self._replace(index=index)
 
     def to_json(self) -> dict[str, Any]:
         """SGLang's `/generate` response object for this chunk."""
@@ -131,12 +131,25 @@ class GenerateChunk:
             meta["score"] = self.score
         if self.cumulative_logprob is not None:
             meta["cumulative_logprob"] = self.cumulative_logprob
+        if self.output_token_logprobs is not None or self.input_token_logprobs is not None:
+            self._logprobs_json(meta)
+        if self.hidden_states is not None:
+            meta["hidden_states"] = list(self.hidden_states)
+        if self.extra:
+            meta.update(self.extra)
+        return {
+            "index": self.index,
+            "text": self.text,
+            "output_ids": list(self.output_ids),
+            "meta_info": meta,
+        }
+
+    def _logprobs_json(self, meta: dict[str, Any]) -> None:
+        flat = self.flat_logprobs
         for key in _TOKEN_KEYS:
             entries = getattr(self, key)
             if entries is not None:
-                meta[key] = (
-                    _columns(entries) if self.flat_logprobs else [e.to_json() for e in entries]
-                )
+                meta[key] = _columns(entries) if flat else [list(e) for e in entries]
         if self.output_token_logprobs_length is not None:
             meta["output_token_logprobs_length"] = self.output_token_logprobs_length
         for key in _POSITION_KEYS:
@@ -144,18 +157,9 @@ class GenerateChunk:
             if positions is not None:
                 meta[key] = (
                     _flat_positions(positions)
-                    if self.flat_logprobs
-                    else [None if p is None else [e.to_json() for e in p] for p in positions]
+                    if flat
+                    else [None if p is None else [list(e) for e in p] for p in positions]
                 )
-        if self.hidden_states is not None:
-            meta["hidden_states"] = list(self.hidden_states)
-        meta.update(self.extra)
-        return {
-            "index": self.index,
-            "text": self.text,
-            "output_ids": list(self.output_ids),
-            "meta_info": meta,
-        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> GenerateChunk:
@@ -190,7 +194,7 @@ class GenerateChunk:
             grammar=meta.pop("grammar", None),
             score=meta.pop("score", None),
             cumulative_logprob=meta.pop("cumulative_logprob", None),
-            extra=meta,
+            extra=meta or None,
             **known,
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from radixlm.runtime.scheduler.request import Req
 from radixlm.sampling import FinishReason
@@ -61,8 +62,7 @@ class ScheduledBatch:
         return len(self.entries)
 
 
-@dataclass(frozen=True, slots=True)
-class SeqUpdate:
+class SeqUpdate(NamedTuple):
     """What the update phase did to one request's output this step: its tokens changed
     (appended, forced, or taken back: read `req.output_ids`), and `finish` when it ended (its
     memory is already released then)."""
