@@ -19,7 +19,7 @@ from typing import Any
 from radixlm.cache import RadixCache
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import load_tokenizer
-from radixlm.runtime.executor import EntryInputs, InputLogprobAsk, ModelExecutor
+from radixlm.runtime.executor import EntryInputs, InputLogprobAsk, ModelExecutor, StepResult
 from radixlm.runtime.grammar import GrammarService
 from radixlm.runtime.messages import (
     Abort,
@@ -281,8 +281,25 @@ class EngineCore:
             self.grammar.bitmask(grammars),
             inputs if any(inputs) else None,
         )
+        if (
+            result.hidden_states is not None
+            or any(a is not None for a in asks)
+            or any(lp is not None for lp in result.logprobs)
+        ):
+            self._record(batch, result)
+        # The one update phase: the scheduler appends, takes back, stops and ends requests.
+        for update in self.scheduler.update(batch, result.tokens):
+            seq = self._seqs[update.req.rid]
+            # Logprobs of tokens taken back (or of a token the grammar refused) go too.
+            if len(seq.output_logprobs) > len(update.req.output_ids):
+                seq.truncate_logprobs(len(update.req.output_ids))
+            seq.dirty = True
+            touched[seq.handle.rid] = seq.handle
+
+    def _record(self, batch: ScheduledBatch, result: StepResult) -> None:
+        """What the forward computed besides tokens (hidden states, logprobs), recorded while
+        the rows line up with the batch."""
         hidden = result.hidden_states or [None] * len(batch.entries)
-        # What the forward computed besides tokens is recorded while the rows line up.
         for entry, token, logprob, scored, rows in zip(
             batch.entries,
             result.tokens,
@@ -298,15 +315,8 @@ class EngineCore:
                 seq.hidden_states.record(entry.prefix_len, rows)
             if entry.logprob_targets is not None:
                 seq.record_input_logprobs(scored or [])
-            if entry.sample and token is not None:
+            if logprob is not None and entry.sample and token is not None:
                 seq.record_output_logprob(logprob)
-        # The one update phase: the scheduler appends, takes back, stops and ends requests.
-        for update in self.scheduler.update(batch, result.tokens):
-            seq = self._seqs[update.req.rid]
-            # Logprobs of tokens taken back (or of a token the grammar refused) go too.
-            seq.truncate_logprobs(len(update.req.output_ids))
-            seq.dirty = True
-            touched[seq.handle.rid] = seq.handle
 
     def _sampling_request(self, seq: SequenceState) -> SamplingRequest:
         handle = seq.handle
