@@ -31,9 +31,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Iterator[Engine]:
-    with Engine(str(model_dir), show_progress=False, max_total_tokens=4096) as eng:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def engine(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[Engine]:
+    """The engine core on a thread and in its own process: the public API behaves the same."""
+    process = request.param == "process"
+    with Engine(
+        str(model_dir), show_progress=False, max_total_tokens=4096, engine_process=process
+    ) as eng:
         yield eng
 
 
@@ -164,9 +168,8 @@ def test_closing_an_async_stream_early_aborts_and_frees(engine: Engine) -> None:
         await stream.aclose()  # type: ignore[attr-defined]
 
     asyncio.run(main())
-    engine.run_in_loop(lambda core: None)  # the abort was processed before this
-    engine.run_in_loop(lambda core: None)
-    assert engine.server_info()["num_running_reqs"] == 0
+    engine.check_invariants()  # a command round trip: the abort was processed before it
+    assert engine.server_info(fresh=True)["num_running_reqs"] == 0
     engine.check_invariants()
 
 
@@ -381,7 +384,7 @@ def test_flush_cache_refuses_while_requests_run(engine: Engine) -> None:
     engine.abort("busy")
     list(stream)
     assert engine.flush_cache()
-    assert engine.server_info()["cache_size"] == 0
+    assert engine.server_info(fresh=True)["cache_size"] == 0
 
 
 def test_unknown_engine_argument_suggests_the_closest(model_dir: Path) -> None:

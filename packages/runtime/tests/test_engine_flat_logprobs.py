@@ -11,10 +11,17 @@ from radixlm.runtime import Engine
 from radixlm.runtime.fixtures import build_tiny_model
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def engine(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
     path = build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
-    with Engine(str(path), show_progress=False, max_total_tokens=2048) as eng:
+    with Engine(
+        str(path),
+        show_progress=False,
+        max_total_tokens=2048,
+        engine_process=request.param == "process",
+    ) as eng:
         yield eng
 
 

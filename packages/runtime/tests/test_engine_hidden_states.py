@@ -24,9 +24,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Iterator[Engine]:
-    with Engine(str(model_dir), show_progress=False, max_total_tokens=4096) as eng:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def engine(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[Engine]:
+    with Engine(
+        str(model_dir),
+        show_progress=False,
+        max_total_tokens=4096,
+        engine_process=request.param == "process",
+    ) as eng:
         yield eng
 
 

@@ -17,10 +17,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 CHAT_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def engine(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
     model_dir: Path = build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
-    with Engine(str(model_dir), show_progress=False, max_total_tokens=1024) as eng:
+    with Engine(
+        str(model_dir),
+        show_progress=False,
+        max_total_tokens=1024,
+        engine_process=request.param == "process",
+    ) as eng:
         yield eng
 
 

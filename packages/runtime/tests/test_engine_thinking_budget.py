@@ -37,9 +37,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Iterator[Engine]:
-    with Engine(str(model_dir), show_progress=False, max_total_tokens=2048) as eng:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def engine(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[Engine]:
+    with Engine(
+        str(model_dir),
+        show_progress=False,
+        max_total_tokens=2048,
+        engine_process=request.param == "process",
+    ) as eng:
         yield eng
 
 
