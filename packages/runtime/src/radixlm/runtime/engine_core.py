@@ -63,7 +63,6 @@ class EngineCore:
         grammar: GrammarService,
         tokenizer: Any,
         eos_token_ids: tuple[int, ...],
-        context_length: int,
         emit: Emit,
         jump_forward: bool = True,
         pool_size: int = 0,
@@ -74,7 +73,6 @@ class EngineCore:
         self.grammar = grammar
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.context_length = context_length
         self.emit = emit
         self.jump_forward = jump_forward
         self.pool_size = pool_size
@@ -445,7 +443,6 @@ def create_core(
         grammar,
         tokenizer,
         eos_token_ids,
-        runner.context_length,
         emit,
         jump_forward=config.grammar.jump_forward,
         pool_size=pool.num_slots,
