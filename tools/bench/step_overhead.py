@@ -9,7 +9,9 @@ batch, forward, sample, append and stop checks, emit), `ModelRunner.forward` and
 `ModelRunner.sample`, and keeps the decode steps in which all B requests run one token each.
 It reports, per step (median over those steps): the step, the forward, the time outside the
 forward (step - forward), its sampling share, and the time outside the forward per running
-request. Modes: `plain` (blocking generate), `stream` (every token streamed back as a chunk),
+request; and the time in the core's `emit` after the step (the outputs handed to the front
+end: on this engine's thread, it runs the front end's output processing, detokenization
+included; in process mode that runs in the front process). Modes: `plain` (blocking generate), `stream` (every token streamed back as a chunk),
 `grammar` (streamed, and every request under a regex: mask fill and accept per token).
 
     .venv/bin/python tools/bench/step_overhead.py                 # ~1 min on 2 cores
@@ -41,15 +43,18 @@ MODES = ("plain", "stream", "grammar")
 GRAMMAR_REGEX = "[a-z ]+"
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepTime:
-    """One step: seconds in the step, in the forward and in sampling; entries and new tokens."""
+    """One step: seconds in the step, in the forward and in sampling; entries and new tokens;
+    seconds in the core's `emit` after it (the front end's share of the outputs: on the
+    engine's thread here, in the front process when the core has its own)."""
 
     step_s: float
     forward_s: float
     sample_s: float
     entries: int
     tokens: int
+    emit_s: float = 0.0
 
 
 @dataclass
@@ -61,6 +66,7 @@ class StepClock:
     sample_s: float = 0.0
     entries: int = 0
     tokens: int = 0
+    last: StepTime | None = None  # the step whose outputs the next emit delivers
 
 
 def install(core: Any) -> StepClock:
@@ -71,6 +77,7 @@ def install(core: Any) -> StepClock:
     clock = StepClock()
     runner = core.executor.runner
     step, forward, sample, run = core.step, runner.forward, runner.sample, core.executor.run
+    emit = core.emit
     sync: Callable[[], None] = (
         torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     )
@@ -98,15 +105,26 @@ def install(core: Any) -> StepClock:
         start = time.perf_counter()
         step()
         total = time.perf_counter() - start
+        clock.last = None
         if clock.entries:
-            clock.steps.append(
-                StepTime(total, clock.forward_s, clock.sample_s, clock.entries, clock.tokens)
+            clock.last = StepTime(
+                total, clock.forward_s, clock.sample_s, clock.entries, clock.tokens
             )
+            clock.steps.append(clock.last)
+
+    def timed_emit(outputs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return emit(outputs)
+        finally:
+            if clock.last is not None:
+                clock.last.emit_s += time.perf_counter() - start
 
     runner.forward = timed(forward, "forward_s")
     runner.sample = timed(sample, "sample_s")
     core.executor.run = shaped_run
     core.step = timed_step
+    core.emit = timed_emit
     return clock
 
 
@@ -130,6 +148,10 @@ def summarize(steps: list[StepTime], batch: int, mode: str) -> dict[str, Any]:
             [s.step_s - s.forward_s - s.sample_s for s in full]
         ),
         "outside_forward_per_request_us": _median_us(outside) / batch,
+        "emit_us": _median_us([s.emit_s for s in full]),
+        "outside_forward_with_emit_us": _median_us(
+            [s.step_s - s.forward_s + s.emit_s for s in full]
+        ),
         "outside_forward_share": statistics.median(
             [(s.step_s - s.forward_s) / s.step_s for s in full]
         )
@@ -209,12 +231,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'mode':8s}{'batch':>6s}{'steps':>7s}{'step µs':>10s}{'forward µs':>12s}"
         f"{'outside µs':>12s}{'of it sampling':>16s}{'per request µs':>16s}{'outside %':>11s}"
+        f"{'emit µs':>10s}{'outside+emit µs':>17s}"
     )
     for r in rows:
         print(
             f"{r['mode']:8s}{r['batch']:6d}{r['decode_steps']:7d}{r['step_us']:10.0f}"
             f"{r['forward_us']:12.0f}{r['outside_forward_us']:12.0f}{r['sample_us']:16.0f}"
             f"{r['outside_forward_per_request_us']:16.1f}{100 * r['outside_forward_share']:10.0f}%"
+            f"{r['emit_us']:10.0f}{r['outside_forward_with_emit_us']:17.0f}"
         )
 
 

@@ -1,4 +1,6 @@
-"""Incremental detokenization and stop conditions on a tiny byte-level BPE tokenizer."""
+"""Incremental detokenization and stop conditions on a tiny byte-level BPE tokenizer: the
+core's token stops (`TokenStops`) and the front end's text stops (`SequenceOutput`), chained
+as the engine chains them."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import pytest
 
 from radixlm.runtime.detokenizer import IncrementalDetokenizer, TextDecoder
 from radixlm.runtime.fixtures import build_tiny_tokenizer
-from radixlm.runtime.stopping import SequenceOutput
-from radixlm.sampling import RepetitionDetection, SamplingParams
+from radixlm.runtime.stopping import SequenceOutput, TokenStops
+from radixlm.sampling import FinishReason, RepetitionDetection, SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -25,8 +27,35 @@ def _encode(tok: Any, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False).input_ids)
 
 
-def _output(tok: Any, **params: Any) -> SequenceOutput:
-    return SequenceOutput(SamplingParams(**params), TextDecoder(tok), eos_token_ids=[0])
+class _Sequence:
+    """The core's verdict on each token, then the front end's: what the engine does with one
+    sequence (its core and front end in step, no tokens past a stop string)."""
+
+    def __init__(self, params: SamplingParams, decoder: TextDecoder) -> None:
+        self.stops = TokenStops(params, eos_token_ids=[0])
+        self.out = SequenceOutput(params, decoder, eos_token_ids=[0])
+
+    def append(self, token: int) -> FinishReason | None:
+        return self.out.append(token, self.stops.append(token))
+
+    def rollback(self, num_tokens: int) -> None:
+        self.stops.rollback(num_tokens)
+        self.out.rollback(num_tokens)
+
+    def stream_text(self, committed: int | None = None) -> str:
+        return self.out.stream_text(committed)
+
+    @property
+    def text(self) -> str:
+        return self.out.text
+
+    @property
+    def finish(self) -> FinishReason | None:
+        return self.out.finish
+
+
+def _output(tok: Any, **params: Any) -> _Sequence:
+    return _Sequence(SamplingParams(**params), TextDecoder(tok))
 
 
 def test_incremental_text_equals_full_decode_across_multibyte_characters(tok: Any) -> None:
@@ -168,10 +197,9 @@ def test_a_stop_string_spanning_a_special_token_and_text_stops(tok: Any) -> None
 
 
 def test_a_kept_special_token_stop_string_is_trimmed_from_the_text(tok: Any) -> None:
-    out = SequenceOutput(
+    out = _Sequence(
         SamplingParams(stop="<|im_end|>", skip_special_tokens=False),
         TextDecoder(tok, skip_special_tokens=False),
-        eos_token_ids=[0],
     )
     out.append(_encode(tok, "hi")[0])
     reason = out.append(tok.convert_tokens_to_ids("<|im_end|>"))
@@ -213,3 +241,21 @@ def test_repetition_detection_stops_a_loop(tok: Any) -> None:
     assert reasons == [None] * 5
     reason = out.append(6)
     assert reason is not None and reason.type == "stop" and reason.message
+
+
+def test_the_core_rollback_low_water_mark_tells_what_to_take_back() -> None:
+    stops = TokenStops(SamplingParams(ignore_eos=True))
+    for token in [5, 6, 7, 8]:
+        stops.append(token)
+    stops.rollback(2)
+    stops.append(9)
+    stops.rollback(2)  # the shortest the output was: one token
+    assert stops.count == 1 and stops.rolled_back_to == 1
+
+
+def test_a_stop_string_wins_over_the_length_on_the_same_token(tok: Any) -> None:
+    ids = _encode(tok, "ab")
+    out = _output(tok, stop="b", max_new_tokens=len(ids), ignore_eos=True)
+    reasons = [out.append(t) for t in ids]
+    assert reasons[-1] is not None and reasons[-1].matched == "b"
+    assert out.text == "a"

@@ -45,9 +45,12 @@ from radixlm.runtime.messages import (
     Output,
     RequestClosed,
     RequestFailed,
+    SeqDelta,
     Stats,
+    StopSequence,
 )
 from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.output_processor import RequestOutput
 from radixlm.runtime.preparer import FrontendLimits, RequestPreparer
 from radixlm.sampling import (
     EngineUnavailable,
@@ -157,8 +160,10 @@ class Engine:
             config = dataclasses.replace(config, runner=runner.config, engine_process=False)
         self.config = config
         self._tokenizer = tokenizer or load_tokenizer(config.tokenizer_path or config.model_path)
-        # Output routing: rid -> the reader's sink; command reply id -> its future.
+        # Output routing: rid -> the reader's sink and the request's output (detokenized
+        # here, from the core's deltas); command reply id -> its future.
         self._sinks: dict[str, Callable[[Any], None]] = {}
+        self._outputs: dict[str, RequestOutput] = {}
         self._replies: dict[int, Future[Any]] = {}
         self._next_reply = itertools.count()
         self._lock = threading.Lock()
@@ -249,21 +254,30 @@ class Engine:
             else:
                 sink(item)
 
+        stops: list[StopSequence] = []
         for out in outputs:
-            if type(out) is GenerateChunk:  # the common case first
+            if type(out) is SeqDelta:  # the common case first
+                state = self._outputs.get(out.rid)
                 sink = self._sinks.get(out.rid)
-                if sink is not None:
-                    send(sink, out)
+                if state is None or sink is None:
+                    continue
+                chunk, stop_core = state.apply(out)
+                if stop_core:
+                    stops.append(StopSequence(out.rid, out.index))
+                if chunk is not None:
+                    send(sink, chunk)
                 continue
             match out:
                 case RequestClosed(rid):
                     with self._lock:
                         sink = self._sinks.pop(rid, None)
+                        self._outputs.pop(rid, None)
                     if sink is not None:
                         send(sink, END)
                 case RequestFailed(rid, error):
                     with self._lock:
                         sink = self._sinks.pop(rid, None)
+                        self._outputs.pop(rid, None)
                     if sink is not None:
                         send(sink, error)
                         send(sink, END)
@@ -279,12 +293,15 @@ class Engine:
                             future.set_result(value)
         for loop, items in batches.items():
             _deliver_soon(loop, items)
+        for stop in stops:
+            self._connection.post(stop)
 
     def _engine_down(self, reason: str) -> None:
         """The engine process died: every open request and command ends with the reason."""
         with self._lock:
             sinks, self._sinks = self._sinks, {}
             replies, self._replies = self._replies, {}
+            self._outputs = {}
         for sink in sinks.values():
             sink(EngineUnavailable(reason))
             sink(END)
@@ -323,6 +340,10 @@ class Engine:
             if clash:
                 raise InvalidRequest("rid", f"request id {clash[0]!r} is already in use")
             self._sinks.update(zip(rids, sinks, strict=True))
+            for request in requests:
+                self._outputs[request.rid] = RequestOutput(
+                    request, self._tokenizer, self.eos_token_ids
+                )
         for request in requests:
             self._connection.post(request)
         return rids

@@ -1,4 +1,4 @@
-"""EngineCore: the engine loop — commands in, schedule -> run -> process outputs, chunks out.
+"""EngineCore: the engine loop — commands in, schedule -> run -> update, output deltas out.
 
 Runs on one thread: the engine's background thread, or the main thread of the engine process.
 Front ends talk to it only through `post(command)` (the typed messages of
@@ -36,6 +36,7 @@ from radixlm.runtime.messages import (
     RequestFailed,
     Shutdown,
     Stats,
+    StopSequence,
 )
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.request_state import RequestHandle, SequenceState, open_request
@@ -148,6 +149,8 @@ class EngineCore:
                 self.add(command)
             case Abort(rid):
                 self.abort(rid)
+            case StopSequence(rid, index):
+                self.stop_sequence(rid, index)
             case FlushCache(reply):
                 self._out.append(CommandResult(reply, self.scheduler.flush_cache()))
             case GetServerInfo(reply):
@@ -177,7 +180,6 @@ class EngineCore:
             return
         handle = open_request(
             request,
-            self.tokenizer,
             self.eos_token_ids,
             future,
             prefix_sharing=self.scheduler.caching,
@@ -205,10 +207,23 @@ class EngineCore:
         for seq in handle.seqs:
             if seq.finish is None:
                 self.scheduler.abort(seq.req)
-                seq.output.abort("aborted by request")
+                seq.stops.abort("aborted by request")
                 seq.dirty = True
         self._emit(handle)
         return True
+
+    def stop_sequence(self, rid: str, index: int) -> None:
+        """The front end found a stop string: the sequence ends normally (its computed tokens
+        are cached), without another delta (the front end sent its final chunk)."""
+        handle = self.handles.get(rid)
+        if handle is None or index >= len(handle.seqs):
+            return
+        seq = handle.seqs[index]
+        seq.quiet = True
+        if seq.finish is None:
+            self.scheduler.finish(seq.req)
+            seq.stops.stop(message="a stop string (found by the front end)")
+        self._emit(handle)
 
     def live_stats(self) -> dict[str, Any]:
         """The loop's live statistics (a snapshot; counters are cumulative)."""
@@ -244,7 +259,7 @@ class EngineCore:
         touched: dict[str, RequestHandle] = {}
         for req in batch.dropped:
             seq = self._seqs[req.rid]
-            seq.output.abort("the request does not fit in the KV cache")
+            seq.stops.abort("the request does not fit in the KV cache")
             seq.dirty = True
             touched[seq.handle.rid] = seq.handle
         if batch.entries:
@@ -363,17 +378,15 @@ class EngineCore:
     # ------------------------------------------------------------------------------ output
 
     def _emit(self, handle: RequestHandle) -> None:
-        """Queue the request's new chunks; close it once every sequence finished."""
+        """Queue the deltas of the request's sequences that changed (every step while it
+        streams or the front end watches its text, else once it ends); close it once every
+        sequence finished."""
         if handle.closed:
             return
         for seq in handle.seqs:
-            if not seq.dirty:
-                continue
-            if handle.stream or seq.finish is not None:
-                due = seq.has_news(handle.stream_interval)
-                if handle.stream and seq.finish is None and not due:
-                    continue
-                self._out.append(seq.chunk())
+            due = handle.stream or seq.watch_text or seq.finish is not None
+            if seq.dirty and not seq.quiet and due:
+                self._out.append(seq.delta())
         if handle.finished:
             handle.closed = True
             self._out.append(RequestClosed(handle.rid))
@@ -384,7 +397,7 @@ class EngineCore:
         for seq in handle.seqs:
             if seq.finish is None:
                 self.scheduler.abort(seq.req)
-                seq.output.abort(str(error))
+                seq.stops.abort(str(error))
         if not handle.closed:
             handle.closed = True
             self._out.append(RequestFailed(handle.rid, error))

@@ -1,8 +1,9 @@
 """The messages between the engine's front end and its core: plain, frozen, picklable data.
 
 Front -> core: an `EngineRequest` (one prepared single request) or a command dataclass,
-handled by `EngineCore.handle` with `match`. Core -> front: `GenerateChunk`s (radixlm.sampling)
-and the events below, batched per loop iteration. The same messages cross a thread (the
+handled by `EngineCore.handle` with `match`. Core -> front: `SeqDelta`s (token ids, logprobs,
+the core's finish; the front end turns them into `radixlm.sampling.GenerateChunk`s) and the
+events below, batched per loop iteration. The same messages cross a thread (the
 engine's thread mode) or a ZeroMQ socket (the engine process).
 """
 
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from radixlm.sampling import GenerateChunk, SamplingParams
+from radixlm.sampling import FinishReason, LogprobEntry, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,16 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class StopSequence:
+    """The front end found a stop string in sequence `index` of the request: it ends as if
+    it had stopped in the core (its computed tokens go to the cache), quietly (the front end
+    already sent its final chunk)."""
+
+    rid: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
 class FlushCache:
     """Drop the radix cache (answered False while requests run)."""
 
@@ -95,10 +106,50 @@ class Shutdown:
     """Stop the loop; every open request ends with an error."""
 
 
-Command = EngineRequest | Abort | FlushCache | GetServerInfo | CheckInvariants | Call | Shutdown
+Command = (
+    EngineRequest
+    | Abort
+    | StopSequence
+    | FlushCache
+    | GetServerInfo
+    | CheckInvariants
+    | Call
+    | Shutdown
+)
 
 
 # -------------------------------------------------------------------------- events (out)
+
+Entries = tuple[LogprobEntry, ...]
+
+
+class SeqDelta(NamedTuple):
+    """What changed in one sequence since the core's last delta for it: `rollback` output
+    tokens taken back, then `new_ids` appended; the core's `finish` (token stops, length,
+    grammar, abort; None: it goes on). The front end detokenizes, checks the text stops and
+    builds the `GenerateChunk`s (`radixlm.runtime.output_processor`).
+
+    Logprob lists hold the entries of the output positions from `len(ids) - len(new_ids)`
+    on, token texts left out (the front end writes them); input logprobs and hidden states
+    only the entries not sent before. `committed`: output tokens the grammar can no longer
+    take back (None: all of them). A NamedTuple: one is sent per sequence and step, and
+    tuples pickle several times faster than dataclasses."""
+
+    rid: str
+    index: int  # type: ignore[assignment]  # SGLang's name; shadows tuple.index
+    new_ids: tuple[int, ...]
+    rollback: int = 0
+    finish: FinishReason | None = None
+    cached_tokens: int = 0
+    committed: int | None = None
+    output_logprobs: Entries = ()
+    output_top: tuple[Entries, ...] = ()
+    output_ids_logprobs: tuple[Entries, ...] = ()
+    input_logprobs: Entries = ()
+    input_top: tuple[Entries | None, ...] = ()
+    input_ids_logprobs: tuple[Entries | None, ...] = ()
+    hidden_states: tuple[Any, ...] = ()
+    grammar: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +185,7 @@ class Stats:
     values: dict[str, Any]
 
 
-Output = GenerateChunk | RequestClosed | RequestFailed | CommandResult | Stats
+Output = SeqDelta | RequestClosed | RequestFailed | CommandResult | Stats
 
 
 # -------------------------------------------------------------------------- startup (out)

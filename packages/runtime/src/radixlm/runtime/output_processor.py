@@ -1,0 +1,223 @@
+"""The front end's half of each request's output: the core's `SeqDelta`s in, detokenized
+`GenerateChunk`s (SGLang's `/generate` shape) out (torch-free).
+
+The engine core sends token ids, logprobs and its own stop verdicts; here the ids become text
+(incrementally), the stops that need the text (stop strings, regexes) are checked, logprob
+entries get their token texts, and the chunks a reader sees are built: cumulative or
+incremental, every `stream_interval` tokens, holding back what a stop string or a grammar may
+still take back. A stop found here ends the sequence at once for the reader; the caller tells
+the core (`StopSequence`), whose tokens past the stop are dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from radixlm.runtime.detokenizer import TextDecoder
+from radixlm.runtime.messages import EngineRequest, Entries, SeqDelta
+from radixlm.runtime.stopping import SequenceOutput
+from radixlm.sampling import FinishReason, GenerateChunk, LogprobEntry
+
+
+class RequestOutput:
+    """One request's output, its `params.n` sequences, as the front end sees it."""
+
+    def __init__(
+        self, request: EngineRequest, tokenizer: Any, eos_token_ids: tuple[int, ...]
+    ) -> None:
+        self.request = request
+        params = request.params
+        decoder = TextDecoder(
+            tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
+        )
+        self.seqs = [SequenceView(request, k, decoder, eos_token_ids) for k in range(params.n)]
+
+    def apply(self, delta: SeqDelta) -> tuple[GenerateChunk | None, bool]:
+        """Take one delta of the core: the chunk it makes due for the reader (None: nothing
+        to send yet), and whether the core must stop the sequence (a stop string ended it
+        here)."""
+        seq = self.seqs[delta.index]
+        if seq.finish is not None:
+            return None, False  # ended here already: the core's later tokens are dropped
+        seq.apply(delta)
+        stop_core = seq.finish is not None and delta.finish is None
+        request = self.request
+        if seq.finish is None and (not request.stream or not seq.has_news(request.stream_interval)):
+            return None, stop_core
+        return seq.chunk(), stop_core
+
+
+class SequenceView:
+    """One sequence's output on the front end: ids and text (`SequenceOutput`), logprobs,
+    hidden states, and how much of them the reader has."""
+
+    def __init__(
+        self,
+        request: EngineRequest,
+        index: int,
+        decoder: TextDecoder,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.request = request
+        self.index = index
+        self.decoder = decoder
+        self.output = SequenceOutput(request.params, decoder, eos_token_ids)
+        self.with_text = request.logprobs.with_text
+        self.cached_tokens = 0
+        self.committed: int | None = None
+        self.grammar: dict[str, Any] | None = None
+        self.output_logprobs: list[LogprobEntry] = []
+        self.output_top: list[Entries] = []
+        self.output_ids_logprobs: list[Entries] = []
+        self.input_logprobs: list[LogprobEntry] = []
+        self.input_top: list[Entries | None] = []
+        self.input_ids_logprobs: list[Entries | None] = []
+        self.hidden_states: list[Any] = []
+        self.sent_text = 0
+        self.sent_ids = 0
+        self.sent_logprobs = 0
+        self.sent_hidden = 0
+
+    @property
+    def finish(self) -> FinishReason | None:
+        return self.output.finish
+
+    # ------------------------------------------------------------------------- updates
+
+    def apply(self, delta: SeqDelta) -> None:
+        """Take back, append and finish as the core says, checking the text stops on each
+        appended token (the first one found ends the sequence; later tokens are dropped)."""
+        output = self.output
+        self.cached_tokens = delta.cached_tokens
+        self.committed = delta.committed
+        if delta.grammar is not None:
+            self.grammar = delta.grammar
+        if delta.rollback:
+            output.rollback(delta.rollback)
+        if self.request.logprobs.enabled:
+            base = len(output.output_ids)
+            del self.output_logprobs[base:]
+            del self.output_top[base:]
+            del self.output_ids_logprobs[base:]
+            self.output_logprobs.extend(self._texted(delta.output_logprobs))
+            self.output_top.extend(self._texted(e) for e in delta.output_top)
+            self.output_ids_logprobs.extend(self._texted(e) for e in delta.output_ids_logprobs)
+        if delta.input_logprobs:
+            self.input_logprobs.extend(self._texted(delta.input_logprobs))
+            self.input_top.extend(None if e is None else self._texted(e) for e in delta.input_top)
+            self.input_ids_logprobs.extend(
+                None if e is None else self._texted(e) for e in delta.input_ids_logprobs
+            )
+        self.hidden_states.extend(delta.hidden_states)
+        new = delta.new_ids
+        last = len(new) - 1
+        for k, token in enumerate(new):
+            if output.append(token, delta.finish if k == last else None) is not None:
+                break
+        if not new and delta.finish is not None:
+            output.end(delta.finish)
+        if output.finish is not None:
+            # A stop string may end it before the core did: drop what came after.
+            num = len(output.output_ids)
+            del self.output_logprobs[num:]
+            del self.output_top[num:]
+            del self.output_ids_logprobs[num:]
+
+    def _texted(self, entries: Entries) -> Entries:
+        """The entries with their tokens' texts, special tokens written out (SGLang's logprob
+        texts), when the request asked for them: they line up with the prompt (OpenAI echo's
+        text_offset)."""
+        if not self.with_text:
+            return entries
+        raw = self.decoder.raw
+        return tuple(LogprobEntry(e.logprob, e.token_id, raw([e.token_id])) for e in entries)
+
+    # -------------------------------------------------------------------------- chunks
+
+    def _visible(self) -> tuple[str, int, int]:
+        """What may be shown now: the text, and how many output ids and logprob entries. A
+        finished sequence shows everything; a running one holds back the tail that may still
+        become a stop string and the tokens its grammar may still take back."""
+        output = self.output
+        ids = len(output.output_ids)
+        if output.finish is not None:
+            return output.text, ids, len(self.output_logprobs)
+        committed = self.committed
+        if committed is not None:
+            ids = min(ids, committed)
+        return output.stream_text(committed), ids, min(ids, len(self.output_logprobs))
+
+    def has_news(self, interval: int = 1) -> bool:
+        """Whether a streamed chunk is due: it would carry text or ids not sent yet, and (after
+        the first chunk) at least `interval` new output ids."""
+        text, ids, _ = self._visible()
+        if not self.request.params.detokenize:
+            text = ""
+        if self.sent_ids == 0 and self.sent_text == 0:
+            return ids > 0 or len(text) > 0
+        if interval > 1:
+            return ids - self.sent_ids >= interval
+        return ids > self.sent_ids or len(text) > self.sent_text
+
+    def _hidden(self, num_ids: int) -> list[Any]:
+        """SGLang's hidden states of the first `num_ids` output tokens: the prompt's rows,
+        then one vector per output token fed back to the model (all but the last)."""
+        if not self.hidden_states:
+            return []
+        return self.hidden_states[: 1 + max(num_ids - 1, 0)]
+
+    def chunk(self) -> GenerateChunk:
+        """The sequence's output now: cumulative, or only what is new since the last chunk
+        when the request streams incrementally. Marks what it returns as sent."""
+        request = self.request
+        final = self.finish is not None
+        text, num_ids, num_lp = self._visible()
+        if not request.params.detokenize:
+            text = ""  # vLLM's detokenize=false: token ids only
+        incremental = request.stream and request.incremental
+        # Tokens taken back after they were sent (only when the grammar gives no committed
+        # count) cannot be unsent: start from the current end rather than past it.
+        start_text = min(self.sent_text, len(text)) if incremental else 0
+        start_ids = min(self.sent_ids, num_ids) if incremental else 0
+        # Streamed logprobs are always only the new tokens' (SGLang's), with the running count
+        # in output_token_logprobs_length: resending every list each chunk is quadratic.
+        start_lp = min(self.sent_logprobs, num_lp) if request.stream else 0
+        options = request.logprobs
+        out: dict[str, Any] = {}
+        if self.grammar is not None:
+            out["grammar"] = self.grammar
+        if options.enabled:
+            out["output_token_logprobs"] = tuple(self.output_logprobs[start_lp:num_lp])
+            out["output_token_logprobs_length"] = num_lp
+            out["output_top_logprobs"] = tuple(self.output_top[start_lp:num_lp])
+            if options.token_ids is not None:
+                out["output_token_ids_logprobs"] = tuple(self.output_ids_logprobs[start_lp:num_lp])
+            if options.input_start is not None:
+                out["input_token_logprobs"] = tuple(self.input_logprobs)
+                out["input_top_logprobs"] = tuple(self.input_top)
+                if options.token_ids is not None:
+                    out["input_token_ids_logprobs"] = tuple(self.input_ids_logprobs)
+        if request.return_hidden_states:
+            entries = self._hidden(num_ids)
+            # Streamed: only the entries not sent yet (the prompt's rows come once).
+            start_hidden = min(self.sent_hidden, len(entries)) if request.stream else 0
+            out["hidden_states"] = tuple(entries[start_hidden:])
+            self.sent_hidden = len(entries)
+        chunk = GenerateChunk(
+            rid=request.rid,
+            index=self.index,
+            text=text[start_text:],
+            output_ids=tuple(self.output.output_ids[start_ids:num_ids]),
+            prompt_tokens=len(request.prompt_ids),
+            completion_tokens=num_ids,
+            cached_tokens=self.cached_tokens,
+            finish_reason=self.finish if final else None,
+            e2e_latency=time.monotonic() - request.created,
+            flat_logprobs=options.enabled and request.params.flat_logprobs,
+            **out,  # empty unless the request asked for logprobs, hidden states, a grammar
+        )
+        self.sent_text = len(text)
+        self.sent_ids = num_ids
+        self.sent_logprobs = num_lp
+        return chunk
