@@ -77,7 +77,8 @@ def install(core: Any) -> StepClock:
     clock = StepClock()
     runner = core.executor.runner
     step, forward, sample, run = core.step, runner.forward, runner.sample, core.executor.run
-    emit = core.emit
+    # Older cores hand their outputs over inside the step (no `emit`): nothing to time then.
+    emit = getattr(core, "emit", None)
     sync: Callable[[], None] = (
         torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     )
@@ -124,7 +125,8 @@ def install(core: Any) -> StepClock:
     runner.sample = timed(sample, "sample_s")
     core.executor.run = shaped_run
     core.step = timed_step
-    core.emit = timed_emit
+    if emit is not None:
+        core.emit = timed_emit
     return clock
 
 

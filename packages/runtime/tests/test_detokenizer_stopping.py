@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from radixlm.runtime.detokenizer import IncrementalDetokenizer, TextDecoder
+from radixlm.runtime.detokenizer import IncrementalDetokenizer, TextDecoder, backend_decode
 from radixlm.runtime.fixtures import build_tiny_tokenizer
 from radixlm.runtime.stopping import SequenceOutput, TokenStops
 from radixlm.sampling import FinishReason, RepetitionDetection, SamplingParams
@@ -259,3 +259,20 @@ def test_a_stop_string_wins_over_the_length_on_the_same_token(tok: Any) -> None:
     reasons = [out.append(t) for t in ids]
     assert reasons[-1] is not None and reasons[-1].matched == "b"
     assert out.text == "a"
+
+
+def test_the_fast_tokenizers_own_decode_is_used_only_when_it_is_all_decode_does(
+    tok: Any, tmp_path: Any
+) -> None:
+    assert backend_decode(tok) is not None
+    ids = _encode(tok, "café 🙂 <|im_end|> x")
+    assert TextDecoder(tok).raw(ids) == tok.decode(ids, clean_up_tokenization_spaces=False)
+
+    class Shouting(type(tok)):  # type: ignore[misc]
+        def _decode(self, token_ids: Any, **kwargs: Any) -> str:
+            return str(super()._decode(token_ids, **kwargs)).upper()
+
+    tok.save_pretrained(tmp_path)
+    loud = Shouting.from_pretrained(str(tmp_path))
+    assert backend_decode(loud) is None
+    assert TextDecoder(loud).raw(ids) == loud.decode(ids).upper() != TextDecoder(tok).raw(ids)

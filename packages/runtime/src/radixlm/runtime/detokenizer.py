@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,37 @@ def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+#: The transformers modules whose `decode` / `_decode` only call the Rust tokenizer's decode
+#: (and clean-up, which the decoder never asks for).
+_PLAIN_DECODE_MODULES = frozenset(
+    {
+        "transformers.tokenization_utils_base",
+        "transformers.tokenization_utils_tokenizers",
+        "transformers.tokenization_utils_fast",
+    }
+)
+
+
+def backend_decode(tokenizer: Any) -> Callable[[list[int]], str] | None:
+    """The fast tokenizer's own `decode` (the `tokenizers` library's, special tokens kept), when
+    `tokenizer.decode` would only call it: it skips the Python layers around it, which cost
+    most of a short decode, and a stream decodes twice per token. None for a slow tokenizer or
+    one whose class decodes its own way."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return None
+    cls = type(tokenizer)
+    for name in ("decode", "_decode"):
+        method = getattr(cls, name, None)
+        if getattr(method, "__module__", None) not in _PLAIN_DECODE_MODULES:
+            return None
+
+    def decode(ids: list[int]) -> str:
+        return str(backend.decode(ids, skip_special_tokens=False))
+
+    return decode
 
 
 class TextDecoder:
@@ -34,6 +65,7 @@ class TextDecoder:
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+        self._backend = backend_decode(tokenizer)
 
     def hidden_special_texts(self) -> tuple[str, ...]:
         """The texts of the special tokens this decoder leaves out of the text (none when it
@@ -50,6 +82,8 @@ class TextDecoder:
     def _plain(self, ids: Sequence[int]) -> str:
         if not ids:
             return ""
+        if self._backend is not None:
+            return self._backend(list(ids))
         return str(
             self.tokenizer.decode(
                 list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False

@@ -43,9 +43,14 @@ class RequestOutput:
         seq.apply(delta)
         stop_core = seq.finish is not None and delta.finish is None
         request = self.request
-        if seq.finish is None and (not request.stream or not seq.has_news(request.stream_interval)):
+        if seq.finish is not None:
+            return seq.chunk(), stop_core
+        if not request.stream:
             return None, stop_core
-        return seq.chunk(), stop_core
+        visible = seq._visible()
+        if not seq.has_news(request.stream_interval, visible):
+            return None, stop_core
+        return seq.chunk(visible), stop_core
 
 
 class SequenceView:
@@ -148,10 +153,11 @@ class SequenceView:
             ids = min(ids, committed)
         return output.stream_text(committed), ids, min(ids, len(self.output_logprobs))
 
-    def has_news(self, interval: int = 1) -> bool:
+    def has_news(self, interval: int = 1, visible: tuple[str, int, int] | None = None) -> bool:
         """Whether a streamed chunk is due: it would carry text or ids not sent yet, and (after
-        the first chunk) at least `interval` new output ids."""
-        text, ids, _ = self._visible()
+        the first chunk) at least `interval` new output ids. `visible`: `_visible()`, when the
+        caller has it."""
+        text, ids, _ = visible or self._visible()
         if not self.request.params.detokenize:
             text = ""
         if self.sent_ids == 0 and self.sent_text == 0:
@@ -167,12 +173,12 @@ class SequenceView:
             return []
         return self.hidden_states[: 1 + max(num_ids - 1, 0)]
 
-    def chunk(self) -> GenerateChunk:
+    def chunk(self, visible: tuple[str, int, int] | None = None) -> GenerateChunk:
         """The sequence's output now: cumulative, or only what is new since the last chunk
         when the request streams incrementally. Marks what it returns as sent."""
         request = self.request
         final = self.finish is not None
-        text, num_ids, num_lp = self._visible()
+        text, num_ids, num_lp = visible or self._visible()
         if not request.params.detokenize:
             text = ""  # vLLM's detokenize=false: token ids only
         incremental = request.stream and request.incremental
