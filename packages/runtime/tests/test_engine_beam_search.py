@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -42,9 +42,31 @@ def _pair(path: Path) -> Iterator[Pair]:
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+def plain_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-beam"))
+
+
+@pytest.fixture(scope="module")
+def plain(plain_path: Path) -> Iterator[Pair]:
     """The tiny model with its one EOS (rarely chosen: beams end at max_tokens)."""
-    yield from _pair(build_tiny_model(tmp_path_factory.mktemp("tiny-beam")))
+    yield from _pair(plain_path)
+
+
+@pytest.fixture(scope="module")
+def plain_process(plain_path: Path) -> Iterator[Pair]:
+    """The same model with the engine core in its own process (no transformers twin)."""
+    with Engine(
+        str(plain_path), show_progress=False, max_total_tokens=4096, engine_process=True
+    ) as engine:
+        yield Pair(engine, None, engine.tokenizer)
+
+
+@pytest.fixture(params=["thread", "process"])
+def either(request: pytest.FixtureRequest) -> Pair:
+    """`plain`, with the core on a thread and in its own process."""
+    return cast(
+        Pair, request.getfixturevalue("plain" if request.param == "thread" else "plain_process")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -148,41 +170,42 @@ def test_results_say_why_each_beam_ended(eos_heavy: Pair) -> None:
     assert scores == sorted(scores, reverse=True)
 
 
-def test_score_is_the_cumulative_logprob_over_the_penalised_length(plain: Pair) -> None:
-    for result in plain.engine.beam_search(PROMPTS[1], 3, 10, length_penalty=1.5):
+def test_score_is_the_cumulative_logprob_over_the_penalised_length(either: Pair) -> None:
+    for result in either.engine.beam_search(PROMPTS[1], 3, 10, length_penalty=1.5):
         meta = result["meta_info"]
         total = sum(entry[0] for entry in meta["output_token_logprobs"])
         assert meta["cumulative_logprob"] == pytest.approx(total)
         assert meta["score"] == pytest.approx(total / 10**1.5)
 
 
-def test_beams_share_their_prefix_kv_through_the_radix_cache(plain: Pair) -> None:
-    engine = plain.engine
-    prompt = plain.tokenizer(PROMPTS[0])["input_ids"]
+def test_beams_share_their_prefix_kv_through_the_radix_cache(either: Pair) -> None:
+    engine = either.engine
+    prompt = either.tokenizer(PROMPTS[0])["input_ids"]
     engine.flush_cache().result()
-    before = engine.runner.stats.tokens_forwarded
+    before = engine.server_info(fresh=True)["tokens_forwarded"]
     k, steps = 4, 8
     engine.beam_search(prompt, k, steps)
-    forwarded = engine.runner.stats.tokens_forwarded - before
+    forwarded = engine.server_info(fresh=True)["tokens_forwarded"] - before
     # The prompt once, then at most one new token per live beam per step.
     assert forwarded <= len(prompt) + k * (steps - 1)
 
 
-def test_no_kv_slot_is_left_behind(plain: Pair) -> None:
-    engine = plain.engine
+def test_no_kv_slot_is_left_behind(either: Pair) -> None:
+    engine = either.engine
     engine.beam_search(PROMPTS[0], 4, 16)
     engine.check_invariants()
     assert engine.flush_cache().result()
-    assert engine.runner.kv_pool.available == engine.runner.kv_pool.num_slots
-    assert engine.server_info()["num_running_reqs"] == 0
+    info = engine.server_info(fresh=True)
+    assert info["token_usage"] == 0.0  # every slot free once the cache is dropped
+    assert info["num_running_reqs"] == 0
 
 
-def test_the_request_form_is_a_coroutine_for_the_server(plain: Pair) -> None:
+def test_the_request_form_is_a_coroutine_for_the_server(either: Pair) -> None:
     request = GenerateRequest.parse(
         {"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 8}, "rid": "beam-1"}
     )
-    results = asyncio.run(plain.engine.beam_search(request, 2, length_penalty=0.5))
-    expected = plain.engine.beam_search(PROMPTS[1], 2, 8, 0.5)
+    results = asyncio.run(either.engine.beam_search(request, 2, length_penalty=0.5))
+    expected = either.engine.beam_search(PROMPTS[1], 2, 8, 0.5)
     assert [list(r.output_ids) for r in results] == [r["output_ids"] for r in expected]
     assert {r.rid for r in results} == {"beam-1"}
     assert results[0].to_json()["meta_info"]["score"] == pytest.approx(
@@ -190,9 +213,9 @@ def test_the_request_form_is_a_coroutine_for_the_server(plain: Pair) -> None:
     )
 
 
-def test_a_search_past_the_context_is_refused_naming_max_tokens(plain: Pair) -> None:
+def test_a_search_past_the_context_is_refused_naming_max_tokens(either: Pair) -> None:
     with pytest.raises(InvalidRequest) as error:
-        plain.engine.beam_search(PROMPTS[0], 2, plain.engine.context_length)
+        either.engine.beam_search(PROMPTS[0], 2, either.engine.context_length)
     assert error.value.field == "max_new_tokens"
 
 

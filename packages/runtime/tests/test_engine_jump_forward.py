@@ -38,30 +38,44 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _run(model_dir: Path, schema: dict[str, Any], jump_forward: bool) -> tuple[str, int]:
+@pytest.fixture(params=["thread", "process"])
+def engine_process(request: pytest.FixtureRequest) -> bool:
+    """The core on a thread, and in its own process (forced tokens and rollbacks then reach
+    the front end as deltas)."""
+    return bool(request.param == "process")
+
+
+def _run(
+    model_dir: Path, schema: dict[str, Any], jump_forward: bool, engine_process: bool
+) -> tuple[str, int]:
     params = {"temperature": 0, "max_new_tokens": 64, "json_schema": json.dumps(schema)}
     with Engine(
         str(model_dir),
         show_progress=False,
         max_total_tokens=2048,
         disable_jump_forward=not jump_forward,
+        engine_process=engine_process,
     ) as engine:
         out = engine.generate("the answer", params)
         assert out["meta_info"]["finish_reason"]["type"] == "stop"
-        return out["text"], engine.runner.stats.forward_calls
+        return out["text"], engine.server_info(fresh=True)["forward_passes"]
 
 
-def test_jump_forward_gives_the_same_text_in_fewer_forward_passes(model_dir: Path) -> None:
-    text_jf, passes_jf = _run(model_dir, CAPITALS, jump_forward=True)
-    text, passes = _run(model_dir, CAPITALS, jump_forward=False)
+def test_jump_forward_gives_the_same_text_in_fewer_forward_passes(
+    model_dir: Path, engine_process: bool
+) -> None:
+    text_jf, passes_jf = _run(model_dir, CAPITALS, True, engine_process)
+    text, passes = _run(model_dir, CAPITALS, False, engine_process)
     assert text_jf == text
     assert json.loads(text) in CAPITALS["enum"]
     assert passes_jf < passes / 2
 
 
-def test_object_schema_output_validates_with_and_without_jump_forward(model_dir: Path) -> None:
-    text_jf, passes_jf = _run(model_dir, CITY, jump_forward=True)
-    text, passes = _run(model_dir, CITY, jump_forward=False)
+def test_object_schema_output_validates_with_and_without_jump_forward(
+    model_dir: Path, engine_process: bool
+) -> None:
+    text_jf, passes_jf = _run(model_dir, CITY, True, engine_process)
+    text, passes = _run(model_dir, CITY, False, engine_process)
     for output in (text_jf, text):
         value = json.loads(output)
         assert set(value) == {"name", "country", "population"}
@@ -70,8 +84,10 @@ def test_object_schema_output_validates_with_and_without_jump_forward(model_dir:
     assert passes_jf < passes
 
 
-def test_regex_and_choice_constraints_hold(model_dir: Path) -> None:
-    with Engine(str(model_dir), show_progress=False, max_total_tokens=2048) as engine:
+def test_regex_and_choice_constraints_hold(model_dir: Path, engine_process: bool) -> None:
+    with Engine(
+        str(model_dir), show_progress=False, max_total_tokens=2048, engine_process=engine_process
+    ) as engine:
         out = engine.generate("pick", {"temperature": 0, "regex": "(France|England)"})
         assert out["text"] in ("France", "England")
         out = engine.generate(
