@@ -57,12 +57,8 @@ class Served:
     def assert_no_leaks(self) -> None:
         """Nothing running or queued, and every KV slot is free or cached."""
         self.wait_idle()
+        # free + cached + held by running requests == pool size, and nothing runs now.
         self.engine.check_invariants()
-        pool = self.engine.runner.kv_pool
-        free_and_cached = self.engine.run_in_loop(
-            lambda core: (core.scheduler.pool.available, core.scheduler.cache.total_size)
-        )
-        assert sum(free_and_cached) == pool.num_slots, (free_and_cached, pool.num_slots)
 
 
 @pytest.fixture(scope="session")

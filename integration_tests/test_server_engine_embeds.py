@@ -4,6 +4,7 @@ tiny engine: JSON bodies in, SGLang's shapes out, nothing leaked."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,7 +14,15 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 
 
 def _table(server: Any) -> torch.Tensor:
-    return server.engine.runner.model.model.embed_tokens.weight.detach().float().cpu()
+    """The model's embedding table, read from its checkpoint (the engine core may run in
+    another process)."""
+    from safetensors.torch import load_file
+
+    for shard in sorted(Path(server.engine.config.model_path).glob("*.safetensors")):
+        for name, tensor in load_file(shard).items():
+            if name.endswith("embed_tokens.weight"):
+                return tensor.float()
+    raise AssertionError("no embed_tokens.weight in the checkpoint")
 
 
 def _ids(server: Any, text: str) -> list[int]:
@@ -67,7 +76,7 @@ def test_hidden_states_come_back_in_sglang_shape(http: httpx.Client, server: Any
     assert response.status_code == 200, response.text
     out = response.json()
     entries = out["meta_info"]["hidden_states"]
-    width = server.engine.runner.info.arch.hidden_size
+    width = server.engine.info.hidden_size
     assert len(entries) == GREEDY["max_new_tokens"]
     assert [len(row) for row in entries[0]] == [width] * len(ids)
     assert all(len(vector) == width for vector in entries[1:])
@@ -85,5 +94,5 @@ def test_embeddings_of_the_wrong_width_are_a_400_naming_the_field(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "input_embeds"
-    assert str(server.engine.runner.info.arch.hidden_size) in error["message"]
+    assert str(server.engine.info.hidden_size) in error["message"]
     server.assert_no_leaks()

@@ -280,7 +280,7 @@ def test_model_info_reports_the_engine_model(http: httpx.Client, server: Any) ->
     info = http.get("/get_model_info").json()
     assert info["is_generation"] is True
     assert info["max_context_length"] == server.engine.context_length
-    assert info["vocab_size"] == server.engine.runner.vocab_size
+    assert info["vocab_size"] == server.engine.info.vocab_size
     assert info["served_model_name"] == server.model_name
 
 

@@ -4,6 +4,7 @@
     python3 tools/dev.py serve [FLAGS]    set up if needed, then `radixlm serve` (built-in model)
     python3 tools/dev.py setup            create/refresh .venv (every package editable + dev tools)
     python3 tools/dev.py test [PKG ...]   set up if needed, then run each package's tests
+    python3 tools/dev.py test runtime --engine-mode process   the same, every engine in a process
     python3 tools/dev.py check            ruff (lint + format), mypy, import contracts
     python3 tools/dev.py isolate [PKG ..] each package alone in a fresh venv, its tests there
     python3 tools/dev.py build [PKG ...]  wheel + sdist for every package into dist/
@@ -105,15 +106,26 @@ def is_skeleton(name: str) -> bool:
     return not any(p.name != "_version.py" for p in src.rglob("*.py"))
 
 
-def pytest_env() -> dict[str, str]:
+def pytest_env(engine_mode: str = "default") -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if engine_mode == "process":
+        # tools/testing/pytest_engine_process.py: every Engine a test builds gets a process.
+        testing = str(ROOT / "tools" / "testing")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [testing, env.get("PYTHONPATH")]))
     return env
 
 
-def run_pytest(python: Path, name: str, tests: Path, extra: list[str]) -> bool:
-    code = run([python, "-m", "pytest", tests, "-q", *extra], cwd=ROOT, env=pytest_env())
+def run_pytest(
+    python: Path, name: str, tests: Path, extra: list[str], engine_mode: str = "default"
+) -> bool:
+    plugin = ["-p", "pytest_engine_process"] if engine_mode == "process" else []
+    code = run(
+        [python, "-m", "pytest", tests, "-q", *plugin, *extra],
+        cwd=ROOT,
+        env=pytest_env(engine_mode),
+    )
     if code == PYTEST_NO_TESTS:
         # No tests collected is fine only for a package that is still a skeleton.
         if name in PACKAGES and is_skeleton(name):
@@ -124,7 +136,7 @@ def run_pytest(python: Path, name: str, tests: Path, extra: list[str]) -> bool:
     return code == 0
 
 
-def cmd_test(names: list[str], extra: list[str]) -> int:
+def cmd_test(names: list[str], extra: list[str], engine_mode: str = "default") -> int:
     cmd_setup()
     selected = names or [*PACKAGES, "integration"]
     failed = []
@@ -133,7 +145,7 @@ def cmd_test(names: list[str], extra: list[str]) -> int:
         if name == "integration" and not any(tests.glob("test_*.py")):
             print("[integration] no integration tests yet", flush=True)
             continue
-        if not run_pytest(venv_python(), name, tests, extra):
+        if not run_pytest(venv_python(), name, tests, extra, engine_mode):
             failed.append(name)
     print("\n== test summary ==")
     for name in selected:
@@ -213,6 +225,13 @@ def main() -> int:
     setup.add_argument("--force", action="store_true")
     test = sub.add_parser("test")
     test.add_argument("packages", nargs="*", help=f"some of: {', '.join(PACKAGES)}, integration")
+    test.add_argument(
+        "--engine-mode",
+        choices=["default", "process"],
+        default="default",
+        help="process: every Engine a test builds runs its core in its own process "
+        "(tests marked thread_only are skipped)",
+    )
     sub.add_parser("serve", help="radixlm serve with the given flags (default: built-in model)")
     sub.add_parser("check")
     build = sub.add_parser("build")
@@ -229,7 +248,7 @@ def main() -> int:
     if args.command == "serve":
         return cmd_serve(extra)
     if args.command == "test":
-        return cmd_test(args.packages, extra)
+        return cmd_test(args.packages, extra, args.engine_mode)
     if args.command == "check":
         return cmd_check()
     if args.command == "build":

@@ -325,6 +325,7 @@ def test_unenforced_parameters_are_refused(engine: Engine) -> None:
     assert error.value.field == "image_data"
 
 
+@pytest.mark.thread_only("holds the loop with a Call")
 def test_queue_beyond_max_queued_requests_is_refused(model_dir: Path) -> None:
     with Engine(
         str(model_dir),
@@ -346,6 +347,7 @@ def test_queue_beyond_max_queued_requests_is_refused(model_dir: Path) -> None:
             assert list(stream)[-1]["meta_info"]["finish_reason"] is not None
 
 
+@pytest.mark.thread_only("holds the loop with a Call")
 def test_burst_that_free_running_slots_take_is_not_refused(model_dir: Path) -> None:
     with Engine(
         str(model_dir),

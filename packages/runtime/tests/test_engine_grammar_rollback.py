@@ -19,6 +19,9 @@ from radixlm.runtime.fixtures import build_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+#: Thread mode only: they script the grammar service's matchers.
+pytestmark = pytest.mark.thread_only("they script the grammar service's matchers")
+
 # The constraint only has to compile; the fake grammar below decides every token.
 CONSTRAINED: dict[str, Any] = {"temperature": 0, "max_new_tokens": 40, "regex": "[a-z ]+"}
 GREEDY: dict[str, Any] = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}

@@ -26,6 +26,9 @@ from radixlm.sampling import InvalidRequest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+#: Thread mode only: the runner's embedding table and the pool.
+pytestmark = pytest.mark.thread_only("the runner's embedding table and the pool")
+
 GREEDY: dict[str, Any] = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 

@@ -13,6 +13,9 @@ from radixlm.runtime.fixtures import build_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+#: Thread mode only: the runner's forward counts and the cache.
+pytestmark = pytest.mark.thread_only("the runner's forward counts and the cache")
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

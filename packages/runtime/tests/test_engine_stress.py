@@ -72,6 +72,7 @@ async def _one(engine: Engine, item: dict[str, Any]) -> list[dict[str, Any]]:
     return [finals[k] for k in sorted(finals)]
 
 
+@pytest.mark.thread_only("reads the pool and the cache's eviction count")
 def test_every_request_ends_greedy_outputs_match_solo_runs_and_nothing_leaks(
     model_dir: Path,
 ) -> None:

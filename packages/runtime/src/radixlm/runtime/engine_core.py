@@ -114,14 +114,16 @@ class EngineCore:
         self._flush()
 
     def _flush(self) -> None:
+        if self.publish_stats:
+            # Every _STATS_S while busy, outputs or not (requests that do not stream send
+            # none until they end), and with the last outputs before it goes idle.
+            now = time.monotonic()
+            if now - self._stats_at >= _STATS_S or (self._out and not self._has_work()):
+                self._stats_at = now
+                self._out.insert(0, Stats(self.live_stats()))
         if not self._out:
             return
         out, self._out = self._out, []
-        if self.publish_stats:
-            now = time.monotonic()
-            if now - self._stats_at >= _STATS_S or not self._has_work():
-                self._stats_at = now
-                out.insert(0, Stats(self.live_stats()))
         self.emit(out)
 
     def _has_work(self) -> bool:
