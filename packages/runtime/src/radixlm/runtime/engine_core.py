@@ -62,7 +62,6 @@ class EngineCore:
         scheduler: Scheduler,
         executor: ModelExecutor,
         grammar: GrammarService,
-        tokenizer: Any,
         eos_token_ids: tuple[int, ...],
         emit: Emit,
         jump_forward: bool = True,
@@ -72,7 +71,6 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor
         self.grammar = grammar
-        self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.emit = emit
         self.jump_forward = jump_forward
@@ -456,7 +454,6 @@ def create_core(
         scheduler,
         ModelExecutor(runner, seed=config.scheduler.random_seed),
         grammar,
-        tokenizer,
         eos_token_ids,
         emit,
         jump_forward=config.grammar.jump_forward,

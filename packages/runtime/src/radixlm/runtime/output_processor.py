@@ -47,7 +47,7 @@ class RequestOutput:
             return seq.chunk(), stop_core
         if not request.stream:
             return None, stop_core
-        visible = seq._visible()
+        visible = seq.visible()
         if not seq.has_news(request.stream_interval, visible):
             return None, stop_core
         return seq.chunk(visible), stop_core
@@ -140,7 +140,7 @@ class SequenceView:
 
     # -------------------------------------------------------------------------- chunks
 
-    def _visible(self) -> tuple[str, int, int]:
+    def visible(self) -> tuple[str, int, int]:
         """What may be shown now: the text, and how many output ids and logprob entries. A
         finished sequence shows everything; a running one holds back the tail that may still
         become a stop string and the tokens its grammar may still take back."""
@@ -155,9 +155,9 @@ class SequenceView:
 
     def has_news(self, interval: int = 1, visible: tuple[str, int, int] | None = None) -> bool:
         """Whether a streamed chunk is due: it would carry text or ids not sent yet, and (after
-        the first chunk) at least `interval` new output ids. `visible`: `_visible()`, when the
+        the first chunk) at least `interval` new output ids. `visible`: `visible()`, when the
         caller has it."""
-        text, ids, _ = visible or self._visible()
+        text, ids, _ = visible or self.visible()
         if not self.request.params.detokenize:
             text = ""
         if self.sent_ids == 0 and self.sent_text == 0:
@@ -178,7 +178,7 @@ class SequenceView:
         when the request streams incrementally. Marks what it returns as sent."""
         request = self.request
         final = self.finish is not None
-        text, num_ids, num_lp = visible or self._visible()
+        text, num_ids, num_lp = visible or self.visible()
         if not request.params.detokenize:
             text = ""  # vLLM's detokenize=false: token ids only
         incremental = request.stream and request.incremental

@@ -156,11 +156,6 @@ class SequenceOutput:
         self._text_end: int | None = None  # where the final text is cut (stop string or regex)
 
     @property
-    def watches_text(self) -> bool:
-        """Whether this output has stops only its text can show (stop strings, regexes)."""
-        return bool(self.stop_strings or self.stop_regexes)
-
-    @property
     def text(self) -> str:
         text = self.detokenizer.text
         return text if self._text_end is None else text[: self._text_end]
