@@ -33,6 +33,8 @@ GrammarBackendName = Literal["auto", "xgrammar", "llguidance", "outlines", "none
 JsonWhitespace = Literal["compact", "flexible"]
 SamplingDefaultsMode = Literal["model", "openai"]
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+#: The torch.distributed backend of tensor parallelism (`auto`: nccl on CUDA, gloo on CPU).
+DistBackend = Literal["auto", "gloo", "nccl"]
 
 DTYPES: tuple[str, ...] = get_args(DtypeName)
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
@@ -180,6 +182,69 @@ class SamplerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism on torch.distributed (SGLang's flags).
+
+    - `tp_size`: ranks the model is split across (attention heads, MLP columns, vocabulary);
+      each rank is a process with its own shard of the weights and of the KV pool. Rank 0
+      runs the scheduler and sends every step to the others.
+    - `backend`: `auto` (nccl on CUDA, gloo on CPU), `gloo` or `nccl`.
+    - `nnodes`, `node_rank`, `dist_init_addr` (HOST:PORT of node 0, where every rank meets):
+      the ranks spread over several machines, `tp_size / nnodes` on each; node 0 serves.
+    - `timeout`: seconds a collective may wait for the other ranks before the engine gives up
+      (a rank that died or hangs takes the engine down after at most this long).
+    """
+
+    tp_size: int = 1
+    backend: DistBackend = "auto"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        _choice("dist_backend", self.backend, DistBackend)
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1; got {self.tp_size}")
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1; got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank must be in [0, nnodes - 1] = [0, {self.nnodes - 1}]; "
+                f"got {self.node_rank}"
+            )
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes}): "
+                "every node runs the same number of ranks"
+            )
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError(
+                "nnodes > 1 needs dist_init_addr (HOST:PORT of node 0, reachable from every "
+                "node), e.g. --dist-init-addr 10.0.0.1:5000"
+            )
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    f"dist_init_addr must be HOST:PORT (e.g. 10.0.0.1:5000); "
+                    f"got {self.dist_init_addr!r}"
+                )
+        if self.timeout <= 0:
+            raise ValueError(f"dist_timeout must be > 0 seconds; got {self.timeout}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks this node runs."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
+
+
+@dataclass(frozen=True)
 class RunnerConfig:
     """Everything the model runner needs, composed by feature."""
 
@@ -187,6 +252,7 @@ class RunnerConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass(frozen=True)
@@ -312,7 +378,9 @@ class EngineConfig:
     - `tokenizer_path`: where the tokenizer is, if not beside the model.
     - `engine_process`: run the engine core in its own process (messages over ZeroMQ), so
       that tokenization, HTTP and streaming in the front process do not compete with
-      scheduling for the GIL; False runs it on a thread of the caller's process.
+      scheduling for the GIL; False runs it on a thread of the caller's process. None (the
+      default): a thread, unless `tp_size > 1` (tensor parallelism always runs the core in a
+      process of its own, rank 0 of the group; see `in_process`).
     - `engine_restarts`: how many times a dead engine process is started again (its open
       requests end with an error either way); beyond that the engine stays down.
     """
@@ -329,10 +397,15 @@ class EngineConfig:
     tokenizer_path: str | None = None
     served_model_name: str | None = None
     log_level: LogLevel = "warning"
-    engine_process: bool = False
+    engine_process: bool | None = None
     engine_restarts: int = 0
 
     def __post_init__(self) -> None:
+        if self.engine_process is False and self.runner.parallel.tp_size > 1:
+            raise ValueError(
+                "tensor parallelism (tp_size > 1) runs the engine core in its own process "
+                "(rank 0 of the group): drop engine_process=False (or --engine-mode thread)"
+            )
         if self.engine_restarts < 0:
             raise ValueError(f"engine_restarts must be >= 0; got {self.engine_restarts}")
         _choice("sampling_defaults", self.sampling_defaults, SamplingDefaultsMode)
@@ -345,6 +418,13 @@ class EngineConfig:
     @property
     def model_path(self) -> str:
         return self.runner.model.model_path
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the engine core runs in a process of its own."""
+        if self.engine_process is None:
+            return self.runner.parallel.tp_size > 1
+        return self.engine_process
 
     @classmethod
     def from_kwargs(cls, model_path: str, **kwargs: Any) -> EngineConfig:
@@ -369,6 +449,7 @@ class EngineConfig:
             memory=MemoryConfig(**sections["memory"]),
             attention=AttentionConfig(**sections["attention"]),
             sampler=SamplerConfig(**sections["sampler"]),
+            parallel=ParallelConfig(**sections["parallel"]),
         )
         return cls(
             runner=runner,
@@ -396,7 +477,20 @@ def _chunked_prefill(value: Any) -> int | None:
     return None if value is None or int(value) == -1 else int(value)
 
 
-_SECTIONS = ("model", "memory", "attention", "sampler", "scheduler", "cache", "grammar")
+def _optional_bool(value: Any) -> bool | None:
+    return None if value is None else bool(value)
+
+
+_SECTIONS = (
+    "model",
+    "memory",
+    "attention",
+    "sampler",
+    "parallel",
+    "scheduler",
+    "cache",
+    "grammar",
+)
 
 #: SGLang-style keyword -> (section, field, conversion).
 ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
@@ -423,6 +517,14 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     # sampler
     "enable_custom_logit_processor": ("sampler", "enable_custom_logit_processor", None),
     "logprobs_mode": ("sampler", "logprobs_mode", None),
+    # parallel
+    "tp_size": ("parallel", "tp_size", int),
+    "tensor_parallel_size": ("parallel", "tp_size", int),
+    "dist_backend": ("parallel", "backend", None),
+    "nnodes": ("parallel", "nnodes", int),
+    "node_rank": ("parallel", "node_rank", int),
+    "dist_init_addr": ("parallel", "dist_init_addr", None),
+    "dist_timeout": ("parallel", "timeout", float),
     # scheduler
     "schedule_policy": ("scheduler", "schedule_policy", None),
     "chunked_prefill_size": ("scheduler", "chunked_prefill_size", _chunked_prefill),
@@ -451,7 +553,7 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "tokenizer_path": ("engine", "tokenizer_path", None),
     "served_model_name": ("engine", "served_model_name", None),
     "log_level": ("engine", "log_level", None),
-    "engine_process": ("engine", "engine_process", bool),
+    "engine_process": ("engine", "engine_process", _optional_bool),
     "engine_restarts": ("engine", "engine_restarts", int),
 }
 
@@ -470,4 +572,5 @@ ENGINE_CHOICES: dict[str, tuple[Any, ...]] = {
     "json_whitespace": (*get_args(JsonWhitespace), "any"),
     "sampling_defaults": get_args(SamplingDefaultsMode),
     "log_level": get_args(LogLevel),
+    "dist_backend": get_args(DistBackend),
 }

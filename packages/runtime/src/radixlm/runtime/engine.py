@@ -170,7 +170,7 @@ class Engine:
         self._closed = False
         self._live: dict[str, Any] = {}  # the engine process's latest Stats
         self._connection: ThreadConnection | ProcessConnection
-        if config.engine_process:
+        if config.in_process:
             self._connection = ProcessConnection(
                 config, self._dispatch, self._engine_down, tokenizer=tokenizer
             )
@@ -685,7 +685,7 @@ class Engine:
     def run_in_loop(self, function: Callable[[EngineCore], T], timeout: float | None = 60) -> T:
         """Run `function(core)` on the engine thread between steps and return its result
         (for inspection and tests; thread mode only)."""
-        if self.config.engine_process:
+        if self.config.in_process:
             raise RuntimeError("run_in_loop needs the engine on a thread (engine_process=False)")
         future = self._ask(lambda reply: Call(function, reply))
         return cast(T, future.result(timeout))
@@ -737,7 +737,7 @@ class Engine:
             "model": self.model_info(),
             "max_total_num_tokens": self.info.max_total_num_tokens,
             "healthy": self.healthy,
-            "engine_mode": "process" if self.config.engine_process else "thread",
+            "engine_mode": "process" if self.config.in_process else "thread",
             **live,
         }
 

@@ -19,6 +19,7 @@ from typing import Any
 from radixlm.cache import RadixCache
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import load_tokenizer
+from radixlm.runtime.distributed import SINGLE, RankFailure, TensorParallel
 from radixlm.runtime.executor import EntryInputs, InputLogprobAsk, ModelExecutor, StepResult
 from radixlm.runtime.grammar import GrammarService
 from radixlm.runtime.messages import (
@@ -42,6 +43,7 @@ from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.request_state import RequestHandle, SequenceState, open_request
 from radixlm.runtime.sampling_batch import SamplingRequest
 from radixlm.runtime.scheduler import ReqStatus, ScheduledBatch, Scheduler
+from radixlm.runtime.tensor_parallel import StepSender, heartbeat_interval, rank_report
 from radixlm.sampling import EngineOverloaded, EngineUnavailable, InvalidRequest
 
 logger = logging.getLogger("radixlm.runtime.engine")
@@ -103,6 +105,15 @@ class EngineCore:
                 self._drain(block=not self._has_work())
                 if not self._stopped:
                     self.step()
+            except RankFailure as error:
+                # The tensor-parallel group is broken: no step can run again. Every open
+                # request ends with the error, then the engine process exits.
+                logger.error("a tensor-parallel rank failed; the engine stops: %s", error)
+                down = EngineUnavailable(f"the engine is down: {error}")
+                for handle in list(self.handles.values()):
+                    self._close_with_error(handle, down)
+                self._flush()
+                raise
             except Exception as error:  # a bug must not leave clients hanging forever
                 logger.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_running(error)
@@ -429,10 +440,18 @@ def create_core(
     runner: ModelRunner | None = None,
     tokenizer: Any = None,
     publish_stats: bool = False,
+    tp: TensorParallel | None = None,
 ) -> tuple[EngineCore, EngineInfo]:
     """Build the model runner (unless given), the cache, the scheduler and the grammar
-    service, and the core over them; with what the front end needs to know of them."""
-    runner = runner if runner is not None else ModelRunner(config.runner)
+    service, and the core over them; with what the front end needs to know of them.
+    Under tensor parallelism (`tp`, rank 0 of a group whose other ranks are starting) the
+    runner holds rank 0's shard."""
+    if runner is None:
+        runner = ModelRunner(config.runner, tp=tp or SINGLE)
+    ranks = rank_report(runner) if runner.tp.enabled else None
+    sender = None
+    if runner.tp.enabled:
+        sender = StepSender(runner.tp, heartbeat_interval(config.runner.parallel.timeout))
     tokenizer = tokenizer or load_tokenizer(config.tokenizer_path or config.model_path)
     info = runner.info
     eos = set(info.eos_token_ids)
@@ -452,7 +471,7 @@ def create_core(
     grammar = GrammarService(config.grammar, tokenizer, runner.vocab_size, eos_token_ids)
     core = EngineCore(
         scheduler,
-        ModelExecutor(runner, seed=config.scheduler.random_seed),
+        ModelExecutor(runner, seed=config.scheduler.random_seed, sender=sender),
         grammar,
         eos_token_ids,
         emit,
@@ -470,7 +489,11 @@ def create_core(
         # The linear layers' quantized format (None: full precision), and the KV pool's dtype.
         "quantization": quant.describe() if quant else None,
         "kv_cache_dtype": str(pool.dtype).removeprefix("torch."),
+        "tp_size": runner.tp.size,
     }
+    if ranks is not None:
+        # Each rank's memory after loading: its weights, its KV pool, its resident size.
+        static["tp_ranks"] = ranks
     engine_info = EngineInfo(
         context_length=runner.context_length,
         vocab_size=runner.vocab_size,

@@ -8,6 +8,10 @@ The engine process is started with `spawn`; commands and outputs cross two ZeroM
 process receives the outputs and watches the process: when it dies (killed, out of memory, a
 CUDA error), `on_down` ends every open request with an error, and the process is started again
 while restarts are left.
+
+Under tensor parallelism the engine process is rank 0 and the front process also starts this
+machine's other ranks (`radixlm.runtime.tensor_parallel`) and watches them with it: one rank
+down takes the whole group down (and up again, while restarts are left).
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ from radixlm.runtime.messages import (
     Stats,
 )
 from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.tensor_parallel import (
+    init_method,
+    share_cpu_cores,
+    spawn_workers,
+    stop_processes,
+)
 
 logger = logging.getLogger("radixlm.runtime.engine")
 
@@ -115,6 +125,8 @@ class ProcessConnection:
         self.failed = False
         self.restarts = 0
         self.stats: dict[str, Any] = {}  # the live statistics the process sent with Ready
+        #: This machine's other tensor-parallel ranks (none without tensor parallelism).
+        self._workers: list[multiprocessing.process.BaseProcess] = []
         self._process = self._spawn()
         try:
             self.info = self._wait_ready(startup_timeout)
@@ -141,14 +153,29 @@ class ProcessConnection:
 
     def _spawn(self) -> multiprocessing.process.BaseProcess:
         context = multiprocessing.get_context("spawn")
+        parallel = self.config.runner.parallel
+        method = None
+        if parallel.tp_size > 1:
+            method = init_method(self.config, self._dir, self.restarts)
         process = context.Process(
             target=_engine_main,
-            args=(self.config, self._tokenizer, self._dir, os.getpid()),
+            args=(self.config, self._tokenizer, self._dir, os.getpid(), method),
             name="radixlm-engine",
             daemon=True,
         )
         process.start()
+        if method is not None:
+            self._workers = spawn_workers(self.config, parallel.node_ranks, method)
         return process
+
+    def _dead_rank(self) -> str | None:
+        """Why the group cannot serve: the engine process or a rank of it exited (or None)."""
+        if not self._process.is_alive():
+            return f"the engine process died (exit code {self._process.exitcode})"
+        for rank, worker in enumerate(self._workers, start=1):
+            if not worker.is_alive():
+                return f"tensor-parallel rank {rank} died (exit code {worker.exitcode})"
+        return None
 
     def _wait_ready(self, timeout: float) -> EngineInfo:
         """Block until the new process says Ready; raise what kept it from starting."""
@@ -162,11 +189,9 @@ class ProcessConnection:
                 if isinstance(message, StartupFailed):
                     raise _STARTUP_ERRORS.get(message.kind, RuntimeError)(message.message)
                 continue  # outputs of a process that died: their requests already failed
-            if not self._process.is_alive():
-                raise RuntimeError(
-                    f"the engine process exited with code {self._process.exitcode} while "
-                    "starting; its log above says why"
-                )
+            dead = self._dead_rank()
+            if dead is not None:
+                raise RuntimeError(f"{dead} while starting; its log above says why")
         raise TimeoutError(f"the engine process did not start within {timeout:.0f} s")
 
     def close(self) -> None:
@@ -178,6 +203,7 @@ class ProcessConnection:
             self.post(Shutdown())
         self._process.join(timeout=30)
         self._terminate()
+        stop_processes(self._workers, wait=5)
         # The watcher returns within one poll once the process is gone; only then may the
         # sockets it reads be closed.
         self._watcher.join()
@@ -187,6 +213,7 @@ class ProcessConnection:
         if self._process.is_alive():
             self._process.kill()
             self._process.join(timeout=5)
+        stop_processes(self._workers, wait=0)
 
     def _release(self) -> None:
         self._commands.close(0)
@@ -219,20 +246,22 @@ class ProcessConnection:
                 elif isinstance(message, StartupFailed):
                     logger.error("the engine process failed to restart: %s", message.message)
                 continue
-            if self._process.is_alive():
+            dead = self._dead_rank()
+            if dead is None:
                 continue
             if self._closing:
                 return
             if self._healthy or not self.failed:
-                self._down()
+                self._down(dead)
 
-    def _down(self) -> None:
-        code = self._process.exitcode
+    def _down(self, dead: str) -> None:
+        # One rank down leaves the others waiting on collectives: stop them all.
+        self._terminate()
         was_healthy = self._healthy
         self._healthy = False
         if was_healthy:
             reason = (
-                f"the engine process died (exit code {code}); "
+                f"{dead}; "
                 + ("it is being restarted, retry shortly" if self._restarts_left else "")
             ).rstrip("; ")
             logger.error("%s", reason)
@@ -245,14 +274,17 @@ class ProcessConnection:
             self.failed = True
 
 
-def _engine_main(config: EngineConfig, tokenizer: Any, directory: str, parent: int) -> None:
-    """The engine process: build the core, say Ready, serve commands until Shutdown (or until
-    the parent process is gone)."""
+def _engine_main(
+    config: EngineConfig, tokenizer: Any, directory: str, parent: int, method: str | None
+) -> None:
+    """The engine process: build the core (rank 0 of the tensor-parallel group when `method`
+    says where the ranks meet), say Ready, serve commands until Shutdown (or until the parent
+    process is gone)."""
     logging.basicConfig(
         level=getattr(logging, config.log_level.upper(), logging.WARNING),
         format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s",
     )
-    _share_cpu_cores(config)
+    share_cpu_cores(config, reserve_front=True)
     ctx = zmq.Context()
     outputs = ctx.socket(zmq.PUSH)
     outputs.connect(f"ipc://{directory}/outputs")
@@ -262,8 +294,15 @@ def _engine_main(config: EngineConfig, tokenizer: Any, directory: str, parent: i
     def emit(items: list[Output]) -> None:
         outputs.send(pickle.dumps(items, protocol=5), copy=False)
 
+    tp = None
     try:
-        core, info = create_core(config, emit, tokenizer=tokenizer, publish_stats=True)
+        if method is not None:
+            from radixlm.runtime.distributed import init_tensor_parallel
+            from radixlm.runtime.loader import resolve_device
+
+            device = resolve_device(config.runner.model.device)
+            tp = init_tensor_parallel(config.runner.parallel, 0, method, device)
+        core, info = create_core(config, emit, tokenizer=tokenizer, publish_stats=True, tp=tp)
     except Exception as error:
         logger.error("the engine could not start: %s", error)
         outputs.send(pickle.dumps(StartupFailed(type(error).__name__, str(error))))
@@ -284,25 +323,16 @@ def _engine_main(config: EngineConfig, tokenizer: Any, directory: str, parent: i
                 return
 
     threading.Thread(target=read_commands, name="radixlm-commands", daemon=True).start()
-    core.serve()
+    try:
+        core.serve()
+    finally:
+        outputs.close(linger=5000)  # the errors of the open requests reach the front end
+    sender = core.executor.sender
+    if sender is not None:
+        from radixlm.runtime.distributed import destroy_tensor_parallel
+
+        sender.stop()  # the workers exit
+        destroy_tensor_parallel()
     core.grammar.shutdown()
-    outputs.close(linger=5000)
     commands.close(0)
     ctx.term()
-
-
-def _share_cpu_cores(config: EngineConfig) -> None:
-    """On CPU, leave one core to the front process: torch's compute threads wait for each
-    other at every operation, so one of them descheduled by the HTTP server's work stalls the
-    whole forward (on 2 cores, 0.65x the thread mode's throughput with 2 threads, 1.02x with
-    1). An explicit OMP_NUM_THREADS is kept."""
-    if "OMP_NUM_THREADS" in os.environ or config.runner.model.device not in ("auto", "cpu"):
-        return
-    import torch
-
-    if config.runner.model.device == "auto" and torch.cuda.is_available():
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) - 1)
-    torch.set_num_threads(threads)
-    logger.info("the engine process computes with %d of %s CPU cores", threads, cores)

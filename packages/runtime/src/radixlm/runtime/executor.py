@@ -4,14 +4,38 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixlm.runtime.forward_batch import BatchEntry, ForwardBatch
 from radixlm.runtime.logprobs import TokenLogprob
-from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.model_runner import LogitsOutput, ModelRunner
 from radixlm.runtime.sampling_batch import SamplingBatch, SamplingRequest
 from radixlm.runtime.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from radixlm.runtime.tensor_parallel import StepSender
+
+#: A request-table write: (row, first token index, slots).
+RowWrite = tuple[int, int, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class ForwardStep:
+    """What every rank needs to run one forward: plain data (slot indices, token ids), sent
+    from rank 0 to the other ranks under tensor parallelism."""
+
+    writes: list[RowWrite]
+    entries: list[BatchEntry]
+
+
+def run_forward(runner: ModelRunner, step: ForwardStep) -> LogitsOutput:
+    """Write the step's request-table rows and run its forward on this rank's runner."""
+    table = runner.req_to_token_pool
+    for row, start, slots in step.writes:
+        table.write(row, start, slots)
+    return runner.forward(ForwardBatch.build(step.entries, table.req_to_token))
 
 
 @dataclass(frozen=True)
@@ -48,8 +72,12 @@ class ModelExecutor:
     """Turns a `ScheduledBatch` into a `ForwardBatch`, runs it, samples the entries that
     sample. The only engine module that touches tensors."""
 
-    def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
+    def __init__(
+        self, runner: ModelRunner, seed: int = 0, sender: StepSender | None = None
+    ) -> None:
         self.runner = runner
+        #: Under tensor parallelism (rank 0): sends each step to the other ranks.
+        self.sender = sender
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
 
@@ -66,13 +94,13 @@ class ModelExecutor:
         entry i's prompt embeddings and hidden-state ask. Mutates the KV pool and the
         request table."""
         runner = self.runner
-        table = runner.req_to_token_pool
+        writes: list[RowWrite] = []
         entries: list[BatchEntry] = []
         extras = inputs if inputs is not None else [None] * len(batch.entries)
         for entry, ask, extra in zip(batch.entries, input_asks, extras, strict=True):
             if entry.row_write is not None:
                 start, slots = entry.row_write
-                table.write(entry.row, start, slots)
+                writes.append((entry.row, start, slots))
             ask = ask or InputLogprobAsk()
             extra = extra or EntryInputs()
             embeds = extra.prompt_embeds
@@ -95,8 +123,14 @@ class ModelExecutor:
                     return_hidden_states=extra.return_hidden_states,
                 )
             )
-        forward = ForwardBatch.build(entries, table.req_to_token)
-        out = runner.forward(forward)
+        step = ForwardStep(writes, entries)
+        if self.sender is not None:
+            # Under tensor parallelism every other rank runs the same step on its shard.
+            with self.sender.lock:
+                self.sender.send(step)
+                out = run_forward(runner, step)
+        else:
+            out = run_forward(runner, step)
         rows = [i for i, s in enumerate(sampling) if s is not None]
         tokens: list[int | None] = [None] * len(entries)
         logprobs: list[TokenLogprob | None] = [None] * len(entries)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +18,13 @@ from typing import Any
 import torch
 
 from radixlm.runtime.config import ModelConfig
+from radixlm.runtime.distributed import SINGLE, TensorParallel
 from radixlm.runtime.models import ArchConfig, DecoderForCausalLM, resolve
 from radixlm.runtime.models.linear import (
     LinearFactory,
     PackedCPULinears,
     ReplicatedLinears,
+    ShardedLinears,
     cpu_packing_available,
 )
 from radixlm.runtime.models.registry import ModelFamily, UnsupportedArchitecture
@@ -260,20 +263,70 @@ def iter_safetensors(
                 yield name, tensor.to(dtype) if tensor.is_floating_point() and not keep else tensor
 
 
+class CheckpointSlice:
+    """A tensor of an open safetensors file that is read only where it is narrowed (a rank
+    reads its own slice of each tensor, never the whole)."""
+
+    def __init__(self, view: Any, dtype: torch.dtype, device: torch.device) -> None:
+        self._view = view
+        self.shape = tuple(view.get_shape())
+        stored = view.get_dtype()
+        # Quantized tensors keep their stored dtype; the loader refuses them under TP.
+        self._dtype = dtype if stored in ("F32", "F16", "BF16", "F64") else None
+        self._device = device
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._finish(self._view[tuple(index)])
+
+    def read(self) -> torch.Tensor:
+        return self._finish(self._view[:])
+
+    def _finish(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._dtype is not None:
+            tensor = tensor.to(self._dtype)
+        return tensor.to(self._device)
+
+
+def iter_safetensors_slices(
+    files: list[Path], device: torch.device, dtype: torch.dtype, show_progress: bool = True
+) -> Iterator[tuple[str, CheckpointSlice]]:
+    """(name, lazy slice) of every tensor in the files; a slice is read when narrowed (or
+    read whole), while the iteration is at it."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    for file in tqdm(
+        files, desc="Loading safetensors shards", unit="shard", disable=not show_progress
+    ):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, CheckpointSlice(handle.get_slice(name), dtype, device)
+
+
 def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> None:
-    """Random weights with the real shapes: normal(0, std) matrices, unit norms, small biases."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights with the real shapes: normal(0, std) matrices, unit norms, small biases.
+
+    Each parameter draws from its own seed (from `seed` and its name), so a replicated
+    parameter is the same on every tensor-parallel rank and a sharded one differs per rank."""
+    rank = model.tp.rank
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
+            key = zlib.crc32(name.encode()) + (rank << 32 if getattr(param, "tp_sharded", 0) else 0)
+            generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + key)
             values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             param.copy_(values.mul_(std if param.dim() > 1 else std / 2))
 
 
-def build_model(info: ModelInfo, cpu_weight_packing: bool = True) -> DecoderForCausalLM:
-    """An uninitialised model for the checkpoint, on its device, in its dtype.
+def build_model(
+    info: ModelInfo, cpu_weight_packing: bool = True, tp: TensorParallel = SINGLE
+) -> DecoderForCausalLM:
+    """An uninitialised model for the checkpoint, on its device, in its dtype (this rank's
+    shard of it under tensor parallelism).
 
     On CPU the linear layers pack their weights for oneDNN at the first forward (unless
     `cpu_weight_packing` is False): load weights before running it. A quantized model's
@@ -281,7 +334,14 @@ def build_model(info: ModelInfo, cpu_weight_packing: bool = True) -> DecoderForC
     """
     pack = cpu_weight_packing and info.device.type == "cpu" and cpu_packing_available(info.dtype)
     linears: LinearFactory = ReplicatedLinears(info.dtype)
-    if info.quantization is not None:
+    if tp.enabled:
+        if info.quantization is not None:
+            raise ModelLoadError(
+                f"quantization ({info.quantization.describe()}) does not run under tensor "
+                "parallelism yet; use tp_size 1, or a full-precision checkpoint"
+            )
+        linears = ShardedLinears(tp, info.dtype, pack=pack)
+    elif info.quantization is not None:
         linears = QuantizedLinears(info.quantization, info.dtype, packs_lm_head=pack)
     elif pack:
         linears = PackedCPULinears(info.dtype)
@@ -289,9 +349,12 @@ def build_model(info: ModelInfo, cpu_weight_packing: bool = True) -> DecoderForC
         return info.family.model_class(info.arch, info.dtype, linears)
 
 
-def load_model(config: ModelConfig) -> tuple[DecoderForCausalLM, ModelInfo]:
-    """Read the config, build the model and fill its weights (from files, or dummy)."""
-    info = read_model_info(config)
+def load_model(
+    config: ModelConfig, tp: TensorParallel = SINGLE, info: ModelInfo | None = None
+) -> tuple[DecoderForCausalLM, ModelInfo]:
+    """Read the config, build the model and fill its weights (from files, or dummy); under
+    tensor parallelism this rank's shard, read slice by slice."""
+    info = info or read_model_info(config)
     use_dummy = config.load_format == "dummy"
     if use_dummy and info.quantization is not None and info.quantization.source != "load_time":
         # Random weights for a pre-quantized checkpoint: quantized from random full-precision
@@ -299,12 +362,23 @@ def load_model(config: ModelConfig) -> tuple[DecoderForCausalLM, ModelInfo]:
         info = dataclasses.replace(
             info, quantization=dataclasses.replace(info.quantization, source="load_time")
         )
-    model = build_model(info, config.cpu_weight_packing)
+    try:
+        model = build_model(info, config.cpu_weight_packing, tp)
+    except ValueError as error:
+        if not tp.enabled:
+            raise
+        # A shape that does not split across the ranks.
+        raise ModelLoadError(f"{info.path}: {error} (tp_size {tp.size})") from None
     if use_dummy:
         init_dummy_weights(model, config.seed)
     else:
         files = safetensors_files(info.path)
-        weights = iter_safetensors(files, info.device, info.dtype, config.show_progress)
+        show = config.show_progress and tp.is_driver
+        weights: Iterator[tuple[str, Any]] = (
+            iter_safetensors_slices(files, info.device, info.dtype, show)
+            if tp.enabled
+            else iter_safetensors(files, info.device, info.dtype, show)
+        )
         try:
             loaded = model.load_weights(weights)
         except ValueError as error:

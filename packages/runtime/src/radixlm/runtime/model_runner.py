@@ -21,6 +21,7 @@ import torch
 from radixlm.runtime.attention import AttentionBackend, create_backend
 from radixlm.runtime.config import RunnerConfig
 from radixlm.runtime.cuda_graph import CudaGraphRunner, cuda_graphs_usable
+from radixlm.runtime.distributed import SINGLE, TensorParallel
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.loader import ModelInfo, load_model
 from radixlm.runtime.logprobs import TokenLogprob, collect_logprobs
@@ -68,12 +69,16 @@ class ModelRunner:
         config: RunnerConfig,
         model: DecoderForCausalLM | None = None,
         info: ModelInfo | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         """Load the model (or use a given one with its info), size the pools, pick the backend,
-        and capture CUDA graphs on CUDA."""
+        and capture CUDA graphs on CUDA. Under tensor parallelism (`tp`) this is one rank's
+        runner: its shard of the weights, its heads' K/V; every rank's runner must run the
+        same forwards in the same order (collectives pair them up)."""
         self.config = config
+        self.tp = tp
         if model is None or info is None:
-            model, info = load_model(config.model)
+            model, info = load_model(config.model, tp)
         self.model = model
         self.info = info
         self.device = info.device
@@ -85,12 +90,16 @@ class ModelRunner:
         arch = info.arch
         memory = config.memory
         kv_dtype = self.dtype if memory.kv_cache_dtype == "auto" else _dtype(memory.kv_cache_dtype)
-        bytes_per_token = arch.kv_bytes_per_token_per_element * kv_dtype.itemsize
+        # This rank's K/V heads (split across ranks, or one replicated head each).
+        kv_heads = arch.num_kv_heads // min(arch.num_kv_heads, tp.size)
+        bytes_per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * kv_dtype.itemsize
         num_slots, _budget = kv_pool_capacity(bytes_per_token, self.device, memory)
+        # Slot indices are shared by every rank (the scheduler on rank 0 hands them out).
+        num_slots = tp.min_int(num_slots)
         self.kv_pool = KVPool(
             arch.num_layers,
             num_slots,
-            arch.num_kv_heads,
+            kv_heads,
             arch.head_dim,
             kv_dtype,
             self.device,
@@ -126,6 +135,23 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.info.arch.vocab_size
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (parameters, packed copies and quantized buffers)."""
+        seen: set[int] = set()
+        total = 0
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        for module in self.model.modules():
+            packing = getattr(module, "packing", None) or getattr(module, "head_packing", None)
+            packed = getattr(packing, "packed", None)
+            if isinstance(packed, torch.Tensor):
+                tensors.append(packed)
+        for tensor in tensors:
+            if id(tensor) not in seen and not tensor.is_meta:
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
+        return total
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> LogitsOutput:

@@ -110,6 +110,38 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "help": "whitespace allowed in constrained JSON (default compact)",
     },
     "random_seed": {"type": int, "help": "seed of the engine's random state"},
+    "tp_size": {
+        "type": int,
+        "metavar": "N",
+        "aliases": ["--tensor-parallel-size"],
+        "help": "split the model across N ranks (tensor parallelism on torch.distributed: "
+        "one process per GPU, or per share of the CPU cores); default 1",
+    },
+    "dist_backend": {
+        "help": "torch.distributed backend of tensor parallelism (auto: nccl on CUDA, gloo on CPU)",
+    },
+    "nnodes": {
+        "type": int,
+        "metavar": "N",
+        "help": "machines the tensor-parallel ranks spread over (tp-size / nnodes on each)",
+    },
+    "node_rank": {
+        "type": int,
+        "metavar": "K",
+        "help": "this machine's index among --nnodes (0 serves HTTP; the others only run "
+        "their ranks)",
+    },
+    "dist_init_addr": {
+        "metavar": "HOST:PORT",
+        "help": "where every rank meets (node 0's address, reachable from every node); "
+        "needed with --nnodes > 1",
+    },
+    "dist_timeout": {
+        "type": float,
+        "metavar": "S",
+        "help": "seconds a collective may wait for the other ranks before the engine is "
+        "declared down (default 300)",
+    },
 }
 
 NO_MODEL_MESSAGE = """\
@@ -138,7 +170,9 @@ def _restart_count(text: str) -> int:
 
 
 def _add_flag(parser: argparse._ActionsContainer, dest: str, spec: dict[str, Any]) -> None:
-    parser.add_argument("--" + dest.replace("_", "-"), dest=dest, **spec)
+    spec = dict(spec)
+    aliases = spec.pop("aliases", [])
+    parser.add_argument("--" + dest.replace("_", "-"), *aliases, dest=dest, **spec)
 
 
 def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
@@ -265,7 +299,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm serve") -> int:
     """Parse the serve flags and run the server until interrupted; returns the exit status."""
     args = build_parser(prog).parse_args(argv)
-    from radixlm.server.launcher import LaunchError, builtin_model, launch
+    from radixlm.server.launcher import LaunchError, builtin_model, launch, serve_node
 
     config = server_config(args)
     model_path = args.model_path
@@ -279,6 +313,8 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm serve") -
         if config.served_model_name is None:
             config = dataclasses.replace(config, served_model_name=name)
     try:
+        if args.node_rank:  # another node of a multi-node group: its ranks, no HTTP
+            return serve_node(model_path, engine_kwargs(args))
         return launch(model_path, config, engine_kwargs(args))
     except LaunchError as error:
         print(f"radixlm serve: {error}", file=sys.stderr)

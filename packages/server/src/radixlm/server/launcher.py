@@ -43,6 +43,26 @@ def build_engine(model_path: str, engine_kwargs: dict[str, Any]) -> EngineClient
     return engine
 
 
+def serve_node(model_path: str, engine_kwargs: dict[str, Any]) -> int:
+    """Run this machine's tensor-parallel ranks of a multi-node group (`--node-rank` > 0):
+    they join node 0's engine at `--dist-init-addr` and run its steps; no HTTP here. Blocks
+    until they exit; returns the exit status."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = importlib.import_module("radixlm.runtime.config")
+        parallel = importlib.import_module("radixlm.runtime.tensor_parallel")
+    except ImportError as error:
+        raise LaunchError(f"the engine (radixlm-runtime) is not available: {error}") from None
+    try:
+        engine_config = config.EngineConfig.from_kwargs(model_path, **engine_kwargs)
+    except (TypeError, ValueError) as error:
+        raise LaunchError(str(error)) from None
+    status: int = parallel.serve_node(engine_config)
+    return status
+
+
 def engine_choices() -> dict[str, tuple[Any, ...]]:
     """The allowed values of the engine's keywords that have a fixed set, as the runtime
     declares them once (`radixlm.runtime.config.ENGINE_CHOICES`); empty without the runtime

@@ -11,7 +11,14 @@ from torch import nn
 
 from radixlm.runtime.attention.base import AttentionBackend, AttentionLayer
 from radixlm.runtime.models.arch import ArchConfig
-from radixlm.runtime.models.linear import LinearFactory, PackedWeight, ReplicatedLinears
+from radixlm.runtime.models.linear import (
+    HeadLayout,
+    LinearFactory,
+    PackedWeight,
+    ReplicatedLinears,
+    VocabEmbedding,
+    materialize,
+)
 from radixlm.runtime.models.rope import RotaryEmbedding, apply_rotary
 
 # Checkpoint projection name -> (merged module name, shard).
@@ -46,20 +53,20 @@ class DecoderAttention(nn.Module):
     def __init__(self, arch: ArchConfig, layer_id: int, linears: LinearFactory, dtype: torch.dtype):
         super().__init__()
         head_dim = arch.head_dim
-        self.q_size = arch.num_heads * head_dim
-        self.kv_size = arch.num_kv_heads * head_dim
+        # This rank's heads (all of them without tensor parallelism).
+        heads = HeadLayout.of(arch.num_heads, arch.num_kv_heads, head_dim, linears.tp)
+        self.q_size = heads.q.local
+        self.kv_size = heads.kv.local
         self.qkv_proj = linears.merged_column(
-            arch.hidden_size,
-            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-            bias=arch.qkv_bias,
+            arch.hidden_size, {"q": heads.q, "k": heads.kv, "v": heads.kv}, bias=arch.qkv_bias
         )
-        self.o_proj = linears.row(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.o_proj = linears.row(heads.q.size, arch.hidden_size, bias=arch.o_bias)
         self.q_norm = RMSNorm(head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.spec = AttentionLayer(
             layer_id=layer_id,
-            num_heads=arch.num_heads,
-            num_kv_heads=arch.num_kv_heads,
+            num_heads=heads.num_heads,
+            num_kv_heads=heads.num_kv_heads,
             head_dim=head_dim,
             scaling=head_dim**-0.5,
             sliding_window=arch.sliding_windows[layer_id],
@@ -94,7 +101,11 @@ class DecoderMLP(nn.Module):
         if arch.hidden_act != "silu":
             raise ValueError(f"hidden_act {arch.hidden_act!r} is not supported (only silu)")
         size = arch.intermediate_size
-        self.intermediate_size = size
+        if size % linears.tp.size:
+            raise ValueError(
+                f"intermediate_size ({size}) must be divisible by tp_size ({linears.tp.size})"
+            )
+        self.intermediate_size = size // linears.tp.size  # this rank's columns
         self.gate_up_proj = linears.merged_column(
             arch.hidden_size, {"gate": size, "up": size}, bias=arch.mlp_bias
         )
@@ -129,8 +140,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, arch: ArchConfig, linears: LinearFactory, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype, linears.tp)
         self.layers = nn.ModuleList(
             DecoderLayer(arch, i, linears, dtype) for i in range(arch.num_layers)
         )
@@ -169,11 +179,11 @@ class DecoderForCausalLM(nn.Module):
         self.arch = arch
         self.dtype = dtype
         linears = linears or ReplicatedLinears(dtype)
+        self.tp = linears.tp
         self.model = DecoderModel(arch, linears, dtype)
-        self.lm_head: nn.Embedding | None = None
+        self.lm_head: VocabEmbedding | None = None
         if not arch.tie_word_embeddings:
-            self.lm_head = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
-            self.lm_head.weight.requires_grad_(False)
+            self.lm_head = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype, linears.tp)
         # A tied head shares its weight with the embedding lookup, so the plain copy stays.
         self.head_packing = (
             PackedWeight(keep_plain=arch.tie_word_embeddings) if linears.packs_lm_head else None
@@ -183,9 +193,13 @@ class DecoderForCausalLM(nn.Module):
         self.quantized_head: nn.Module | None = None
 
     @property
+    def head(self) -> VocabEmbedding:
+        """The LM head's table (the embedding table when tied)."""
+        return self.lm_head if self.lm_head is not None else self.model.embed_tokens
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
-        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        return head.weight
+        return self.head.weight
 
     def forward(
         self,
@@ -203,14 +217,16 @@ class DecoderForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] of the given hidden rows."""
+        """Float32 logits [N, vocab] of the given hidden rows (gathered from every rank's
+        part of the vocabulary under tensor parallelism)."""
         if self.quantized_head is not None:
             logits: torch.Tensor = self.quantized_head(hidden)
             return logits.float()
         if self.head_packing is not None:
-            head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-            return self.head_packing.linear(hidden, head.weight, None).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+            local = self.head_packing.linear(hidden, self.head.weight, None)
+        else:
+            local = F.linear(hidden, self.lm_head_weight)
+        return self.head.gather_logits(local.float())
 
     # Weights -------------------------------------------------------------------------------
 
@@ -259,19 +275,27 @@ class DecoderForCausalLM(nn.Module):
                 self._linear(name, f"{module_path}.{merged}").load_weight(shard, leaf, tensor)
             elif module_name in ("o_proj", "down_proj"):
                 self._linear(name, prefix).load_weight(None, leaf, tensor)
+            elif name in params and isinstance(self._module(prefix), VocabEmbedding):
+                try:
+                    self._module(prefix).load_weight(None, leaf, tensor)
+                except ValueError as error:
+                    raise ValueError(f"{name}: {error}") from None
             elif name in params:
                 param = params[name]
-                if param.shape != tensor.shape:
+                if param.shape != tuple(tensor.shape):
                     raise ValueError(
                         f"{name}: checkpoint shape {tuple(tensor.shape)}, "
                         f"model shape {tuple(param.shape)}"
                     )
                 with torch.no_grad():
-                    param.copy_(tensor)
+                    param.copy_(materialize(tensor))
             else:
                 raise ValueError(f"the checkpoint has a tensor the model does not know: {name}")
             loaded.add(name)
         return loaded
+
+    def _module(self, path: str) -> Any:
+        return self.get_submodule(path) if path else self
 
     def _linear(self, name: str, path: str) -> Any:
         try:

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from radixlm import kernels
+from radixlm.runtime.distributed import SINGLE
+from radixlm.runtime.models.linear import Part, whole_sizes
 from radixlm.runtime.quant import checkpoint, compute
 from radixlm.runtime.quant.config import QuantConfig
 
@@ -254,15 +256,18 @@ class QuantizedLinears:
     """The single-device factory for a quantized model (every projection quantized; the LM
     head stays in the compute dtype, packed for oneDNN when `packs_lm_head`)."""
 
+    tp = SINGLE
+
     def __init__(self, quant: QuantConfig, dtype: torch.dtype, packs_lm_head: bool = False):
         self.quant = quant
         self.dtype = dtype
         self.packs_lm_head = packs_lm_head
 
     def merged_column(
-        self, in_features: int, shards: Mapping[str, int], bias: bool
+        self, in_features: int, shards: Mapping[str, int | Part], bias: bool
     ) -> QuantizedLinear:
-        return QuantizedLinear(in_features, shards, bias, self.quant, self.dtype)
+        sizes = whole_sizes(shards, "a quantized layer")
+        return QuantizedLinear(in_features, sizes, bias, self.quant, self.dtype)
 
     def row(self, in_features: int, out_features: int, bias: bool) -> QuantizedLinear:
         return QuantizedLinear(in_features, {"out": out_features}, bias, self.quant, self.dtype)
