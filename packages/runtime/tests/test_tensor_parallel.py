@@ -16,10 +16,10 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-import tp_ranks  # noqa: E402
+import tp_ranks
 
-from radixlm.runtime import ModelRunner  # noqa: E402
-from radixlm.runtime.config import EngineConfig  # noqa: E402
+from radixlm.runtime import ModelRunner
+from radixlm.runtime.config import EngineConfig
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 128, 64, 33, 2, 200, 11, 9, 180, 77, 4, 61, 19]
 STEPS = 32
