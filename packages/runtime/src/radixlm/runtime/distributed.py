@@ -28,6 +28,15 @@ from radixlm.runtime.config import ParallelConfig
 class RankFailure(RuntimeError):
     """A collective failed or timed out: a rank died or hangs, so the group is unusable."""
 
+    @classmethod
+    def of(cls, what: str, error: BaseException) -> RankFailure:
+        detail = str(error).split(". This is typically")[0].strip()
+        if len(detail) > 240:
+            detail = detail[:240] + "..."
+        return cls(
+            f"a tensor-parallel rank died or stopped answering: the {what} failed ({detail})"
+        )
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -60,7 +69,7 @@ class TensorParallel:
         try:
             dist.all_reduce(tensor, group=self.group)
         except RuntimeError as error:
-            raise RankFailure(f"tensor-parallel all-reduce failed: {error}") from error
+            raise RankFailure.of("all-reduce", error) from error
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -74,7 +83,7 @@ class TensorParallel:
         try:
             dist.all_gather(parts, tensor, group=self.group)
         except RuntimeError as error:
-            raise RankFailure(f"tensor-parallel all-gather failed: {error}") from error
+            raise RankFailure.of("all-gather", error) from error
         return torch.cat(parts, dim=-1)
 
     def min_int(self, value: int) -> int:
@@ -93,7 +102,7 @@ class TensorParallel:
         try:
             dist.all_gather_object(values, value, group=self.control)
         except RuntimeError as error:
-            raise RankFailure(f"tensor-parallel exchange failed: {error}") from error
+            raise RankFailure.of("exchange", error) from error
         return values
 
     def broadcast(self, message: Any = None) -> Any:
@@ -116,7 +125,7 @@ class TensorParallel:
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
             dist.broadcast(payload, src=0, group=self.control)
         except RuntimeError as error:
-            raise RankFailure(f"tensor-parallel step broadcast failed: {error}") from error
+            raise RankFailure.of("step broadcast", error) from error
         return pickle.loads(payload.numpy().tobytes())
 
 

@@ -240,6 +240,13 @@ class Engine:
         connection = self._connection
         return connection.pid if isinstance(connection, ProcessConnection) else None
 
+    @property
+    def rank_pids(self) -> list[int | None]:
+        """The processes of this machine's tensor-parallel ranks, rank 0 (the engine process)
+        first; the engine process alone without tensor parallelism, [] in thread mode."""
+        connection = self._connection
+        return connection.rank_pids if isinstance(connection, ProcessConnection) else []
+
     # ------------------------------------------------------------------------- outputs
 
     def _dispatch(self, outputs: list[Output]) -> None:
@@ -330,7 +337,7 @@ class Engine:
         if self._closed:
             raise EngineUnavailable("the engine is shut down")
         if not self._connection.healthy:
-            raise EngineUnavailable("the engine is not serving (its process is restarting)")
+            raise EngineUnavailable("the engine is not serving (its process is down or restarting)")
         requests = [self._preparer.prepare(item) for item in items]
         rids = [r.rid for r in requests]
         with self._lock:

@@ -28,6 +28,7 @@ from radixlm.runtime.messages import (
     CheckInvariants,
     Command,
     CommandResult,
+    EngineDown,
     EngineInfo,
     EngineRequest,
     FlushCache,
@@ -110,6 +111,7 @@ class EngineCore:
                 # request ends with the error, then the engine process exits.
                 logger.error("a tensor-parallel rank failed; the engine stops: %s", error)
                 down = EngineUnavailable(f"the engine is down: {error}")
+                self._out.insert(0, EngineDown(str(error)))  # unhealthy before the errors
                 for handle in list(self.handles.values()):
                     self._close_with_error(handle, down)
                 self._flush()

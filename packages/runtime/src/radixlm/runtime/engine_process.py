@@ -30,9 +30,11 @@ from typing import Any
 import zmq
 
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.distributed import RankFailure
 from radixlm.runtime.engine_core import EngineCore, create_core
 from radixlm.runtime.messages import (
     Command,
+    EngineDown,
     EngineInfo,
     Output,
     Ready,
@@ -122,6 +124,8 @@ class ProcessConnection:
         self._send_lock = threading.Lock()
         self._closing = False
         self._healthy = False
+        #: Why the engine process said it is going down (it exits next), or None.
+        self._going_down: str | None = None
         self.failed = False
         self.restarts = 0
         self.stats: dict[str, Any] = {}  # the live statistics the process sent with Ready
@@ -144,12 +148,18 @@ class ProcessConnection:
 
     @property
     def healthy(self) -> bool:
-        """True while an engine process serves (False while it restarts or after it died)."""
-        return self._healthy
+        """True while an engine process serves (False while it restarts or after it died, or
+        once it said it is going down)."""
+        return self._healthy and self._going_down is None
 
     @property
     def pid(self) -> int | None:
         return self._process.pid
+
+    @property
+    def rank_pids(self) -> list[int | None]:
+        """The process of each tensor-parallel rank on this machine (rank 0: the engine)."""
+        return [self._process.pid, *(worker.pid for worker in self._workers)]
 
     def _spawn(self) -> multiprocessing.process.BaseProcess:
         context = multiprocessing.get_context("spawn")
@@ -237,9 +247,13 @@ class ProcessConnection:
             if self._outputs.poll(int(_WATCH_S * 1000)):
                 message = pickle.loads(self._outputs.recv())
                 if isinstance(message, list):
-                    self._on_outputs(message)
+                    for item in message:
+                        if isinstance(item, EngineDown):
+                            self._going_down = item.reason
+                    self._on_outputs([m for m in message if not isinstance(m, EngineDown)])
                 elif isinstance(message, Ready):
                     self.info = message.info
+                    self._going_down = None
                     self._on_outputs([Stats(message.stats)])
                     self._healthy = True
                     logger.warning("the engine process serves again (restart %d)", self.restarts)
@@ -325,6 +339,8 @@ def _engine_main(
     threading.Thread(target=read_commands, name="radixlm-commands", daemon=True).start()
     try:
         core.serve()
+    except RankFailure:  # logged by the core; its open requests got the error
+        raise SystemExit(1) from None
     finally:
         outputs.close(linger=5000)  # the errors of the open requests reach the front end
     sender = core.executor.sender

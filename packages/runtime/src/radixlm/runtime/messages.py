@@ -185,7 +185,15 @@ class Stats:
     values: dict[str, Any]
 
 
-Output = SeqDelta | RequestClosed | RequestFailed | CommandResult | Stats
+@dataclass(frozen=True, slots=True)
+class EngineDown:
+    """The core cannot run another step (a tensor-parallel rank failed) and exits after these
+    outputs: the connection reports it unhealthy from now on (it never reaches the front)."""
+
+    reason: str
+
+
+Output = SeqDelta | RequestClosed | RequestFailed | CommandResult | Stats | EngineDown
 
 
 # -------------------------------------------------------------------------- startup (out)
