@@ -28,6 +28,7 @@ STEPS = [
     "kernels-bench",
     "engine-graphs",
     "engine-eager",
+    "tp-bench",
 ]
 
 
@@ -92,7 +93,12 @@ def test_the_figures_land_in_the_output_folder(
     eager = json.loads((out / "engine-eager.json").read_text())
     assert [r["system"] for r in eager] == ["radixlm"]
     assert "graph_replays=0" in eager[0]["extra"]  # never on a CPU; the flag reached the engine
+    tp = json.loads((out / "tp.json").read_text())
+    assert [r["tp_size"] for r in tp["rows"]] == [1, 2]
+    assert [r["rank"] for r in tp["rows"][1]["ranks"]] == [0, 1]
     summary = _summary(out)
+    assert summary["tp"]["rows"] == tp["rows"]
+    assert "## Tensor parallelism" in (out / "summary.md").read_text()
     assert set(summary["engine"]) == {"graphs", "eager"}
     assert set(summary["tests"]) == {"pytest-kernels", "pytest-runtime"}
     assert summary["tests"]["pytest-kernels"]["skipped"] > 0  # the GPU tests, on a CPU

@@ -31,11 +31,12 @@ cd "$ROOT" || exit 2
 STEPS=(
   "env:15:60"
   "install:60:120"
-  "pytest-kernels:70:120"
+  "pytest-kernels:60:120"
   "pytest-runtime:50:180"
-  "kernels-bench:75:120"
-  "engine-graphs:135:240"
-  "engine-eager:75:180"
+  "kernels-bench:65:120"
+  "engine-graphs:110:240"
+  "engine-eager:60:180"
+  "tp-bench:60:120"
 )
 
 usage() { sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
@@ -199,6 +200,14 @@ step_engine_eager() {  # radixlm alone, decoding without CUDA graphs
   [ "$DRY_RUN" = 1 ] && workloads=(--workloads few_shot)
   engine "${workloads[@]}" --disable-cuda-graph --skip-transformers --skip-no-cache \
     --json "$DIR/engine-eager.json"
+}
+
+step_tp_bench() {  # tensor parallelism: TP=1 beside TP=2 (where two GPUs are visible)
+  if [ "$DRY_RUN" = 1 ]; then
+    py tools/bench/tp_bench.py --quick --json "$DIR/tp.json"
+  else
+    py tools/bench/tp_bench.py --device cuda --batch-sizes 1,8 --repeats 1 --json "$DIR/tp.json"
+  fi
 }
 
 # ---------------------------------------------------------------------------------- driver

@@ -6,7 +6,7 @@ summary.json beside them, and the steps table printed.
 
 STEPS.tsv has one line per step run: name, seconds, status, exit code, time limit. The figures
 are read from what the steps left in DIR: env.json, pytest-*.xml, kernels.json,
-engine-graphs.json and engine-eager.json. Only the standard library is used.
+engine-graphs.json, engine-eager.json and tp.json. Only the standard library is used.
 """
 
 from __future__ import annotations
@@ -155,7 +155,40 @@ def build(folder: Path, steps: list[dict[str, Any]], args: argparse.Namespace) -
         "tests": {k: v for k, v in tests.items() if v},
         "kernels": read_json(folder / "kernels.json") or [],
         "engine": {k: v for k, v in engine.items() if v},
+        "tp": read_json(folder / "tp.json") or {},
     }
+
+
+def tp_lines(tp: dict[str, Any]) -> list[str]:
+    """tp_bench's decode rates beside TP=1, the collectives' share, each rank's memory."""
+    rows = tp.get("rows") or []
+    if not rows:
+        return []
+    base = rows[0] if rows[0]["tp_size"] == 1 else None
+    batches = sorted(
+        int(k.removeprefix("decode_tok_s_b")) for k in rows[0] if k.startswith("decode_tok_s_b")
+    )
+    head = ["TP"] + [h for b in batches for h in (f"decode tok/s b{b}", "vs TP=1", "comm %")]
+    body = []
+    for row in rows:
+        cells = [str(row["tp_size"])]
+        for b in batches:
+            rate = row[f"decode_tok_s_b{b}"]
+            ratio = rate / base[f"decode_tok_s_b{b}"] if base else None
+            cells += [fmt(rate), fmt(ratio, 2), fmt(100 * row[f"collective_share_b{b}"])]
+        body.append(cells)
+    memory = [
+        [str(row["tp_size"]), str(r["rank"]), fmt(r["weight_bytes"] / 2**20),
+         fmt(r["kv_pool_bytes"] / 2**20), fmt(r["resident_bytes"] / 2**20)]
+        for row in rows
+        for r in row["ranks"]
+    ]  # fmt: skip
+    lines = table(head, body, right=range(1, len(head)))
+    return [
+        *lines,
+        "",
+        *table(["TP", "rank", "weights MiB", "KV pool MiB", "resident MiB"], memory),
+    ]
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -205,6 +238,8 @@ def markdown(summary: dict[str, Any]) -> str:
         out += ["", f"## Engine ({first['shape']}, {first['dtype']} on {first['device']}, "]
         out[-1] += f"scale {first['scale']})"
         out += ["", *engine_lines(summary["engine"])]
+    if summary.get("tp"):
+        out += ["", "## Tensor parallelism (tp_bench)", "", *tp_lines(summary["tp"])]
     return "\n".join(out) + "\n"
 
 

@@ -213,3 +213,24 @@ def test_parallel_options_are_checked() -> None:
     assert config(tensor_parallel_size=4).runner.parallel.tp_size == 4
     ranks = config(tp_size=4, nnodes=2, node_rank=1, dist_init_addr="h:1").runner.parallel
     assert list(ranks.node_ranks) == [2, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="NCCL tensor parallelism needs two GPUs (one rank per GPU)",
+)
+def test_nccl_engine_on_two_gpus_equals_one(tmp_path: Path) -> None:
+    from radixlm.runtime import Engine
+    from radixlm.runtime.fixtures import build_tiny_model
+
+    path = str(build_tiny_model(tmp_path / "qwen2", "Qwen2ForCausalLM"))
+    params = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+    prompts = ["the cache of the radix tree", "a batch", "decode steps of the model"]
+    options = dict(show_progress=False, max_total_tokens=4096, device="cuda", dtype="float32")
+    outputs = {}
+    for tp_size in (1, 2):
+        with Engine(path, tp_size=tp_size, engine_process=True, **options) as eng:
+            assert eng.server_info()["tp_size"] == tp_size
+            outputs[tp_size] = [o["output_ids"] for o in eng.generate(prompts, params)]
+    assert outputs[2] == outputs[1]

@@ -17,7 +17,8 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +39,17 @@ class RankFailure(RuntimeError):
         )
 
 
+@dataclass
+class CollectiveTime:
+    """Wall time this rank spent in the forward's collectives (all-reduce, all-gather), and
+    how many it ran. On CUDA the time is only the launches' unless `synchronize` is set, which
+    waits for the device around each collective (slower; for profiling eager steps)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    synchronize: bool = False
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This rank's place in its tensor-parallel group (size 1: no group at all)."""
@@ -50,6 +62,9 @@ class TensorParallel:
     control: Any = None
     #: The rank's index on its own machine (its GPU on CUDA).
     local_rank: int = 0
+    #: The torch.distributed backend of `group` ("gloo", "nccl"; "" when size is 1).
+    backend: str = ""
+    timing: CollectiveTime = field(default_factory=CollectiveTime)
 
     @property
     def enabled(self) -> bool:
@@ -66,11 +81,24 @@ class TensorParallel:
             return tensor
         import torch.distributed as dist
 
+        start = self._clock(tensor)
         try:
             dist.all_reduce(tensor, group=self.group)
         except RuntimeError as error:
             raise RankFailure.of("all-reduce", error) from error
+        self._count(tensor, start)
         return tensor
+
+    def _clock(self, tensor: torch.Tensor) -> float:
+        if self.timing.synchronize and tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+        return time.perf_counter()
+
+    def _count(self, tensor: torch.Tensor, start: float) -> None:
+        if self.timing.synchronize and tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+        self.timing.seconds += time.perf_counter() - start
+        self.timing.calls += 1
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` concatenated along the last dimension, in rank order."""
@@ -80,10 +108,12 @@ class TensorParallel:
 
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        start = self._clock(tensor)
         try:
             dist.all_gather(parts, tensor, group=self.group)
         except RuntimeError as error:
             raise RankFailure.of("all-gather", error) from error
+        self._count(tensor, start)
         return torch.cat(parts, dim=-1)
 
     def min_int(self, value: int) -> int:
@@ -164,7 +194,9 @@ def init_tensor_parallel(
     )
     control = dist.new_group(backend="gloo", timeout=timeout)
     group = dist.group.WORLD
-    return TensorParallel(rank, config.tp_size, group, control, local_rank)
+    # RADIXLM_TP_SYNC_TIMING=1: time collectives on the device too (profiling eager steps).
+    timing = CollectiveTime(synchronize=os.environ.get("RADIXLM_TP_SYNC_TIMING") == "1")
+    return TensorParallel(rank, config.tp_size, group, control, local_rank, backend, timing)
 
 
 def _loopback_interface() -> str:

@@ -261,6 +261,8 @@ class EngineCore:
             "num_retractions": sched.num_retractions,
             "forward_passes": stats.forward_calls,
             "tokens_forwarded": stats.tokens_forwarded,
+            # Rank 0's time in the forward's collectives (0 without tensor parallelism).
+            "tp_collective_seconds": self.executor.runner.tp.timing.seconds,
         }
 
     # -------------------------------------------------------------------------------- step
@@ -450,7 +452,7 @@ def create_core(
     runner holds rank 0's shard."""
     if runner is None:
         runner = ModelRunner(config.runner, tp=tp or SINGLE)
-    ranks = rank_report(runner) if runner.tp.enabled else None
+    ranks = rank_report(runner)
     sender = None
     if runner.tp.enabled:
         sender = StepSender(runner.tp, heartbeat_interval(config.runner.parallel.timeout))
@@ -493,9 +495,8 @@ def create_core(
         "kv_cache_dtype": str(pool.dtype).removeprefix("torch."),
         "tp_size": runner.tp.size,
     }
-    if ranks is not None:
-        # Each rank's memory after loading: its weights, its KV pool, its resident size.
-        static["tp_ranks"] = ranks
+    # Each rank's memory after loading: its weights, its KV pool, its resident size.
+    static["tp_ranks"] = ranks
     engine_info = EngineInfo(
         context_length=runner.context_length,
         vocab_size=runner.vocab_size,

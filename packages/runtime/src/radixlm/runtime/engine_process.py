@@ -212,8 +212,8 @@ class ProcessConnection:
         if self._process.is_alive():
             self.post(Shutdown())
         self._process.join(timeout=30)
+        stop_processes(self._workers, wait=5)  # rank 0 told them to exit
         self._terminate()
-        stop_processes(self._workers, wait=5)
         # The watcher returns within one poll once the process is gone; only then may the
         # sockets it reads be closed.
         self._watcher.join()

@@ -317,8 +317,12 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) 
                 param.fill_(1.0)
                 continue
             key = zlib.crc32(name.encode()) + (rank << 32 if getattr(param, "tp_sharded", 0) else 0)
-            generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + key)
-            values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            # Drawn on the parameter's device (an 8B model's weights drawn on a CPU take
+            # minutes); as float32, then cast.
+            generator = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + key)
+            values = torch.randn(
+                param.shape, generator=generator, dtype=torch.float32, device=param.device
+            )
             param.copy_(values.mul_(std if param.dim() > 1 else std / 2))
 
 

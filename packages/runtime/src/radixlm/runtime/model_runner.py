@@ -118,7 +118,9 @@ class ModelRunner:
         self.sampler = Sampler(config.sampler)
         self.stats = RunnerStats()
         self.graph_runner: CudaGraphRunner | None = None
-        if cuda_graphs_usable(self.device, config.attention.cuda_graph, self.attention):
+        # gloo's collectives cannot be captured in a CUDA graph (NCCL's can).
+        graphs = config.attention.cuda_graph and tp.backend != "gloo"
+        if cuda_graphs_usable(self.device, graphs, self.attention):
             sizes = [
                 s for s in config.attention.graph_batch_sizes() if s <= memory.max_running_requests
             ]
