@@ -10,9 +10,9 @@ time of --tokens tokens each less that of one, over the tokens decoded in betwee
 on rank 0; on a GPU in an eager pass with the device synchronized around each collective), and
 each rank's memory: weight bytes, KV pool bytes, resident set size.
 
-    .venv/bin/python tools/bench/tp_bench.py                 # CPU: ~3 min on 2 cores
+    .venv/bin/python tools/bench/tp_bench.py                 # CPU: ~5 min on 2 cores
     .venv/bin/python tools/bench/tp_bench.py --quick         # a tiny shape, seconds
-    python3 tools/bench/tp_bench.py --device cuda            # on a GPU machine (the GPU script)
+    python3 tools/bench/tp_bench.py                          # a GPU machine: Llama-3.1-8B shapes
 """
 
 from __future__ import annotations
@@ -106,7 +106,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if present"
+    )
     parser.add_argument("--tp-sizes", default="1,2")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -117,6 +119,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     if args.device == "cpu":

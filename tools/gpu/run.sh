@@ -204,7 +204,7 @@ step_engine_eager() {  # radixlm alone, decoding without CUDA graphs
 
 step_tp_bench() {  # tensor parallelism: TP=1 beside TP=2 (where two GPUs are visible)
   if [ "$DRY_RUN" = 1 ]; then
-    py tools/bench/tp_bench.py --quick --json "$DIR/tp.json"
+    py tools/bench/tp_bench.py --device cpu --quick --json "$DIR/tp.json"
   else
     py tools/bench/tp_bench.py --device cuda --batch-sizes 1,8 --repeats 1 --json "$DIR/tp.json"
   fi
