@@ -17,7 +17,12 @@ from radixlm.runtime.config import (
     ParallelConfig,
     RunnerConfig,
 )
-from radixlm.runtime.distributed import SINGLE, TensorParallel, init_tensor_parallel
+from radixlm.runtime.distributed import (
+    SINGLE,
+    TensorParallel,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+)
 
 
 def runner_config(path: str | Path, tp_size: int = 1) -> RunnerConfig:
@@ -102,6 +107,8 @@ def _rank_main(rank: int, size: int, method: str, args: tuple[Any, ...], out: st
     result = probe(*args, tp=tp)
     if rank == 0:
         Path(out).write_bytes(pickle.dumps(result))
+    tp.gather_objects(None)  # every rank is done before any leaves the group
+    destroy_tensor_parallel()
 
 
 def probe_on_ranks(size: int, workdir: Path, *args: Any) -> dict[str, Any]:
