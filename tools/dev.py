@@ -39,6 +39,7 @@ PACKAGES: dict[str, Path] = {
     "runtime": ROOT / "packages" / "runtime",
     "server": ROOT / "packages" / "server",
     "lang": ROOT / "packages" / "lang",
+    "router": ROOT / "packages" / "router",
 }
 INTEGRATION_TESTS = ROOT / "integration_tests"
 PYTEST_NO_TESTS = 5
@@ -68,8 +69,13 @@ def extras_of(folder: Path) -> list[str]:
     return re.findall(r"^([A-Za-z0-9_-]+)\s*=", match.group(1), re.M)
 
 
+#: Extras the dev venv leaves out: heavy, and only for tests that skip without them
+#: (`pip install -e "packages/router[ray]"` runs the Ray Serve tests).
+HEAVY_EXTRAS = {"ray"}
+
+
 def editable_spec(folder: Path) -> str:
-    extras = extras_of(folder)
+    extras = [extra for extra in extras_of(folder) if extra not in HEAVY_EXTRAS]
     return f"{folder}[{','.join(extras)}]" if extras else str(folder)
 
 

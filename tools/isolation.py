@@ -30,6 +30,14 @@ FOOTPRINT: dict[str, set[str]] = {
         "typing-inspection",
     },
     "cache": set(),
+    # Torch-free: the cache and the request types (pydantic), nothing else.
+    "router": {
+        "pydantic",
+        "pydantic-core",
+        "typing-extensions",
+        "annotated-types",
+        "typing-inspection",
+    },
 }
 PACKAGING_TOOLS = {"pip", "setuptools", "wheel"}
 

@@ -282,3 +282,29 @@ def test_openapi_schema_documents_the_request_bodies(tokenizer: Any) -> None:
 def test_server_config_rejects_bad_values(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         ServerConfig(**bad)
+
+
+def test_dp_size_starts_replicas_behind_the_router(
+    monkeypatch: pytest.MonkeyPatch, tokenizer: Any
+) -> None:
+    asked: dict[str, Any] = {}
+
+    def build_replicas(model_path: str, kwargs: dict[str, Any], dp_size: int, policy: str) -> Any:
+        asked.update(model_path=model_path, kwargs=kwargs, dp_size=dp_size, policy=policy)
+        return fake.FakeEngine(tokenizer)
+
+    monkeypatch.setattr(launcher, "build_replicas", build_replicas)
+    install_uvicorn(monkeypatch, lambda server: None)
+    argv = ["--model-path", "/m", "--dp-size", "2", "--router-policy", "round_robin"]
+    assert serve_main(argv) == 0
+    assert asked == {
+        "model_path": "/m",
+        "kwargs": {"engine_process": True, "engine_restarts": 3},
+        "dp_size": 2,
+        "policy": "round_robin",
+    }
+    args = build_parser().parse_args([])
+    assert args.dp_size == 1 and args.router_policy == "cache_aware"
+    for bad in (["--dp-size", "0"], ["--router-policy", "fastest"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(bad)

@@ -383,6 +383,9 @@ class EngineConfig:
       process of its own, rank 0 of the group; see `in_process`).
     - `engine_restarts`: how many times a dead engine process is started again (its open
       requests end with an error either way); beyond that the engine stays down.
+    - `cpu_threads`: torch threads of the engine process (and of each tensor-parallel rank)
+      on CPU; None: the machine's cores less one for the front process, shared among this
+      machine's ranks (several replicas on one machine each take their share).
     """
 
     runner: RunnerConfig
@@ -399,6 +402,7 @@ class EngineConfig:
     log_level: LogLevel = "warning"
     engine_process: bool | None = None
     engine_restarts: int = 0
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.engine_process is False and self.runner.parallel.tp_size > 1:
@@ -408,6 +412,8 @@ class EngineConfig:
             )
         if self.engine_restarts < 0:
             raise ValueError(f"engine_restarts must be >= 0; got {self.engine_restarts}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1; got {self.cpu_threads}")
         _choice("sampling_defaults", self.sampling_defaults, SamplingDefaultsMode)
         _choice("log_level", self.log_level, LogLevel)
         if self.stream_interval < 1:
@@ -555,6 +561,7 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "log_level": ("engine", "log_level", None),
     "engine_process": ("engine", "engine_process", _optional_bool),
     "engine_restarts": ("engine", "engine_restarts", int),
+    "cpu_threads": ("engine", "cpu_threads", int),
 }
 
 #: The allowed values of each keyword with a fixed set of them (the CLI's `choices`).

@@ -726,6 +726,13 @@ class Engine:
 
     get_model_info = model_info
 
+    def live_stats(self) -> dict[str, Any]:
+        """The live figures alone (running, queued, token usage, cache counters): what a
+        router reads on every request, without the configuration `server_info` adds."""
+        if isinstance(self._connection, ThreadConnection):
+            return self._connection.core.live_stats()
+        return dict(self._live)
+
     def server_info(self, fresh: bool = False) -> dict[str, Any]:
         """Configuration and live statistics (a snapshot; counters are cumulative). Does not
         wait for the core: on a thread it reads the core's counters, from a process it gives

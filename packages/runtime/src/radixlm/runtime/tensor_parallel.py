@@ -134,12 +134,18 @@ def share_cpu_cores(config: EngineConfig, reserve_front: bool) -> None:
     """On CPU, give each rank of this machine an equal share of its cores, leaving one to the
     front process when it runs here (`reserve_front`). torch's compute threads wait for each
     other at every operation, so one of them descheduled by other work (the HTTP server,
-    another rank) stalls the whole forward. An explicit OMP_NUM_THREADS is kept."""
-    if "OMP_NUM_THREADS" in os.environ or config.runner.model.device not in ("auto", "cpu"):
+    another rank) stalls the whole forward. `cpu_threads` in the config wins, then an explicit
+    OMP_NUM_THREADS."""
+    if config.runner.model.device not in ("auto", "cpu"):
         return
     import torch
 
     if config.runner.model.device == "auto" and torch.cuda.is_available():
+        return
+    if config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
+        return
+    if "OMP_NUM_THREADS" in os.environ:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1

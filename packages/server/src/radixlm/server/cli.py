@@ -169,6 +169,13 @@ def _restart_count(text: str) -> int:
     return value
 
 
+def _replica_count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more; got {text}")
+    return value
+
+
 def _add_flag(parser: argparse._ActionsContainer, dest: str, spec: dict[str, Any]) -> None:
     spec = dict(spec)
     aliases = spec.pop("aliases", [])
@@ -239,6 +246,22 @@ def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
         help="process (default): the engine core runs in a process of its own, so that HTTP, "
         "tokenizing and streaming do not compete with it for the GIL, and a crashed engine "
         "is restarted; thread: on a thread of the server process (one process, for debugging)",
+    )
+    engine.add_argument(
+        "--dp-size",
+        type=_replica_count,
+        default=1,
+        metavar="N",
+        help="data parallelism: N engine replicas (each in its own process, on its own GPU or "
+        "share of the CPU cores) behind one server that routes each request (default 1)",
+    )
+    engine.add_argument(
+        "--router-policy",
+        choices=["cache_aware", "round_robin", "power_of_two", "random"],
+        default="cache_aware",
+        help="how --dp-size replicas are picked: cache_aware (default: the replica that "
+        "already holds the longest prefix of the prompt, unless the load is out of balance), "
+        "round_robin, power_of_two (the less loaded of two), random",
     )
     engine.add_argument(
         "--engine-restarts",
@@ -315,7 +338,13 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm serve") -
     try:
         if args.node_rank:  # another node of a multi-node group: its ranks, no HTTP
             return serve_node(model_path, engine_kwargs(args))
-        return launch(model_path, config, engine_kwargs(args))
+        return launch(
+            model_path,
+            config,
+            engine_kwargs(args),
+            dp_size=args.dp_size,
+            router_policy=args.router_policy,
+        )
     except LaunchError as error:
         print(f"radixlm serve: {error}", file=sys.stderr)
         return 1

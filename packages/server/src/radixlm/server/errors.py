@@ -69,8 +69,17 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = None
+        if self.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        elif self.status == 503:
+            # Overloaded, or the engine (or a replica) is down or restarting: retryable.
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+#: Seconds a client is told to wait (`Retry-After`) before retrying a 503.
+RETRY_AFTER_S = 1
 
 
 def body_too_large(limit: int) -> APIError:

@@ -43,6 +43,45 @@ def build_engine(model_path: str, engine_kwargs: dict[str, Any]) -> EngineClient
     return engine
 
 
+def build_replicas(
+    model_path: str, engine_kwargs: dict[str, Any], dp_size: int, router_policy: str
+) -> EngineClient:
+    """`dp_size` engines (each in its own engine process, on its own GPU or share of the CPU
+    cores: `radixlm.runtime.replicas`) behind `radixlm.router.DataParallelEngine`, which
+    routes each request with `router_policy`. The replicas start in parallel."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        replicas = importlib.import_module("radixlm.runtime.replicas")
+        router = importlib.import_module("radixlm.router")
+    except ImportError as error:
+        raise LaunchError(
+            f"--dp-size needs radixlm-runtime and radixlm-router: {error}. Install them with "
+            "`pip install radixlm-runtime radixlm-router` (or `pip install radixlm`)."
+        ) from None
+    try:
+        router.make_policy(router_policy)
+        options = [replicas.replica_kwargs(engine_kwargs, i, dp_size) for i in range(dp_size)]
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+    with ThreadPoolExecutor(dp_size, thread_name_prefix="radixlm-replica") as pool:
+        futures = [pool.submit(build_engine, model_path, kwargs) for kwargs in options]
+        started, errors = [], []
+        for future in futures:
+            try:
+                started.append(future.result())
+            except Exception as error:
+                errors.append(error)
+    if errors:
+        for engine in started:
+            stop = getattr(engine, "shutdown", None)
+            if callable(stop):
+                stop()
+        raise LaunchError(f"a replica could not start: {errors[0]}")
+    dp: EngineClient = router.DataParallelEngine(started, router_policy)
+    return dp
+
+
 def serve_node(model_path: str, engine_kwargs: dict[str, Any]) -> int:
     """Run this machine's tensor-parallel ranks of a multi-node group (`--node-rank` > 0):
     they join node 0's engine at `--dist-init-addr` and run its steps; no HTTP here. Blocks
@@ -136,10 +175,17 @@ class EngineWatchdog:
                 return
 
 
-def launch(model_path: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> int:
-    """Start the engine and serve it until interrupted (blocks). Returns the exit status: 0
-    when stopped, 1 when the engine died for good (see EngineWatchdog), 3 when uvicorn could
-    not start (as `uvicorn.run` exits)."""
+def launch(
+    model_path: str,
+    config: ServerConfig,
+    engine_kwargs: dict[str, Any],
+    dp_size: int = 1,
+    router_policy: str = "cache_aware",
+) -> int:
+    """Start the engine (`dp_size` replicas behind a router when more than one) and serve it
+    until interrupted (blocks). Returns the exit status: 0 when stopped, 1 when the engine died
+    for good (see EngineWatchdog; with replicas, when every one did), 3 when uvicorn could not
+    start (as `uvicorn.run` exits)."""
     import uvicorn
 
     level = "DEBUG" if config.log_level == "trace" else config.log_level.upper()
@@ -147,7 +193,10 @@ def launch(model_path: str, config: ServerConfig, engine_kwargs: dict[str, Any])
         level=getattr(logging, level, logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    engine = build_engine(model_path, engine_kwargs)
+    if dp_size > 1:
+        engine = build_replicas(model_path, engine_kwargs, dp_size, router_policy)
+    else:
+        engine = build_engine(model_path, engine_kwargs)
     watchdog: EngineWatchdog | None = None
     try:
         app = create_app(engine, config)

@@ -1,0 +1,231 @@
+"""DataParallelEngine over simulated replicas: it routes by prefix, follows each request's
+rid for abort, sums the replicas' figures, and keeps serving when a replica goes down."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from radixlm.router import DataParallelEngine
+from radixlm.sampling import EngineUnavailable, FinishReason, GenerateChunk, GenerateRequest
+
+
+class WordTokenizer:
+    """Each word is one token: its length (enough for prefixes to match as words do)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [sum(map(ord, word)) for word in text.split()]
+
+
+class FakeReplica:
+    """An engine that answers at once, remembers the prompts it saw (its "cache") and
+    reports the cached tokens a real radix cache would: the longest prefix seen before."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.tokenizer = WordTokenizer()
+        self.seen: list[list[int]] = []
+        self.healthy = True
+        self.failed = False
+        self.aborted: list[str] = []
+        self.hold: asyncio.Event | None = None  # set: generate waits for it
+
+    def _cached(self, ids: list[int]) -> int:
+        best = 0
+        for other in self.seen:
+            n = 0
+            while n < min(len(ids), len(other)) and ids[n] == other[n]:
+                n += 1
+            best = max(best, n)
+        return min(best, len(ids) - 1)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        if not self.healthy:
+            raise EngineUnavailable(f"{self.name} is down")
+        ids = (
+            list(request.input_ids)  # type: ignore[arg-type]
+            if request.input_ids is not None
+            else self.tokenizer.encode(str(request.text))
+        )
+        cached = self._cached(ids)
+        self.seen.append(ids)
+        if self.hold is not None:
+            await self.hold.wait()
+            if not self.healthy:
+                raise EngineUnavailable(f"{self.name} died")
+        yield GenerateChunk(
+            rid=str(request.rid),
+            index=0,
+            text=self.name,
+            output_ids=(1,),
+            prompt_tokens=len(ids),
+            completion_tokens=1,
+            cached_tokens=cached,
+            finish_reason=FinishReason(type="length"),
+        )
+
+    async def abort(self, rid: str) -> bool:
+        self.aborted.append(rid)
+        return True
+
+    async def flush_cache(self) -> bool:
+        self.seen.clear()
+        return True
+
+    def model_info(self) -> dict[str, Any]:
+        return {"model_path": "fake", "max_context_length": 100}
+
+    def server_info(self) -> dict[str, Any]:
+        prompt = sum(len(s) for s in self.seen)
+        return {
+            "model_path": "fake",
+            "num_running_reqs": 0,
+            "num_queued_reqs": 0,
+            "token_usage": 0.5,
+            "prompt_tokens": prompt,
+            "cached_tokens": 0,
+            "max_total_num_tokens": 1000,
+        }
+
+
+PREFIXES = [
+    " ".join(
+        f"{word}{p}"
+        for word in ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    )
+    for p in range(4)
+]
+
+
+def _requests(rounds: int = 8) -> list[GenerateRequest]:
+    import random
+
+    rng = random.Random(0)
+    out = []
+    for r in range(rounds):
+        order = list(range(4))
+        rng.shuffle(order)
+        out += [
+            GenerateRequest(text=f"{PREFIXES[p]} question {r} of {p}", rid=f"r{r}-{p}")
+            for p in order
+        ]
+    return out
+
+
+async def _run(engine: DataParallelEngine, requests: list[GenerateRequest]) -> list[GenerateChunk]:
+    chunks = []
+    for request in requests:
+        chunks += [c async for c in engine.generate(request)]
+    return chunks
+
+
+@pytest.mark.parametrize("match_on", ["tokens", "text"])
+def test_cache_aware_keeps_prefixes_together_round_robin_does_not(match_on: str) -> None:
+    cached = {}
+    for policy in ("cache_aware", "round_robin"):
+        replicas = [FakeReplica("a"), FakeReplica("b")]
+        engine = DataParallelEngine(replicas, policy, match_on=match_on)
+        chunks = asyncio.run(_run(engine, _requests()))
+        cached[policy] = sum(c.cached_tokens for c in chunks)
+        if policy == "cache_aware":
+            assert {c.text for c in chunks} == {"a", "b"}  # both replicas work
+            for prefix in PREFIXES:  # and every prompt of one prefix went to one of them
+                where = {
+                    r.name for r in replicas for ids in r.seen
+                    if ids[:8] == WordTokenizer().encode(prefix)
+                }  # fmt: skip
+                assert len(where) == 1, where
+    # One replica alone would reuse 8 words of prefix for 7 of each prefix's 8 requests.
+    single = 4 * 7 * 8
+    assert cached["cache_aware"] >= 0.9 * single
+    assert cached["round_robin"] < cached["cache_aware"]
+
+
+def test_chats_arrive_as_token_ids_and_route_by_them() -> None:
+    replicas = [FakeReplica("a"), FakeReplica("b")]
+    engine = DataParallelEngine(replicas, "cache_aware")
+    ids = list(range(50))
+    first = asyncio.run(_run(engine, [GenerateRequest(input_ids=ids, rid="x")]))[0].text
+    again = asyncio.run(_run(engine, [GenerateRequest(input_ids=[*ids, 99], rid="y")]))[0]
+    assert again.text == first and again.cached_tokens == 50
+
+
+def test_abort_reaches_the_replica_that_runs_the_request() -> None:
+    replicas = [FakeReplica("a"), FakeReplica("b")]
+    engine = DataParallelEngine(replicas, "round_robin")
+
+    async def main() -> tuple[bool, bool]:
+        hold = asyncio.Event()
+        for r in replicas:
+            r.hold = hold
+        task = asyncio.ensure_future(_run(engine, [GenerateRequest(text="x y", rid="long")]))
+        await asyncio.sleep(0.01)
+        found = await engine.abort("long")
+        unknown = await engine.abort("nobody")
+        hold.set()
+        await task
+        return found, unknown
+
+    found, unknown = asyncio.run(main())
+    assert found and not unknown
+    assert sum(r.aborted.count("long") for r in replicas) == 1
+    assert engine.router.replica("0").in_flight == engine.router.replica("1").in_flight == 0
+
+
+def test_a_dead_replica_fails_its_requests_and_the_others_serve() -> None:
+    replicas = [FakeReplica("a"), FakeReplica("b")]
+    engine = DataParallelEngine(replicas, "cache_aware")
+
+    async def main() -> tuple[BaseException | None, list[str]]:
+        hold = asyncio.Event()
+        replicas[0].hold = hold
+        replicas[1].hold = hold
+        stuck = asyncio.ensure_future(_run(engine, [GenerateRequest(text="p q r", rid="1")]))
+        await asyncio.sleep(0.01)
+        home = next(r for r in replicas if r.seen)
+        home.healthy = False  # it dies with the request in flight
+        hold.set()
+        try:
+            await stuck
+            error = None
+        except EngineUnavailable as caught:
+            error = caught
+        after = await _run(engine, [GenerateRequest(text="p q r", rid=f"n{i}") for i in range(5)])
+        return error, [c.text for c in after]
+
+    error, served_by = asyncio.run(main())
+    assert isinstance(error, EngineUnavailable)
+    assert len(set(served_by)) == 1 and len(served_by) == 5  # all on the one that lives
+    assert engine.healthy
+    for r in replicas:
+        r.healthy = False
+    with pytest.raises(EngineUnavailable, match="no replica is serving"):
+        asyncio.run(_run(engine, [GenerateRequest(text="p", rid="z")]))
+    assert not engine.healthy
+
+
+def test_server_info_sums_the_replicas_and_lists_each() -> None:
+    replicas = [FakeReplica("a"), FakeReplica("b")]
+    engine = DataParallelEngine(replicas, "power_of_two")
+    asyncio.run(_run(engine, _requests(2)))
+    info = engine.server_info()
+    assert info["dp_size"] == 2 and info["router_policy"] == "power_of_two"
+    assert info["max_total_num_tokens"] == 2000
+    assert info["prompt_tokens"] == sum(len(s) for r in replicas for s in r.seen)
+    assert [r["id"] for r in info["replicas"]] == ["0", "1"]
+    assert all(r["healthy"] and r["in_flight"] == 0 for r in info["replicas"])
+    assert engine.model_info()["dp_size"] == 2
+    assert asyncio.run(engine.flush_cache()) is True
+    assert all(not r.seen for r in replicas)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="at least one replica"):
+        DataParallelEngine([])
+    with pytest.raises(ValueError, match="match_on"):
+        DataParallelEngine([FakeReplica("a")], match_on="bytes")
+    with pytest.raises(ValueError, match="router policy must be one of"):
+        DataParallelEngine([FakeReplica("a")], "fastest")
