@@ -199,3 +199,18 @@ def test_keys_are_tokens_when_a_tokenizer_is_at_hand_else_bytes() -> None:
     assert prompt_key(text="ab") == text_key("ab") == [97, 98]
     assert prompt_key(text="é") == [0xC3, 0xA9]
     assert prompt_key() == []
+
+
+def test_rank_puts_the_policys_choice_first_then_the_least_loaded() -> None:
+    # The form a Ray Serve request router answers in (radixlm.router.ray uses it).
+    router = Router("cache_aware")
+    key = _prefix(1)
+    first = router.rank(["x", "y", "z"], key, {"x": 0, "y": 0, "z": 0})
+    home = first[0][0]
+    assert sorted(first[1] + [home]) == ["x", "y", "z"]
+    others = [c for c in ("x", "y", "z") if c != home]
+    lens = {home: 1, others[0]: 5, others[1]: 2}
+    assert router.rank(["x", "y", "z"], key, lens) == [[home], [others[1], others[0]]]
+    # A candidate Ray no longer offers is not chosen; an unknown one is learnt.
+    assert router.rank([others[0], "new"], key, {})[0][0] in (others[0], "new")
+    assert router.rank([], key) == []

@@ -80,16 +80,56 @@ class Router:
                 replica.running, replica.queued = running, queued
                 replica.token_usage = token_usage
 
-    def choose(self, key: Sequence[int], namespace: Hashable | None = None) -> Replica:
-        """The replica for a request whose prompt is `key` (see `radixlm.router.keys`);
-        raises NoReplicaAvailable when none is healthy."""
+    def choose(
+        self,
+        key: Sequence[int],
+        namespace: Hashable | None = None,
+        among: Iterable[str] | None = None,
+    ) -> Replica:
+        """The replica for a request whose prompt is `key` (see `radixlm.router.keys`), among
+        the healthy ones (of `among` when given); raises NoReplicaAvailable when none is."""
         with self._lock:
-            healthy = [r for r in self._replicas.values() if r.healthy]
+            allowed = None if among is None else set(among)
+            healthy = [
+                r
+                for r in self._replicas.values()
+                if r.healthy and (allowed is None or r.id in allowed)
+            ]
             if not healthy:
                 raise NoReplicaAvailable(
                     "no replica is serving (all are down or restarting); retry shortly"
                 )
             return self.policy.choose(key, healthy, namespace)
+
+    def rank(
+        self,
+        candidates: Sequence[str],
+        key: Sequence[int],
+        queue_lens: dict[str, int | None] | None = None,
+        namespace: Hashable | None = None,
+    ) -> list[list[str]]:
+        """Ranks of the `candidates` (replica ids) for one request, best first: the policy's
+        choice, then the others, least loaded first — the form of a Ray Serve request
+        router's answer (the next rank is tried when a replica refuses). Candidates the
+        router does not know are added; `queue_lens` (None: unknown) become their load."""
+        if not candidates:
+            return []
+        with self._lock:
+            for replica_id in candidates:
+                if replica_id not in self._replicas:
+                    self._replicas[replica_id] = Replica(replica_id)
+                length = (queue_lens or {}).get(replica_id)
+                if length is not None:
+                    self._replicas[replica_id].running = length
+                    self._replicas[replica_id].queued = 0
+        try:
+            chosen = self.choose(key, namespace, among=candidates).id
+        except NoReplicaAvailable:
+            return []
+        with self._lock:
+            load = {r.id: r.load for r in self._replicas.values()}
+        rest = sorted((c for c in candidates if c != chosen), key=lambda c: (load.get(c, 0), c))
+        return [[chosen], rest] if rest else [[chosen]]
 
     def begin(self, replica_id: str) -> None:
         with self._lock:

@@ -350,14 +350,87 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm serve") -
         return 1
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more; got {text}")
+    return value
+
+
+def build_ray_parser(prog: str = "radixlm ray-serve") -> argparse.ArgumentParser:
+    """`radixlm serve`'s flags (but --dp-size) and Ray Serve's: replicas, resources, cluster."""
+    parser = build_parser(prog)
+    parser.description = (
+        "Serve a model on Ray Serve: N engine replicas routed by radixlm's policies, behind "
+        "the same HTTP routes as radixlm serve."
+    )
+    ray = parser.add_argument_group("Ray Serve")
+    ray.add_argument(
+        "--num-replicas", type=_replica_count, default=1, metavar="N", help="engine replicas"
+    )
+    ray.add_argument(
+        "--address",
+        default=None,
+        help="the Ray cluster to join (ray://HOST:10001, or auto); default: a local Ray instance",
+    )
+    ray.add_argument(
+        "--replica-num-cpus", type=_positive_float, default=1.0, metavar="F",
+        help="CPUs Ray reserves for each replica (default 1)",
+    )  # fmt: skip
+    ray.add_argument(
+        "--replica-num-gpus", type=_positive_float, default=0.0, metavar="F",
+        help="GPUs Ray gives each replica (default 0; 1 for a replica per GPU)",
+    )  # fmt: skip
+    return parser
+
+
+def ray_serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm ray-serve") -> int:
+    """Parse the ray-serve flags and serve on Ray until interrupted; the exit status."""
+    args = build_ray_parser(prog).parse_args(argv)
+    from radixlm.server.launcher import LaunchError, builtin_model, ray_serve
+
+    if args.dp_size != 1:
+        print("radixlm ray-serve: use --num-replicas, not --dp-size", file=sys.stderr)
+        return 2
+    model_path = args.model_path
+    config = server_config(args)
+    if model_path is None:
+        try:
+            model_path, name = builtin_model()
+        except LaunchError as error:
+            print(NO_MODEL_MESSAGE.format(reason=error), file=sys.stderr, end="")
+            return 2
+        if config.served_model_name is None:
+            config = dataclasses.replace(config, served_model_name=name)
+    try:
+        return ray_serve(
+            model_path,
+            config,
+            engine_kwargs(args),
+            num_replicas=args.num_replicas,
+            address=args.address,
+            replica_cpus=args.replica_num_cpus,
+            replica_gpus=args.replica_num_gpus,
+            router_policy=args.router_policy,
+        )
+    except LaunchError as error:
+        print(f"radixlm ray-serve: {error}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`radixlm <command>`; today the one command is `serve`."""
+    """`radixlm <command>`: `serve` (one machine) or `ray-serve` (a Ray cluster)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="radixlm", description="radixlm command line")
     parser.add_argument("--version", action="version", version=f"radixlm-server {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parser("serve", help="serve a model over HTTP", add_help=False)
-    if not argv or argv[0] not in ("serve",):
+    commands.add_parser(
+        "ray-serve", help="serve a model on Ray Serve replicas (a cluster)", add_help=False
+    )
+    if not argv or argv[0] not in ("serve", "ray-serve"):
         parser.parse_args(argv or ["--help"])
         return 2
+    if argv[0] == "ray-serve":
+        return ray_serve_main(argv[1:])
     return serve_main(argv[1:])

@@ -102,6 +102,66 @@ def serve_node(model_path: str, engine_kwargs: dict[str, Any]) -> int:
     return status
 
 
+def ray_serve(
+    model_path: str,
+    config: ServerConfig,
+    engine_kwargs: dict[str, Any],
+    num_replicas: int = 1,
+    address: str | None = None,
+    replica_cpus: float = 1.0,
+    replica_gpus: float = 0.0,
+    router_policy: str = "cache_aware",
+) -> int:
+    """`radixlm ray-serve`: the engine as a Ray Serve deployment of `num_replicas` replicas,
+    routed by `radixlm.router.ray.RadixlmRequestRouter` with `router_policy`, behind this
+    server's routes (the ingress deployment), on a local Ray instance or the cluster at
+    `address`. Blocks until interrupted; returns the exit status."""
+    import functools
+
+    try:
+        ray = importlib.import_module("ray")
+        serve = importlib.import_module("ray.serve")
+        on_ray = importlib.import_module("radixlm.router.ray")
+        runtime = importlib.import_module("radixlm.runtime")
+    except ImportError as error:
+        raise LaunchError(
+            f"radixlm ray-serve needs Ray Serve and the engine: {error}. Install them with "
+            '`pip install "radixlm-router[ray]" radixlm-runtime`.'
+        ) from None
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    ray.init(address=address)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    actor_options: dict[str, Any] = {"num_cpus": replica_cpus}
+    if replica_gpus:
+        actor_options["num_gpus"] = replica_gpus
+    try:
+        app = on_ray.build_app(
+            model_path,
+            runtime.Engine,
+            functools.partial(create_app, config=config),
+            engine_kwargs,
+            num_replicas=num_replicas,
+            ray_actor_options=actor_options,
+            policy=router_policy,
+        )
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+    print(
+        f"radixlm on Ray Serve: {num_replicas} replica(s) of {model_path!r} at "
+        f"http://{config.host}:{config.port} ({router_policy} routing)",
+        flush=True,
+    )
+    try:
+        serve.run(app, name="radixlm", route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+    return 0
+
+
 def engine_choices() -> dict[str, tuple[Any, ...]]:
     """The allowed values of the engine's keywords that have a fixed set, as the runtime
     declares them once (`radixlm.runtime.config.ENGINE_CHOICES`); empty without the runtime

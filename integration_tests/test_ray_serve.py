@@ -1,0 +1,176 @@
+"""radixlm on Ray Serve (a local Ray instance, `ray.init(num_cpus=2)`): two engine replicas of
+the tiny model routed by radixlm's policies through Ray Serve's request-router API, behind the
+same HTTP routes as `radixlm serve`.
+
+Heavy (Ray starts in ~20 s) and needs the `ray` extra, which the dev venv leaves out: it skips
+without Ray. Run it with `pip install -e "packages/router[ray]"` first."""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'radixlm-router[ray]'")
+serve = pytest.importorskip("ray.serve")
+
+pytestmark = pytest.mark.timeout(600)
+
+PREFIXES = 4
+PER_PREFIX = 8
+ENGINE = {"show_progress": False, "max_total_tokens": 8192, "device": "cpu", "cpu_threads": 1}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """A local Ray instance with Serve's HTTP proxy on a free port; its URL."""
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _deploy(model: Path, policy: str) -> None:
+    from radixlm.router.ray import build_app
+    from radixlm.runtime import Engine
+    from radixlm.server import ServerConfig, create_app
+
+    app = build_app(
+        str(model),
+        Engine,
+        functools.partial(create_app, config=ServerConfig(served_model_name="tiny")),
+        ENGINE,
+        num_replicas=2,
+        ray_actor_options={"num_cpus": 0.5},
+        policy=policy,
+    )
+    serve.run(app, name="radixlm", route_prefix="/")
+
+
+def _workload() -> list[str]:
+    from radixlm.runtime.fixtures import sample_texts
+
+    heads = sample_texts(PREFIXES, seed=5, words=60)
+    tails = sample_texts(PREFIXES * PER_PREFIX, seed=6, words=5)
+    rng = random.Random(0)
+    prompts = []
+    for r in range(PER_PREFIX):
+        order = list(range(PREFIXES))
+        rng.shuffle(order)
+        prompts += [f"{heads[p]} {tails[r * PREFIXES + p]}" for p in order]
+    return prompts
+
+
+def _cached_over_http(url: str) -> int:
+    total = 0
+    with httpx.Client(base_url=url, timeout=120) as http:
+        for text in _workload():
+            answer = http.post(
+                "/generate", json={"text": text, "sampling_params": {"max_new_tokens": 2}}
+            )
+            assert answer.status_code == 200, answer.text
+            total += answer.json()["meta_info"]["cached_tokens"]
+    return total
+
+
+def _single_replica_cached(model: Path) -> int:
+    from radixlm.runtime import Engine
+
+    with Engine(str(model), **ENGINE) as engine:
+        params = {"max_new_tokens": 2}
+        return sum(engine.generate(t, params)["meta_info"]["cached_tokens"] for t in _workload())
+
+
+def test_cache_aware_on_ray_reuses_nearly_what_one_replica_would(
+    cluster: str, tiny_llama: Path
+) -> None:
+    single = _single_replica_cached(tiny_llama)
+    _deploy(tiny_llama, "cache_aware")
+    cache_aware = _cached_over_http(cluster)
+    _deploy(tiny_llama, "round_robin")  # replaces the application: fresh replicas
+    round_robin = _cached_over_http(cluster)
+    print(
+        f"cached tokens: one replica {single}, cache_aware {cache_aware}, round_robin {round_robin}"
+    )
+    assert single > 0
+    assert cache_aware >= 0.9 * single, (cache_aware, single)
+    assert round_robin < 0.95 * cache_aware, (round_robin, cache_aware)
+
+
+def test_the_routes_are_radixlm_serves(cluster: str, tiny_llama: Path) -> None:
+    _deploy(tiny_llama, "cache_aware")
+    with httpx.Client(base_url=cluster, timeout=120) as http:
+        chat = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+            },
+        )
+        assert (
+            chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+        )
+        lines = []
+        body = {"text": "stream", "stream": True, "sampling_params": {"max_new_tokens": 4}}
+        with http.stream("POST", "/generate", json=body) as stream:
+            lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 5
+        bad = http.post(
+            "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 10**7}}
+        )
+        assert (
+            bad.status_code == 400
+            and bad.json()["error"]["param"] == "sampling_params.max_new_tokens"
+        )
+        assert http.get("/health").status_code == 200
+        assert http.get("/get_server_info").json()["ray_serve"] is True
+
+
+def _engine_replica_pids(calls: int = 12) -> set[int]:
+    """The engine replicas' processes, asked through a handle (round robin: each in turn)."""
+    handle = serve.get_deployment_handle("radixlm-engine", app_name="radixlm")
+    pids = set()
+    for _ in range(calls):
+        try:
+            pids.add(handle.pid.remote().result(timeout_s=30))
+        except Exception:  # a dead replica Ray has not taken out yet
+            continue
+    return pids
+
+
+def test_a_killed_replica_leaves_the_other_serving(cluster: str, tiny_llama: Path) -> None:
+    _deploy(tiny_llama, "round_robin")
+    pids = _engine_replica_pids()
+    assert len(pids) == 2, pids
+    victim = min(pids)
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(0.5)
+    with httpx.Client(base_url=cluster, timeout=120) as http:
+        for i in range(8):  # every request sent after the kill completes
+            answer = http.post(
+                "/generate", json={"text": f"after {i}", "sampling_params": {"max_new_tokens": 3}}
+            )
+            assert answer.status_code == 200, answer.text
+    # Ray Serve restarts the dead replica.
+    deadline = time.monotonic() + 120
+    while len(_engine_replica_pids() - {victim}) < 2:
+        assert time.monotonic() < deadline, "Ray Serve did not restart the replica"
+        time.sleep(1)
