@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import signal
 import socket
 import time
@@ -18,14 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from dp_workload import shared_prefix_prompts
 
 ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'radixlm-router[ray]'")
 serve = pytest.importorskip("ray.serve")
 
 pytestmark = pytest.mark.timeout(600)
 
-PREFIXES = 4
-PER_PREFIX = 8
 ENGINE = {"show_progress": False, "max_total_tokens": 8192, "device": "cpu", "cpu_threads": 1}
 
 
@@ -63,24 +61,10 @@ def _deploy(model: Path, policy: str) -> None:
     serve.run(app, name="radixlm", route_prefix="/")
 
 
-def _workload() -> list[str]:
-    from radixlm.runtime.fixtures import sample_texts
-
-    heads = sample_texts(PREFIXES, seed=5, words=60)
-    tails = sample_texts(PREFIXES * PER_PREFIX, seed=6, words=5)
-    rng = random.Random(0)
-    prompts = []
-    for r in range(PER_PREFIX):
-        order = list(range(PREFIXES))
-        rng.shuffle(order)
-        prompts += [f"{heads[p]} {tails[r * PREFIXES + p]}" for p in order]
-    return prompts
-
-
 def _cached_over_http(url: str) -> int:
     total = 0
     with httpx.Client(base_url=url, timeout=120) as http:
-        for text in _workload():
+        for text in shared_prefix_prompts():
             answer = http.post(
                 "/generate", json={"text": text, "sampling_params": {"max_new_tokens": 2}}
             )
@@ -94,7 +78,10 @@ def _single_replica_cached(model: Path) -> int:
 
     with Engine(str(model), **ENGINE) as engine:
         params = {"max_new_tokens": 2}
-        return sum(engine.generate(t, params)["meta_info"]["cached_tokens"] for t in _workload())
+        return sum(
+            engine.generate(t, params)["meta_info"]["cached_tokens"]
+            for t in shared_prefix_prompts()
+        )
 
 
 def test_cache_aware_on_ray_reuses_nearly_what_one_replica_would(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import signal
 import time
 from collections.abc import Iterator
@@ -18,11 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
+from dp_workload import shared_prefix_prompts
 
 pytestmark = pytest.mark.timeout(300)
-
-PREFIXES = 4
-PER_PREFIX = 8
 
 
 @pytest.fixture(scope="module")
@@ -49,22 +46,6 @@ def _serve(engine: Any) -> Any:
     return ThreadedServer(app, lifespan="off").start()
 
 
-def _workload() -> list[str]:
-    """PER_PREFIX requests for each of PREFIXES long shared prefixes, in rounds of one per
-    prefix, each round in a random order."""
-    from radixlm.runtime.fixtures import sample_texts
-
-    heads = sample_texts(PREFIXES, seed=5, words=60)
-    tails = sample_texts(PREFIXES * PER_PREFIX, seed=6, words=5)
-    rng = random.Random(0)
-    prompts = []
-    for r in range(PER_PREFIX):
-        order = list(range(PREFIXES))
-        rng.shuffle(order)
-        prompts += [f"{heads[p]} {tails[r * PREFIXES + p]}" for p in order]
-    return prompts
-
-
 def _cached_tokens(engine: Any) -> int:
     """The workload sent one request after another; the sum of their cached tokens."""
     asyncio.run(engine.flush_cache())
@@ -72,7 +53,7 @@ def _cached_tokens(engine: Any) -> int:
     try:
         total = 0
         with httpx.Client(base_url=live.url, timeout=60) as http:
-            for text in _workload():
+            for text in shared_prefix_prompts():
                 body = {"text": text, "sampling_params": {"max_new_tokens": 2}}
                 answer = http.post("/generate", json=body)
                 assert answer.status_code == 200, answer.text

@@ -319,10 +319,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm serve") -> int:
-    """Parse the serve flags and run the server until interrupted; returns the exit status."""
-    args = build_parser(prog).parse_args(argv)
-    from radixlm.server.launcher import LaunchError, builtin_model, launch, serve_node
+def _model_and_config(args: argparse.Namespace, prog: str) -> tuple[str, ServerConfig] | None:
+    """The model to serve (the built-in one without --model-path) and the server config; None
+    (after saying why) when there is no model."""
+    from radixlm.server.launcher import LaunchError, builtin_model
 
     config = server_config(args)
     model_path = args.model_path
@@ -331,10 +331,22 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm serve") -
             model_path, name = builtin_model()
         except LaunchError as error:
             print(NO_MODEL_MESSAGE.format(reason=error), file=sys.stderr, end="")
-            return 2
-        print(f"radixlm serve: no --model-path given; serving the built-in model {name!r}")
+            return None
+        print(f"{prog}: no --model-path given; serving the built-in model {name!r}")
         if config.served_model_name is None:
             config = dataclasses.replace(config, served_model_name=name)
+    return str(model_path), config
+
+
+def serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm serve") -> int:
+    """Parse the serve flags and run the server until interrupted; returns the exit status."""
+    args = build_parser(prog).parse_args(argv)
+    from radixlm.server.launcher import LaunchError, launch, serve_node
+
+    chosen = _model_and_config(args, "radixlm serve")
+    if chosen is None:
+        return 2
+    model_path, config = chosen
     try:
         if args.node_rank:  # another node of a multi-node group: its ranks, no HTTP
             return serve_node(model_path, engine_kwargs(args))
@@ -387,21 +399,15 @@ def build_ray_parser(prog: str = "radixlm ray-serve") -> argparse.ArgumentParser
 def ray_serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm ray-serve") -> int:
     """Parse the ray-serve flags and serve on Ray until interrupted; the exit status."""
     args = build_ray_parser(prog).parse_args(argv)
-    from radixlm.server.launcher import LaunchError, builtin_model, ray_serve
+    from radixlm.server.launcher import LaunchError, ray_serve
 
     if args.dp_size != 1:
         print("radixlm ray-serve: use --num-replicas, not --dp-size", file=sys.stderr)
         return 2
-    model_path = args.model_path
-    config = server_config(args)
-    if model_path is None:
-        try:
-            model_path, name = builtin_model()
-        except LaunchError as error:
-            print(NO_MODEL_MESSAGE.format(reason=error), file=sys.stderr, end="")
-            return 2
-        if config.served_model_name is None:
-            config = dataclasses.replace(config, served_model_name=name)
+    chosen = _model_and_config(args, prog)
+    if chosen is None:
+        return 2
+    model_path, config = chosen
     try:
         return ray_serve(
             model_path,
