@@ -7,6 +7,7 @@ lazily, inside `build_engine`, so the rest of the package (and a custom server b
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import threading
@@ -158,7 +159,8 @@ def ray_serve(
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
+        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C while it stops
+            serve.shutdown()
     return 0
 
 
