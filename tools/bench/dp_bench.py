@@ -118,18 +118,12 @@ async def _stage(
 
 
 def optimal_hit_rate(sequences: list[tuple[list[int], list[int]]]) -> float:
-    """Every computed prefix reused (one unbounded cache): each prompt matches what earlier
-    requests computed, never its last token."""
-    from radixlm.cache import RadixCache
+    """engine_bench's optimum (one unbounded cache reusing every computed prefix) over
+    (prompt, output) pairs."""
+    from engine_bench import Call
+    from engine_bench import optimal_hit_rate as optimum
 
-    trie = RadixCache()
-    prompt = hit = 0
-    for ids, output in sequences:
-        prompt += len(ids)
-        hit += trie.match_prompt(ids).length
-        seq = ids + output[:-1]
-        trie.insert(seq, list(range(len(seq))))
-    return hit / prompt if prompt else 0.0
+    return float(optimum([Call(ids, {}, [output]) for ids, output in sequences]))
 
 
 async def run_workload(

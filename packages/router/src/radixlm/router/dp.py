@@ -174,7 +174,7 @@ class DataParallelEngine:
         results = [bool(await replica.flush_cache()) for replica in self.replicas]
         for index, done in enumerate(results):
             if done:
-                self.router.policy.forget(str(index))
+                self.router.forget(str(index))
         return all(results)
 
     def model_info(self) -> dict[str, Any]:

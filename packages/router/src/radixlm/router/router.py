@@ -56,6 +56,11 @@ class Router:
             self._replicas.pop(replica_id, None)
             self.policy.forget(replica_id)
 
+    def forget(self, replica_id: str) -> None:
+        """The replica's cache was emptied (flushed): the policy forgets what it sent there."""
+        with self._lock:
+            self.policy.forget(replica_id)
+
     def mark_down(self, replica_id: str) -> None:
         """Take a replica out of routing; what it cached is lost (it restarts empty)."""
         with self._lock:
