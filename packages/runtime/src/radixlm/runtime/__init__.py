@@ -1,12 +1,18 @@
 """radixlm.runtime: the model runner — HF checkpoints, models, KV pool, attention, sampler."""
 
 from radixlm.runtime._version import __version__
-from radixlm.runtime.builtin import BUILTIN_MODEL_NAME, builtin_model_path
+from radixlm.runtime.builtin import (
+    BUILTIN_MODEL_NAME,
+    BUILTIN_VISION_MODEL_NAME,
+    builtin_model_path,
+    builtin_vision_model_path,
+)
 from radixlm.runtime.config import (
     AttentionConfig,
     CacheConfig,
     EngineConfig,
     GrammarConfig,
+    MediaConfig,
     MemoryConfig,
     ModelConfig,
     RunnerConfig,
@@ -31,6 +37,7 @@ from radixlm.runtime.sampling_batch import SamplingBatch, SamplingRequest
 
 __all__ = [
     "BUILTIN_MODEL_NAME",
+    "BUILTIN_VISION_MODEL_NAME",
     "AttentionConfig",
     "BatchEntry",
     "CacheConfig",
@@ -39,6 +46,7 @@ __all__ = [
     "EngineConfig",
     "ForwardBatch",
     "GrammarConfig",
+    "MediaConfig",
     "InputLogprobRequest",
     "KVPool",
     "LogitsOutput",
@@ -61,6 +69,7 @@ __all__ = [
     "TokenLogprob",
     "__version__",
     "builtin_model_path",
+    "builtin_vision_model_path",
     "load_model",
     "read_model_info",
     "supported_architectures",

@@ -360,6 +360,41 @@ class GrammarConfig:
 
 
 @dataclass(frozen=True)
+class MediaConfig:
+    """Images and videos in requests (vision models).
+
+    - `allow_urls`: fetch `http(s)` image/video URLs on a request's behalf (off by default:
+      a server-side request for a user); never to loopback, link-local or private addresses
+      unless `url_allowlist` names the host (a host name, an IP address or a CIDR block).
+    - `max_bytes`, `fetch_timeout` (seconds), `max_redirects`: limits of one fetch.
+    - `allowed_local_path`: file paths are read only under this directory (None: no paths).
+    - `max_image_pixels`: larger images are refused (decompression bombs).
+    - `encoder_cache_size`: vision-encoder outputs kept by image hash (LRU), so a repeated
+      image is not encoded again even when its KV was evicted; 0 turns it off.
+    """
+
+    allow_urls: bool = False
+    url_allowlist: tuple[str, ...] = ()
+    max_bytes: int = 20 * 1024 * 1024
+    fetch_timeout: float = 10.0
+    max_redirects: int = 3
+    allowed_local_path: str | None = None
+    max_image_pixels: int = 40_000_000
+    encoder_cache_size: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.fetch_timeout <= 0:
+            raise ValueError(f"media_fetch_timeout must be > 0 seconds; got {self.fetch_timeout}")
+        if self.max_redirects < 0:
+            raise ValueError(f"max_media_redirects must be >= 0; got {self.max_redirects}")
+        if self.encoder_cache_size < 0:
+            raise ValueError(f"mm_encoder_cache_size must be >= 0; got {self.encoder_cache_size}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, composed by feature.
 
@@ -392,6 +427,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
+    media: MediaConfig = field(default_factory=MediaConfig)
     sampling_defaults: SamplingDefaultsMode = "model"
     incremental_streaming_output: bool = False
     clamp_max_tokens: bool = False
@@ -462,6 +498,7 @@ class EngineConfig:
             scheduler=scheduler,
             cache=CacheConfig(**sections["cache"]),
             grammar=GrammarConfig(**sections["grammar"]),
+            media=MediaConfig(**sections["media"]),
             **top,
         )
 
@@ -496,6 +533,7 @@ _SECTIONS = (
     "scheduler",
     "cache",
     "grammar",
+    "media",
 )
 
 #: SGLang-style keyword -> (section, field, conversion).
@@ -550,6 +588,15 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "grammar_compile_timeout": ("grammar", "compile_timeout", None),
     "strict_constraints": ("grammar", "strict", bool),
     "max_constraint_bytes": ("grammar", "max_constraint_bytes", int),
+    # media (vision models)
+    "allow_media_urls": ("media", "allow_urls", bool),
+    "media_url_allowlist": ("media", "url_allowlist", lambda v: tuple(v or ())),
+    "max_media_bytes": ("media", "max_bytes", int),
+    "media_fetch_timeout": ("media", "fetch_timeout", float),
+    "max_media_redirects": ("media", "max_redirects", int),
+    "allowed_local_media_path": ("media", "allowed_local_path", None),
+    "max_image_pixels": ("media", "max_image_pixels", int),
+    "mm_encoder_cache_size": ("media", "encoder_cache_size", int),
     # engine
     "sampling_defaults": ("engine", "sampling_defaults", None),
     "incremental_streaming_output": ("engine", "incremental_streaming_output", None),

@@ -121,6 +121,7 @@ class CudaGraphRunner:
             and not batch.input_logprobs
             and not batch.hidden_state_requests
             and batch.input_embeds is None
+            and batch.mrope_positions is None
             and batch.batch_size <= self.max_batch_size
         )
 

@@ -51,6 +51,7 @@ from radixlm.runtime.messages import (
 )
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output_processor import RequestOutput
+from radixlm.runtime.multimodal.preparer import multimodal_preparer
 from radixlm.runtime.preparer import FrontendLimits, RequestPreparer
 from radixlm.sampling import (
     EngineUnavailable,
@@ -207,6 +208,13 @@ class Engine:
                 hidden_size=info.hidden_size,
             ),
             config.incremental_streaming_output,
+            multimodal_preparer(
+                config.model_path,
+                info.architectures,
+                self._tokenizer,
+                config.media,
+                info.hidden_size,
+            ),
         )
 
     # ------------------------------------------------------------------------ lifecycle
@@ -362,7 +370,7 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None,
         extra: dict[str, Any],
     ) -> GenerateRequest:
-        body: dict[str, Any] = {k: v for k, v in extra.items() if v is not None}
+        body: dict[str, Any] = {k: _media_arg(v) for k, v in extra.items() if v is not None}
         if prompt is not None:
             body["text"] = prompt
         if input_ids is not None:
@@ -393,6 +401,8 @@ class Engine:
         rid: str | list[str] | None = None,
         input_embeds: Any = None,
         return_hidden_states: bool | list[bool] = False,
+        image_data: Any = None,
+        video_data: Any = None,
     ) -> Any: ...
 
     def generate(
@@ -411,6 +421,8 @@ class Engine:
         rid: str | list[str] | None = None,
         input_embeds: Any = None,
         return_hidden_states: bool | list[bool] = False,
+        image_data: Any = None,
+        video_data: Any = None,
     ) -> Any:
         """Generate, SGLang's way, blocking: a dict for one prompt (n == 1), a list of dicts
         for a batch or n > 1 (prompt-major), or with `stream=True` an iterator of chunks
@@ -439,6 +451,8 @@ class Engine:
                 if hasattr(input_embeds, "tolist")
                 else input_embeds,
                 return_hidden_states=return_hidden_states,
+                image_data=image_data,
+                video_data=video_data,
             ),
         )
         chunks = self._stream_sync(request)
@@ -462,6 +476,8 @@ class Engine:
         rid: str | list[str] | None = None,
         input_embeds: Any = None,
         return_hidden_states: bool | list[bool] = False,
+        image_data: Any = None,
+        video_data: Any = None,
     ) -> Any:
         """`generate` for asyncio: awaits the result, or with `stream=True` returns an async
         iterator of chunks (`async for chunk in await engine.async_generate(..., stream=True)`)."""
@@ -483,6 +499,8 @@ class Engine:
                 if hasattr(input_embeds, "tolist")
                 else input_embeds,
                 return_hidden_states=return_hidden_states,
+                image_data=image_data,
+                video_data=video_data,
             ),
         )
         chunks = self._stream_async(request)
@@ -712,6 +730,8 @@ class Engine:
     def model_info(self) -> dict[str, Any]:
         """SGLang's `/get_model_info`."""
         info = self.info
+        multimodal = self._preparer.multimodal
+        media = multimodal.processor if multimodal is not None else None
         return {
             "model_path": self.config.model_path,
             "tokenizer_path": self.config.tokenizer_path or self.config.model_path,
@@ -722,6 +742,9 @@ class Engine:
             "chat_template": getattr(self._tokenizer, "chat_template", None),
             "eos_token_ids": list(info.eos_token_ids),
             "architectures": list(info.architectures),
+            # The text that stands for one image / video in a prompt (None: not taken).
+            "image_token": media.image_token if media is not None else None,
+            "video_token": media.video_token if media is not None else None,
         }
 
     get_model_info = model_info
@@ -756,6 +779,19 @@ class Engine:
         }
 
     get_server_info = server_info
+
+
+def _media_arg(value: Any) -> Any:
+    """PIL images given to the engine API become PNG bytes (the request schema's form)."""
+    if isinstance(value, list):
+        return [_media_arg(v) for v in value]
+    if hasattr(value, "save") and hasattr(value, "mode") and hasattr(value, "size"):
+        import io
+
+        buffer = io.BytesIO()
+        value.save(buffer, format="PNG")
+        return buffer.getvalue()
+    return value
 
 
 def _queue_sink(inbox: queue.SimpleQueue[tuple[int, Any]], k: int) -> Callable[[Any], None]:

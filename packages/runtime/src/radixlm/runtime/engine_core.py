@@ -165,7 +165,10 @@ class EngineCore:
             case StopSequence(rid, index):
                 self.stop_sequence(rid, index)
             case FlushCache(reply):
-                self._out.append(CommandResult(reply, self.scheduler.flush_cache()))
+                flushed = self.scheduler.flush_cache()
+                if flushed:
+                    self.executor.encoder_cache.clear()
+                self._out.append(CommandResult(reply, flushed))
             case GetServerInfo(reply):
                 self._out.append(CommandResult(reply, self.live_stats()))
             case CheckInvariants(reply):
@@ -261,6 +264,9 @@ class EngineCore:
             "num_retractions": sched.num_retractions,
             "forward_passes": stats.forward_calls,
             "tokens_forwarded": stats.tokens_forwarded,
+            # Images and videos run through the vision encoder / found in its cache.
+            "media_encoded": self.executor.encoder_cache.stats.encoded,
+            "media_encoder_cache_hits": self.executor.encoder_cache.stats.hits,
             # Rank 0's time in the forward's collectives (0 without tensor parallelism).
             "tp_collective_seconds": self.executor.runner.tp.timing.seconds,
         }
@@ -433,9 +439,10 @@ class EngineCore:
 
 def _entry_inputs(handle: RequestHandle) -> EntryInputs | None:
     """What the executor needs besides ids (None for a plain token request: no cost)."""
-    if handle.input_embeds is None and not handle.return_hidden_states:
+    multimodal = handle.request.multimodal
+    if handle.input_embeds is None and not handle.return_hidden_states and multimodal is None:
         return None
-    return EntryInputs(handle.input_embeds, handle.return_hidden_states)
+    return EntryInputs(handle.input_embeds, handle.return_hidden_states, multimodal)
 
 
 def create_core(
@@ -475,7 +482,12 @@ def create_core(
     grammar = GrammarService(config.grammar, tokenizer, runner.vocab_size, eos_token_ids)
     core = EngineCore(
         scheduler,
-        ModelExecutor(runner, seed=config.scheduler.random_seed, sender=sender),
+        ModelExecutor(
+            runner,
+            seed=config.scheduler.random_seed,
+            sender=sender,
+            encoder_cache_size=config.media.encoder_cache_size,
+        ),
         grammar,
         eos_token_ids,
         emit,

@@ -11,6 +11,8 @@ import torch
 from radixlm.runtime.forward_batch import BatchEntry, ForwardBatch
 from radixlm.runtime.logprobs import TokenLogprob
 from radixlm.runtime.model_runner import LogitsOutput, ModelRunner
+from radixlm.runtime.multimodal.encoder_cache import EncoderCache
+from radixlm.runtime.multimodal.inputs import MultimodalInputs
 from radixlm.runtime.sampling_batch import SamplingBatch, SamplingRequest
 from radixlm.runtime.scheduler import ScheduledBatch
 
@@ -61,11 +63,12 @@ class InputLogprobAsk:
 @dataclass(frozen=True)
 class EntryInputs:
     """What an entry's sequence brings besides token ids: its prompt as embeddings
-    ([prompt_len, hidden], for the prompt positions among its new tokens) and whether its
-    hidden states are returned."""
+    ([prompt_len, hidden], for the prompt positions among its new tokens), whether its
+    hidden states are returned, and its images and videos."""
 
     prompt_embeds: torch.Tensor | None = None
     return_hidden_states: bool = False
+    multimodal: MultimodalInputs | None = None
 
 
 class ModelExecutor:
@@ -73,9 +76,16 @@ class ModelExecutor:
     sample. The only engine module that touches tensors."""
 
     def __init__(
-        self, runner: ModelRunner, seed: int = 0, sender: StepSender | None = None
+        self,
+        runner: ModelRunner,
+        seed: int = 0,
+        sender: StepSender | None = None,
+        encoder_cache_size: int = 128,
     ) -> None:
         self.runner = runner
+        #: Vision-encoder outputs by image hash. The encoder runs here, on rank 0 alone: under
+        #: tensor parallelism the other ranks receive the embeddings with the step.
+        self.encoder_cache = EncoderCache(encoder_cache_size)
         #: Under tensor parallelism (rank 0): sends each step to the other ranks.
         self.sender = sender
         self.generator = torch.Generator(device="cpu")
@@ -109,6 +119,11 @@ class ModelExecutor:
                 start = entry.prefix_len
                 end = min(start + len(entry.input_ids), embeds.shape[0])
                 embeds = embeds[start:end] if end > start else None
+            media: tuple[tuple[int, torch.Tensor], ...] = ()
+            mrope: torch.Tensor | None = None
+            if extra.multimodal is not None:
+                media = self._media_embeds(extra.multimodal, entry.prefix_len, len(entry.input_ids))
+                mrope = _mrope_positions(extra.multimodal, entry.prefix_len, len(entry.input_ids))
             entries.append(
                 BatchEntry(
                     req_pool_index=entry.row,
@@ -120,6 +135,8 @@ class ModelExecutor:
                     top_logprobs_num=ask.top,
                     token_ids_logprob=ask.token_ids,
                     input_embeds=embeds,
+                    media_embeds=media,
+                    mrope_positions=mrope,
                     return_hidden_states=extra.return_hidden_states,
                 )
             )
@@ -153,3 +170,34 @@ class ModelExecutor:
                     logprobs[row] = sampled.logprobs[k]
         input_logprobs = out.input_logprobs or [None] * len(entries)
         return StepResult(tokens, logprobs, list(input_logprobs), out.hidden_states)
+
+    def _media_embeds(
+        self, inputs: MultimodalInputs, start: int, count: int
+    ) -> tuple[tuple[int, torch.Tensor], ...]:
+        """(row, embeddings) of the media positions among new tokens [start, start + count)."""
+        spans = inputs.spans(start, count)
+        if not spans:
+            return ()
+        model = self.runner.model
+        encode = getattr(model, "encode_media", None)
+        if encode is None:
+            raise RuntimeError(f"{type(model).__name__} does not encode images")
+        with torch.inference_mode():
+            found = self.encoder_cache.embeddings([span.item for span in spans], encode)
+        return tuple(
+            (span.row, rows[span.first : span.first + span.count])
+            for span, rows in zip(spans, found, strict=True)
+        )
+
+
+def _mrope_positions(inputs: MultimodalInputs, start: int, count: int) -> torch.Tensor | None:
+    """[3, count] M-RoPE positions of new tokens [start, start + count): the prompt's own, then
+    (generated tokens) the position plus the prompt's delta on every axis."""
+    prompt = inputs.mrope_positions
+    if prompt is None:
+        return None
+    length = prompt.shape[1]
+    inside = prompt[:, start : min(start + count, length)]
+    first_after = max(start, length)
+    after = torch.arange(first_after, start + count, dtype=torch.int64) + inputs.mrope_delta
+    return torch.cat([inside.to(torch.int64), after.expand(3, -1)], dim=1)

@@ -39,6 +39,12 @@ class BatchEntry:
     #: [k, hidden] embeddings that replace the id lookup of the first k new tokens (a prompt
     #: given as `input_embeds`; its ids are cache-key pseudo ids, never looked up).
     input_embeds: torch.Tensor | None = None
+    #: (row among the new tokens, [k, hidden]) pairs: k rows from that row on take these
+    #: embeddings (an image's or a video's; their ids are cache-key pseudo ids).
+    media_embeds: tuple[tuple[int, torch.Tensor], ...] = ()
+    #: [3, new tokens] three-axis positions of the new tokens (M-RoPE models); None: the
+    #: ordinary positions on every axis.
+    mrope_positions: torch.Tensor | None = None
     #: Return the final hidden states of this request's new tokens.
     return_hidden_states: bool = False
 
@@ -78,6 +84,13 @@ class ForwardBatch:
     input_embeds_rows: torch.Tensor | None = None
     #: Batch indices of the requests whose new tokens' hidden states are returned.
     hidden_state_requests: tuple[int, ...] = ()
+    #: [3, T] three-axis positions (M-RoPE) when an entry has them, else None.
+    mrope_positions: torch.Tensor | None = None
+
+    @property
+    def model_positions(self) -> torch.Tensor:
+        """What the model's rotary embedding takes: the M-RoPE positions when there are any."""
+        return self.positions if self.mrope_positions is None else self.mrope_positions
 
     @property
     def batch_size(self) -> int:
@@ -135,6 +148,16 @@ class ForwardBatch:
                 embeds_rows.extend(range(offset, offset + given))
                 # Their ids are pseudo ids (outside the vocabulary): look up a valid row instead.
                 input_ids[offset : offset + given] = [0] * given
+            for row, rows in entry.media_embeds:
+                given = len(rows)
+                if row < 0 or row + given > count:
+                    raise ValueError(
+                        f"request {index}: media rows [{row}, {row + given}) fall outside its "
+                        f"{count} new tokens"
+                    )
+                embeds.append(rows)
+                embeds_rows.extend(range(offset + row, offset + row + given))
+                input_ids[offset + row : offset + row + given] = [0] * given
             positions.extend(range(entry.prefix_len, entry.prefix_len + count))
             slots.extend(entry.out_slots)
             if entry.input_logprob_targets is not None:
@@ -162,6 +185,15 @@ class ForwardBatch:
                     )
         prefix = [e.prefix_len for e in entries]
         extend = [len(e.input_ids) for e in entries]
+        mrope: torch.Tensor | None = None
+        if any(e.mrope_positions is not None for e in entries):
+            parts = []
+            for entry, start, count in zip(entries, prefix, extend, strict=True):
+                if entry.mrope_positions is not None:
+                    parts.append(entry.mrope_positions.to(torch.int64))
+                else:
+                    parts.append(torch.arange(start, start + count).expand(3, count))
+            mrope = torch.cat(parts, dim=1).to(device, non_blocking=True)
 
         def tensor(values: Sequence[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
@@ -182,6 +214,7 @@ class ForwardBatch:
             input_embeds=torch.cat(embeds).to(device, non_blocking=True) if embeds else None,
             input_embeds_rows=tensor(embeds_rows) if embeds else None,
             hidden_state_requests=tuple(i for i, e in enumerate(entries) if e.return_hidden_states),
+            mrope_positions=mrope,
         )
 
     def write_req_to_token(self) -> None:

@@ -45,6 +45,9 @@ class EngineRequest:
     #: The prompt as embeddings (a float32 CPU tensor [prompt_len, hidden]) when it was given
     #: as `input_embeds`; `prompt_ids` then hold its cache-key pseudo ids.
     input_embeds: Any = None
+    #: The prompt's images and videos (`multimodal.inputs.MultimodalInputs`); `prompt_ids`
+    #: then hold each item's cache-key pseudo ids at its positions.
+    multimodal: Any = None
     return_hidden_states: bool = False
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     #: The token that ends the thinking, when `params.thinking_token_budget` is set.

@@ -170,7 +170,7 @@ class ModelRunner:
         self.attention.prepare(batch)
         hidden = self.model(
             batch.input_ids,
-            batch.positions,
+            batch.model_positions,
             self.attention,
             batch.input_embeds,
             batch.input_embeds_rows,

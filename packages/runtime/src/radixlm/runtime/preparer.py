@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 from radixlm.runtime.input_embeds import input_embeds_cache_ids, parse_input_embeds
 from radixlm.runtime.messages import EngineRequest, LogprobOptions
+from radixlm.runtime.multimodal.inputs import MultimodalInputs
+from radixlm.runtime.multimodal.preparer import MultimodalPreparer
 from radixlm.runtime.thinking import THINK_END, end_of_thinking_token
 from radixlm.sampling import (
     CustomLogitProcessor,
@@ -27,6 +29,13 @@ from radixlm.sampling import (
 )
 
 T = TypeVar("T")
+
+
+def _one_media(value: Any) -> Any:
+    """A single request's media field: None when absent or empty."""
+    if value is None or (isinstance(value, list) and not value):
+        return None
+    return value
 
 
 def _one(value: T | list[Any] | None, kind: type[T]) -> T | None:
@@ -58,8 +67,11 @@ class RequestPreparer:
         defaults: SamplingDefaults,
         limits: FrontendLimits,
         incremental_streaming: bool = False,
+        multimodal: MultimodalPreparer | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        #: A vision model's image and video handling (None: media are refused).
+        self.multimodal = multimodal
         self.defaults = defaults
         self.limits = limits
         self.incremental_streaming = incremental_streaming
@@ -74,6 +86,7 @@ class RequestPreparer:
         self._refuse_unsupported(item)
         embeds = self._input_embeds(item)
         prompt_ids = self._prompt_ids(item, embeds)
+        prompt_ids, media = self._media(item, prompt_ids, embeds)
         hidden = bool(_one(item.return_hidden_states, bool))
         params = self.defaults.apply(item.sampling_params)  # type: ignore[arg-type]
         params.check(self.limits.vocab_size)
@@ -82,12 +95,13 @@ class RequestPreparer:
         if custom:
             self._check_custom(custom)
         logprobs = self._logprob_options(item, params, len(prompt_ids))
-        if embeds is not None and logprobs.input_start is not None:
+        if (embeds is not None or media is not None) and logprobs.input_start is not None:
             field = "prompt_logprobs" if params.prompt_logprobs is not None else "logprob_start_len"
+            what = "an input_embeds prompt has none" if media is None else "images have none"
             raise InvalidRequest(
                 field,
-                "prompt logprobs need the prompt's token ids, and an input_embeds prompt has "
-                "none; ask for output logprobs only (logprob_start_len -1)",
+                f"prompt logprobs need the prompt's token ids, and {what}; ask for output "
+                "logprobs only (logprob_start_len -1)",
             )
         room = self.limits.context_length - len(prompt_ids)
         wanted = params.max_new_tokens
@@ -110,22 +124,53 @@ class RequestPreparer:
             logprobs=logprobs,
             custom_logit_processor=custom,
             input_embeds=embeds,
+            multimodal=media,
             return_hidden_states=hidden,
             bad_words_ids=self._bad_words(params),
             thinking_end=thinking_end,
             created=time.monotonic(),
         )
 
-    @staticmethod
-    def _refuse_unsupported(item: GenerateRequest) -> None:
+    def _refuse_unsupported(self, item: GenerateRequest) -> None:
         refused = {
-            "image_data": "this engine serves text-only models; remove image_data",
-            "audio_data": "this engine serves text-only models; remove audio_data",
+            "audio_data": "audio input is not supported yet; remove audio_data",
             "lora_path": "LoRA adapters are not supported by this engine; remove lora_path",
         }
+        if self.multimodal is None:
+            for field, kind in (("image_data", "images"), ("video_data", "videos")):
+                refused[field] = (
+                    f"this model is text-only: it does not take {kind}; remove {field}, or "
+                    "serve a vision model (e.g. --model-path radixlm-demo-vision)"
+                )
         for field, message in refused.items():
-            if getattr(item, field) is not None:
+            if getattr(item, field, None) is not None:
                 raise InvalidRequest(field, message)
+
+    def _media(
+        self, item: GenerateRequest, prompt_ids: list[int], embeds: Any
+    ) -> tuple[list[int], MultimodalInputs | None]:
+        """The prompt with its images and videos placed (ids expanded), and the media."""
+        images = _one_media(item.image_data)
+        videos = _one_media(item.video_data)
+        if self.multimodal is None or (images is None and videos is None):
+            return prompt_ids, None
+        if embeds is not None:
+            field = "image_data" if images is not None else "video_data"
+            raise InvalidRequest(field, "cannot be combined with input_embeds; send text or ids")
+        ids, media = self.multimodal.prepare(prompt_ids, images, videos)
+        if not media.items:
+            return prompt_ids, None
+        limit = self.limits.context_length
+        if len(ids) >= limit:
+            field = "image_data" if images is not None else "video_data"
+            raise InvalidRequest(
+                field,
+                f"with its images and videos the prompt takes {len(ids)} positions "
+                f"({len(prompt_ids)} text tokens, {len(ids) - len(prompt_ids)} more for the "
+                f"media) but the context holds {limit}, including at least one generated "
+                "token; send fewer or smaller images, or a shorter prompt",
+            )
+        return ids, media
 
     def _input_embeds(self, item: GenerateRequest) -> Any:
         """The prompt's embeddings (a float32 tensor [seq, hidden]) when given, else None."""

@@ -27,7 +27,7 @@ _PER_ITEM_SCALARS = (
 # Fields whose single-request value is itself a list, so only a list of lists is per-item.
 _PER_ITEM_LISTS = ("token_ids_logprob",)
 # Media: in a batch, a list with one entry per item (each entry one item or a list of items).
-_PER_ITEM_MEDIA = ("image_data", "audio_data")
+_PER_ITEM_MEDIA = ("image_data", "video_data", "audio_data")
 
 
 class GenerateRequest(BaseModel):
@@ -45,6 +45,8 @@ class GenerateRequest(BaseModel):
     input_ids: list[int] | list[list[int]] | None = None
     input_embeds: list[list[float]] | list[list[list[float]]] | None = None
     image_data: MediaItem | list[MediaItem | list[MediaItem] | None] | None = None
+    #: Videos (Qwen2-VL): per video a file path / URL / base64 string, or a list of frames.
+    video_data: MediaItem | list[MediaItem | list[MediaItem] | None] | None = None
     audio_data: MediaItem | list[MediaItem | list[MediaItem] | None] | None = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     rid: str | list[str] | None = None

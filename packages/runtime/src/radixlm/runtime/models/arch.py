@@ -81,6 +81,9 @@ class ArchConfig:
     #: Per layer: the sliding-window size (a query sees this many keys, itself included) or None.
     sliding_windows: tuple[int | None, ...] = ()
     torch_dtype: str | None = None
+    #: A vision-language model's whole Hugging Face config (its vision tower, projector and
+    #: placeholder tokens); None for a text-only model.
+    multimodal: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.sliding_windows:

@@ -1,0 +1,1 @@
+"""Images and videos for vision-language models: loading, processing, placing in prompts."""
