@@ -50,8 +50,8 @@ from radixlm.runtime.messages import (
     StopSequence,
 )
 from radixlm.runtime.model_runner import ModelRunner
-from radixlm.runtime.output_processor import RequestOutput
 from radixlm.runtime.multimodal.preparer import multimodal_preparer
+from radixlm.runtime.output_processor import RequestOutput
 from radixlm.runtime.preparer import FrontendLimits, RequestPreparer
 from radixlm.sampling import (
     EngineUnavailable,
@@ -403,6 +403,7 @@ class Engine:
         return_hidden_states: bool | list[bool] = False,
         image_data: Any = None,
         video_data: Any = None,
+        audio_data: Any = None,
     ) -> Any: ...
 
     def generate(
@@ -423,6 +424,7 @@ class Engine:
         return_hidden_states: bool | list[bool] = False,
         image_data: Any = None,
         video_data: Any = None,
+        audio_data: Any = None,
     ) -> Any:
         """Generate, SGLang's way, blocking: a dict for one prompt (n == 1), a list of dicts
         for a batch or n > 1 (prompt-major), or with `stream=True` an iterator of chunks
@@ -453,6 +455,7 @@ class Engine:
                 return_hidden_states=return_hidden_states,
                 image_data=image_data,
                 video_data=video_data,
+                audio_data=audio_data,
             ),
         )
         chunks = self._stream_sync(request)
@@ -478,6 +481,7 @@ class Engine:
         return_hidden_states: bool | list[bool] = False,
         image_data: Any = None,
         video_data: Any = None,
+        audio_data: Any = None,
     ) -> Any:
         """`generate` for asyncio: awaits the result, or with `stream=True` returns an async
         iterator of chunks (`async for chunk in await engine.async_generate(..., stream=True)`)."""
@@ -501,6 +505,7 @@ class Engine:
                 return_hidden_states=return_hidden_states,
                 image_data=image_data,
                 video_data=video_data,
+                audio_data=audio_data,
             ),
         )
         chunks = self._stream_async(request)

@@ -71,33 +71,27 @@ class MultimodalPreparer:
         if values and token is None:
             raise InvalidRequest(name, f"this model does not take {kind}s; remove {name}")
         fields = [name if len(values) == 1 else f"{name}[{k}]" for k in range(len(values))]
-        entries: list[_Entry | None] = [None] * len(values)
+        # Per item, its entries (a processor_output dict may hold several images).
+        entries: list[list[_Entry]] = [[] for _ in values]
         raw: list[int] = []
         for k, value in enumerate(values):
             if isinstance(value, dict):
-                entries[k : k + 1] = [self._formatted(kind, fields[k], value)]
+                entries[k] = self._formatted(kind, fields[k], value)
             elif isinstance(value, str | bytes) or (kind == "video" and isinstance(value, list)):
                 raw.append(k)
             else:
                 raise InvalidRequest(
                     fields[k],
-                    f"must be a file path, URL, data URL or base64 string; got {type(value).__name__}",
+                    "must be a file path, URL, data URL or base64 string; got "
+                    f"{type(value).__name__}",
                 )
         if raw:
-            for k, entry in zip(raw, self._decode(kind, [values[k] for k in raw], fields, raw)):
-                entries[k] = entry
-        flat: list[_Entry] = []
-        for entry in entries:
-            if isinstance(entry, list):
-                flat.extend(entry)
-            elif entry is not None:
-                flat.append(entry)
-        return flat
+            decoded = self._decode(kind, [values[k] for k in raw], [fields[k] for k in raw])
+            for k, entry in zip(raw, decoded, strict=True):
+                entries[k] = [entry]
+        return [entry for group in entries for entry in group]
 
-    def _decode(
-        self, kind: MediaKind, values: list[Any], fields: list[str], indices: list[int]
-    ) -> list[_Entry]:
-        names = [fields[k] for k in indices]
+    def _decode(self, kind: MediaKind, values: list[Any], names: list[str]) -> list[_Entry]:
         if kind == "image":
             loaded = [load_image(v, self.config, n) for v, n in zip(values, names, strict=True)]
             digests = [image.digest for image in loaded]
@@ -159,8 +153,7 @@ class MultimodalPreparer:
             return [_Entry(kind, field, None, digest, length, feature)]
         raise InvalidRequest(
             field,
-            "a dict item needs format 'processor_output' or 'precomputed_embedding'; "
-            f"got {form!r}",
+            f"a dict item needs format 'processor_output' or 'precomputed_embedding'; got {form!r}",
         )
 
     # --------------------------------------------------------------------------- placing
@@ -249,7 +242,10 @@ def _tensor_digest(domain: bytes, tensor: torch.Tensor, extra: dict[str, Any]) -
 
 
 def multimodal_preparer(
-    model_path: str, architectures: Sequence[str], tokenizer: Any, config: MediaConfig,
+    model_path: str,
+    architectures: Sequence[str],
+    tokenizer: Any,
+    config: MediaConfig,
     hidden_size: int,
 ) -> MultimodalPreparer | None:
     """The media handling of the model at `model_path` (its processor read from that

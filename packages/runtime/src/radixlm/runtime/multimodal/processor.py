@@ -111,9 +111,17 @@ class LlavaMediaProcessor:
         return None
 
 
+def _qwen2_vl(path: Path, hf_config: Any, tokenizer: Any) -> MediaProcessor:
+    from radixlm.runtime.multimodal.qwen2_vl import Qwen2VLMediaProcessor  # imports this module
+
+    return Qwen2VLMediaProcessor(path, hf_config, tokenizer)
+
+
 #: Architecture name -> the family's processing (built from the model directory).
 MEDIA_PROCESSORS: dict[str, Callable[[Path, Any, Any], MediaProcessor]] = {
     "LlavaForConditionalGeneration": LlavaMediaProcessor,
+    "Qwen2VLForConditionalGeneration": _qwen2_vl,
+    "Qwen2_5_VLForConditionalGeneration": _qwen2_vl,
 }
 
 
