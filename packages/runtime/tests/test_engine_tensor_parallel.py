@@ -228,3 +228,22 @@ def test_a_hung_rank_times_out_and_takes_the_engine_down(model_dir: Path) -> Non
         while not eng.failed and time.monotonic() < deadline:
             time.sleep(0.05)
         assert eng.failed
+
+
+def test_a_vision_model_under_tp_answers_as_the_unsplit_engine(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from radixlm.runtime.fixtures_vision import build_tiny_llava, make_image
+
+    # The vision tower is replicated; rank 0 encodes and the step carries the embeddings.
+    path = build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+    prompts = ["<image> what is it? <image>", "plain text", "<image> again"]
+    images: list[Any] = [[make_image(1), make_image(2)], None, [make_image(1)]]
+    with Engine(str(path), **OPTIONS) as one:
+        theirs = one.generate(prompts, GREEDY, image_data=images)
+    with Engine(str(path), tp_size=2, dist_timeout=30, **OPTIONS) as two:
+        ours = two.generate(prompts, GREEDY, image_data=images)
+        again = two.generate(prompts[2], GREEDY, image_data=images[2])
+    assert _ids(ours) == _ids(theirs)
+    assert again["output_ids"] == theirs[2]["output_ids"]
+    assert again["meta_info"]["cached_tokens"] >= 16  # the image, from the cache
