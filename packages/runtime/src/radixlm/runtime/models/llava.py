@@ -78,7 +78,8 @@ class MultiModalProjector(nn.Module):
         self.linear_2 = nn.Linear(hidden, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(self.act(self.linear_1(x)))
+        out: torch.Tensor = self.linear_2(self.act(self.linear_1(x)))
+        return out
 
 
 class LlavaForConditionalGeneration(DecoderForCausalLM):

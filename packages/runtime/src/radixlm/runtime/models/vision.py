@@ -31,7 +31,8 @@ class VisionAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
         )
-        return self.out_proj(out.transpose(1, 2).reshape(batch, length, hidden))
+        projected: torch.Tensor = self.out_proj(out.transpose(1, 2).reshape(batch, length, hidden))
+        return projected
 
 
 class VisionMLP(nn.Module):
@@ -42,7 +43,8 @@ class VisionMLP(nn.Module):
         self.act = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        out: torch.Tensor = self.fc2(self.act(self.fc1(x)))
+        return out
 
 
 class VisionLayer(nn.Module):
@@ -58,7 +60,8 @@ class VisionLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
+        out: torch.Tensor = x + self.mlp(self.layer_norm2(x))
+        return out
 
 
 class VisionEmbeddings(nn.Module):
@@ -87,7 +90,14 @@ class VisionEmbeddings(nn.Module):
         if self.class_embedding is not None:
             cls = self.class_embedding.expand(patches.shape[0], 1, -1)
             patches = torch.cat([cls, patches], dim=1)
-        return patches + self.position_embedding.weight.unsqueeze(0)
+        out: torch.Tensor = patches + self.position_embedding.weight.unsqueeze(0)
+        return out
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(VisionLayer(config) for _ in range(config.num_hidden_layers))
 
 
 class VisionTransformer(nn.Module):
@@ -100,10 +110,7 @@ class VisionTransformer(nn.Module):
         hidden, eps = config.hidden_size, config.layer_norm_eps
         # (sic: CLIP's checkpoints spell it "pre_layrnorm")
         self.pre_layrnorm = nn.LayerNorm(hidden, eps=eps) if clip else None
-        self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(
-            VisionLayer(config) for _ in range(config.num_hidden_layers)
-        )
+        self.encoder = VisionEncoder(config)
         self.post_layernorm = nn.LayerNorm(hidden, eps=eps)
 
     def hidden_states(self, pixel_values: torch.Tensor, layers: int) -> list[torch.Tensor]:
@@ -148,7 +155,7 @@ class VisionTower(nn.Module):
     def tokens_per_image(self) -> int:
         embeddings = self.vision_model.embeddings
         has_class = embeddings.class_embedding is not None
-        return embeddings.num_patches + int(has_class) - int(self.drop_class)
+        return int(embeddings.num_patches) + int(has_class) - int(self.drop_class)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[images, tokens_per_image, features] for pixel values [images, 3, H, W]."""

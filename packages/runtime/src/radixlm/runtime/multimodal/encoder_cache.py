@@ -45,7 +45,7 @@ class EncoderCache:
             if item.embeddings is not None:
                 found.append(item.embeddings)
                 continue
-            key = (item.kind, item.digest, item.length)
+            key: tuple[str, bytes, int] = (item.kind, item.digest, item.length)
             cached = self._entries.get(key)
             if cached is not None:
                 self._entries.move_to_end(key)

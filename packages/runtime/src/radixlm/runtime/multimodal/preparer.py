@@ -173,18 +173,18 @@ class MultimodalPreparer:
         runs: list[tuple[int, int, MediaKind]] = []
         k = 0
         while k < len(ids):
-            kind = tokens.get(ids[k])
-            if kind is None:
+            found = tokens.get(ids[k])
+            if found is None:
                 k += 1
                 continue
             start = k
             while k < len(ids) and ids[k] == ids[start]:
                 k += 1
-            runs.append((start, k - start, kind))
-        for kind, found in entries.items():
+            runs.append((start, k - start, found))
+        for kind, given in entries.items():
             placed = [r for r in runs if r[2] == kind]
-            if len(placed) != len(found):
-                self._count_mismatch(kind, len(placed), len(found))
+            if len(placed) != len(given):
+                self._count_mismatch(kind, len(placed), len(given))
         out: list[int] = []
         items: list[MediaItem] = []
         used = {"image": 0, "video": 0}

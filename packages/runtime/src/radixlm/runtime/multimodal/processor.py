@@ -71,7 +71,9 @@ class LlavaMediaProcessor:
     def __init__(self, path: Path, hf_config: Any, tokenizer: Any) -> None:
         from transformers import AutoImageProcessor
 
-        self.image_processor = AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
+        self.image_processor = AutoImageProcessor.from_pretrained(  # type: ignore[no-untyped-call]
+            str(path), local_files_only=True
+        )
         from radixlm.runtime.models.llava import image_token_id
 
         self.image_token_id = image_token_id(hf_config)
@@ -118,7 +120,7 @@ def _qwen2_vl(path: Path, hf_config: Any, tokenizer: Any) -> MediaProcessor:
 
 
 #: Architecture name -> the family's processing (built from the model directory).
-MEDIA_PROCESSORS: dict[str, Callable[[Path, Any, Any], MediaProcessor]] = {
+MEDIA_PROCESSORS: dict[str, Callable[[Path, Any, Any], Any]] = {
     "LlavaForConditionalGeneration": LlavaMediaProcessor,
     "Qwen2VLForConditionalGeneration": _qwen2_vl,
     "Qwen2_5_VLForConditionalGeneration": _qwen2_vl,
@@ -130,4 +132,5 @@ def media_processor(
 ) -> MediaProcessor | None:
     """The processing of a vision model's media; None for a text-only model."""
     make = MEDIA_PROCESSORS.get(architecture)
-    return None if make is None else make(path, hf_config, tokenizer)
+    processor: MediaProcessor | None = None if make is None else make(path, hf_config, tokenizer)
+    return processor
