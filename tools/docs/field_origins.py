@@ -67,8 +67,11 @@ ORIGINS: dict[str, dict[str, str]] = {
     "GenerateRequest": {
         "*": S,
         "input_embeds": f"{S}: cached by a hash of each row, never shared with token prompts",
-        "image_data": f"{S}: refused (text-only models)",
-        "audio_data": f"{S}: refused (text-only models)",
+        "image_data": f"{S}: one image_token placeholder per image in the prompt; refused by "
+        "text-only models",
+        "video_data": f"{S}: one video_token placeholder per video in the prompt; refused by "
+        "models without video",
+        "audio_data": f"{S}: refused (no audio models yet)",
         "lora_path": f"{S}: refused (no adapters yet)",
         "logprob_start_len": f"{S}: at or past the prompt's length a 400 (not clamped)",
         "token_ids_logprob": f"{S}: turns logprobs on by itself",
@@ -100,6 +103,12 @@ ORIGINS: dict[str, dict[str, str]] = {
         "token",
     },
     "RepetitionDetection": {"*": R},
+    "ContentPart": {
+        "*": OAI,
+        "image_url": f"{OAI}: also a bare URL string; the model's image_token stands for it",
+        "video_url": f"{V} / {S}: the model's video_token stands for it",
+    },
+    "MediaURL": {"*": OAI, "detail": f"{OAI}: accepted, ignored"},
     "StreamOptions": {"*": OAI, "continuous_usage_stats": V},
     "StructuredOutputs": {"*": V, "whitespace_pattern": f"{V}: refused"},
     "CompletionRequest": {

@@ -216,6 +216,7 @@ class ToyCore:
         self.max_in_flight = 0
         self.flushes = 0
         self.omit_first_logprob = False  # some servers leave out token 0 (it has no logprob)
+        self.extra_info: dict[str, Any] = {}  # more model info (a vision model's image_token)
         self._cache: list[tuple[int, ...]] = []
         self._lock = threading.Lock()
 
@@ -227,6 +228,7 @@ class ToyCore:
             "chat_template": self.chat_template,
             "max_context_length": 4096,
             "vocab_size": 1000,
+            **self.extra_info,
         }
 
     def flush(self) -> None:
@@ -346,7 +348,12 @@ class FakeEngine:
 
     @staticmethod
     def _body(
-        prompt: Any, sampling_params: Any, input_ids: Any, image_data: Any, **rest: Any
+        prompt: Any,
+        sampling_params: Any,
+        input_ids: Any,
+        image_data: Any,
+        video_data: Any = None,
+        **rest: Any,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "sampling_params": sampling_params or {},
@@ -358,6 +365,8 @@ class FakeEngine:
             body["input_ids"] = input_ids
         if image_data is not None:
             body["image_data"] = image_data
+        if video_data is not None:
+            body["video_data"] = video_data
         body.update({k: v for k, v in rest.items() if v is not None})
         return body
 
@@ -367,6 +376,7 @@ class FakeEngine:
         sampling_params: Any = None,
         input_ids: Any = None,
         image_data: Any = None,
+        video_data: Any = None,
         return_logprob: bool = False,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
@@ -377,6 +387,7 @@ class FakeEngine:
             sampling_params,
             input_ids,
             image_data,
+            video_data,
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
@@ -389,6 +400,7 @@ class FakeEngine:
         sampling_params: Any = None,
         input_ids: Any = None,
         image_data: Any = None,
+        video_data: Any = None,
         return_logprob: bool = False,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
@@ -399,6 +411,7 @@ class FakeEngine:
             sampling_params,
             input_ids,
             image_data,
+            video_data,
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,

@@ -249,9 +249,10 @@ def test_image_goes_to_the_request_as_base64(backend, tmp_path):
     state.sync()
     assert backend.fake.core.requests[-1]["image_data"] == "iVBORw0KGgpmYWtl"
     assert "<image>" in state.text()
-    assert state.messages()[0]["content"][1]["image_url"]["url"].startswith(
-        "data:image/png;base64,"
-    )
+    # The turn's parts in order; the image part stands for the placeholder, kept out of the text.
+    image_part, text_part = state.messages()[0]["content"]
+    assert image_part["image_url"]["url"].startswith("data:image/png;base64,")
+    assert text_part == {"type": "text", "text": "What is this?"}
 
 
 def test_var_scope_captures_the_text_added_inside(backend):

@@ -288,3 +288,26 @@ def test_an_image_split_across_prefill_chunks_gives_the_same_output(
         split = chunked.generate(prompt, GREEDY, image_data=image)
         chunked.check_invariants()
     assert split["output_ids"] == whole["output_ids"]
+
+
+def test_prompt_logprobs_of_the_text_after_the_last_image(engine: Engine) -> None:
+    image = make_image(91)
+    prompt = "<image> The answer is red"
+    tail = len(engine.tokenizer.encode(" The answer is red"))
+    start = 16  # the first position after the image
+    out = engine.generate(
+        prompt,
+        {"max_new_tokens": 1, "temperature": 0},
+        image_data=image,
+        return_logprob=True,
+        logprob_start_len=start,
+    )
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert len(entries) == tail
+    assert all(token >= 0 for _, token, _ in entries)
+    with pytest.raises(InvalidRequest) as caught:
+        engine.generate(
+            prompt, GREEDY, image_data=image, return_logprob=True, logprob_start_len=3
+        )
+    assert caught.value.field == "logprob_start_len"
+    assert "after the last image" in caught.value.message

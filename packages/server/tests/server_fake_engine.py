@@ -9,6 +9,13 @@ The text is tokenized and emitted one token at a time (EOS after it unless ignor
 stop strings, stop token ids and max_new_tokens applied, cumulative text, and fake but
 well-formed logprobs. It records what it received and which streams were closed early.
 
+With `vision=True` it stands for a vision-language model: its model info names an image
+placeholder (IMAGE_TOKEN) and a video placeholder (VIDEO_TOKEN), and, as radixlm's engine, it
+refuses a prompt whose placeholders do not match `image_data` / `video_data` one for one, and
+an item it cannot read (here: one holding "broken"), naming it as radixlm's engine does
+(`image_data` when it is the only one, else `image_data[i]`). A text-only fake refuses any
+image or video, naming the field.
+
 Also used by tools/bench/serve_bench.py --fake (loaded by path), so it must not import pytest.
 """
 
@@ -72,6 +79,8 @@ Call a tool as <tool_call>{"name": <name>, "arguments": <object>}</tool_call><|i
 {% endif -%}
 """
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+IMAGE_TOKEN = "<image>"
+VIDEO_TOKEN = "<video>"
 
 
 def build_tokenizer(directory: Path) -> Any:
@@ -159,6 +168,7 @@ class FakeEngine:
         max_queued: int | None = None,
         model_path: str = "toy/fake-model",
         enable_custom_logit_processor: bool = False,
+        vision: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self.token_delay = token_delay
@@ -166,6 +176,8 @@ class FakeEngine:
         self.max_queued = max_queued
         self.model_path = model_path
         self.enable_custom_logit_processor = enable_custom_logit_processor
+        self.image_token = IMAGE_TOKEN if vision else None
+        self.video_token = VIDEO_TOKEN if vision else None
         self.max_token_chars = max_token_chars(tokenizer)
         self.vocab_size = len(tokenizer)
         self.eos_id = int(tokenizer.eos_token_id)
@@ -188,6 +200,8 @@ class FakeEngine:
             "vocab_size": self.vocab_size,
             "chat_template": self._tokenizer.chat_template,
             "eos_token_ids": [self.eos_id],
+            "image_token": self.image_token,
+            "video_token": self.video_token,
         }
 
     def server_info(self) -> dict[str, Any]:
@@ -242,11 +256,37 @@ class FakeEngine:
                 CustomLogitProcessor.from_str(str(custom))
             except ValueError as error:
                 raise InvalidRequest("custom_logit_processor", str(error)) from None
+        for kind, token in (("image", self.image_token), ("video", self.video_token)):
+            self._check_media(request, prompt, kind, token)
         room = 0 if request.params.max_new_tokens == 0 else 1
         if len(prompt) + room > self.max_context_length:
             raise InvalidRequest(
                 "text" if request.text is not None else "input_ids",
                 f"the prompt has {len(prompt)} tokens; the context holds {self.max_context_length}",
+            )
+
+    def _check_media(
+        self, request: GenerateRequest, prompt: list[int], kind: str, token: str | None
+    ) -> None:
+        field_name = f"{kind}_data"
+        value = getattr(request, field_name)
+        if value is None:
+            return
+        if token is None:
+            raise InvalidRequest(
+                field_name, f"this model does not take {kind}s; remove {field_name}"
+            )
+        items = value if isinstance(value, list) else [value]
+        for index, item in enumerate(items):
+            if "broken" in str(item):
+                where = field_name if len(items) == 1 else f"{field_name}[{index}]"
+                raise InvalidRequest(where, f"cannot read this {kind}")
+        found = str(self._tokenizer.decode(prompt)).count(token)
+        if found != len(items):
+            raise InvalidRequest(
+                field_name,
+                f"the prompt holds {found} {kind} placeholders ({token}) but {field_name} has "
+                f"{len(items)} {kind}s",
             )
 
     def _target_text(self, prompt: str, params: SamplingParams, index: int) -> str:

@@ -14,6 +14,7 @@ import server_fake_engine as fake  # loaded by conftest.py
 from starlette.testclient import TestClient
 
 from radixlm.server import ServerConfig, create_app, launcher
+from radixlm.server import cli as cli_module
 from radixlm.server.cli import build_parser, engine_kwargs, main, serve_main, server_config
 
 
@@ -69,6 +70,8 @@ def test_python_dash_m_shows_the_serve_flags() -> None:
         "--api-key",
         "--strict-constraints",
         "--max-constraint-bytes",
+        "--allow-media-urls",
+        "--media-url-allowlist",
     ):
         assert flag in result.stdout
 
@@ -111,6 +114,103 @@ def test_grammar_flags_reach_the_engine() -> None:
         "engine_process": True,
         "engine_restarts": 3,
     }
+
+
+def test_media_flags_reach_the_engine() -> None:
+    args = build_parser().parse_args(
+        ["--allow-media-urls", "--media-url-allowlist", "images.internal", "10.0.0.0/8",
+         "--allowed-local-media-path", "/data/images", "--max-media-bytes", "1048576",
+         "--media-fetch-timeout", "2.5", "--max-media-redirects", "0",
+         "--max-image-pixels", "1000000", "--mm-encoder-cache-size", "0"]
+    )  # fmt: skip
+    assert engine_kwargs(args) == {
+        "allow_media_urls": True,
+        "media_url_allowlist": ["images.internal", "10.0.0.0/8"],
+        "allowed_local_media_path": "/data/images",
+        "max_media_bytes": 1048576,
+        "media_fetch_timeout": 2.5,
+        "max_media_redirects": 0,
+        "max_image_pixels": 1000000,
+        "mm_encoder_cache_size": 0,
+        "engine_process": True,
+        "engine_restarts": 3,
+    }
+
+
+def test_media_flags_are_the_engines_keywords() -> None:
+    config = pytest.importorskip("radixlm.runtime.config")
+    media = {
+        "allow_media_urls",
+        "media_url_allowlist",
+        "allowed_local_media_path",
+        "max_media_bytes",
+        "media_fetch_timeout",
+        "max_media_redirects",
+        "max_image_pixels",
+        "mm_encoder_cache_size",
+    }
+    assert media <= set(cli_module.ENGINE_FLAGS) and media <= set(config.ENGINE_KWARGS)
+
+
+def stand_in_builtins(vision_path: Callable[[], str]) -> types.ModuleType:
+    """A stand-in radixlm.runtime with both built-in models, recording the engine it builds."""
+    runtime = types.ModuleType("radixlm.runtime")
+    runtime.built = {}  # type: ignore[attr-defined]
+
+    def engine_factory(model_path: str, **kwargs: Any) -> Any:
+        runtime.built.update(model_path=model_path)  # type: ignore[attr-defined]
+        return runtime.make_engine()  # type: ignore[attr-defined]
+
+    runtime.Engine = engine_factory  # type: ignore[attr-defined]
+    runtime.BUILTIN_MODEL_NAME = "radixlm-demo"  # type: ignore[attr-defined]
+    runtime.builtin_model_path = lambda: "/builtin/demo"  # type: ignore[attr-defined]
+    runtime.BUILTIN_VISION_MODEL_NAME = "radixlm-demo-vision"  # type: ignore[attr-defined]
+    runtime.builtin_vision_model_path = vision_path  # type: ignore[attr-defined]
+    return runtime
+
+
+def test_model_path_naming_the_builtin_vision_model_serves_it(
+    monkeypatch: pytest.MonkeyPatch, tokenizer: Any, tmp_path: Any
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no directory of that name here
+    runtime = stand_in_builtins(lambda: "/builtin/vision")
+    runtime.make_engine = lambda: fake.FakeEngine(tokenizer, vision=True)  # type: ignore[attr-defined]
+    install_runtime(monkeypatch, runtime)
+    served: dict[str, Any] = {}
+    install_uvicorn(monkeypatch, lambda server: served.update(app=server.config.app))
+    assert serve_main(["--model-path", "radixlm-demo-vision"]) == 0
+    assert runtime.built == {"model_path": "/builtin/vision"}  # type: ignore[attr-defined]
+    assert served["app"].state.radixlm.served_model_name == "radixlm-demo-vision"
+    # --served-model-name still wins.
+    assert serve_main(["--model-path", "radixlm-demo-vision", "--served-model-name", "v"]) == 0
+    assert served["app"].state.radixlm.served_model_name == "v"
+
+
+def test_a_directory_named_like_a_builtin_model_is_served_as_a_path(
+    monkeypatch: pytest.MonkeyPatch, tokenizer: Any, tmp_path: Any
+) -> None:
+    (tmp_path / "radixlm-demo-vision").mkdir()
+    monkeypatch.chdir(tmp_path)
+    runtime = stand_in_builtins(lambda: "/builtin/vision")
+    runtime.make_engine = lambda: fake.FakeEngine(tokenizer)  # type: ignore[attr-defined]
+    install_runtime(monkeypatch, runtime)
+    install_uvicorn(monkeypatch, lambda server: None)
+    assert serve_main(["--model-path", "radixlm-demo-vision"]) == 0
+    assert runtime.built == {"model_path": "radixlm-demo-vision"}  # type: ignore[attr-defined]
+
+
+def test_a_missing_builtin_vision_model_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    monkeypatch.chdir(tmp_path)
+
+    def missing() -> str:
+        raise FileNotFoundError("the built-in vision model is missing from /x; rebuild it")
+
+    install_runtime(monkeypatch, stand_in_builtins(missing))
+    assert serve_main(["--model-path", "radixlm-demo-vision"]) == 2
+    message = capsys.readouterr().err
+    assert "'radixlm-demo-vision' is not available" in message and "rebuild it" in message
 
 
 def test_engine_mode_flags_choose_a_thread_or_a_restarted_process(

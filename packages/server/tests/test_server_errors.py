@@ -88,9 +88,18 @@ BAD_INPUT: dict[str, tuple[str, Any, int, str | None]] = {
     "chat: no messages": (CHAT, {"messages": []}, 400, "messages"),
     "chat: unknown role": (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, None),
     "chat: user message without content": (CHAT, {"messages": [{"role": "user"}]}, 400, None),
-    "chat: image content": (
+    "chat: image content on a text-only model": (
         CHAT, {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, None,
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400,
+        "messages.0.content.0",
+    ),
+    "chat: audio content": (
+        CHAT, {"messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]}, 400,
+        "messages.0.content.0",
+    ),
+    "generate: image_data on a text-only model": (
+        "/generate", {"text": "a", "image_data": "data:image/png;base64,AA=="}, 400, "image_data"
     ),
     "chat: template refuses the conversation": (
         CHAT, {"messages": [{"role": "assistant", "content": "first"}]}, 400, "messages"

@@ -27,6 +27,7 @@ from radixlm.lang.api import (
     user,
     user_begin,
     user_end,
+    video,
 )
 from radixlm.lang.chat_template import ChatTemplate, get_chat_template
 from radixlm.lang.choices import (
@@ -99,4 +100,5 @@ __all__ = [
     "user",
     "user_begin",
     "user_end",
+    "video",
 ]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -16,6 +18,7 @@ from radixlm.lang.ir import (
     RoleBegin,
     RoleEnd,
     Select,
+    Video,
     as_expr,
     dtype_name,
     json_schema_text,
@@ -198,6 +201,31 @@ def select(
 def image(expr: Any) -> Image:
     """An image for a vision model: a file path, URL, data URI, base64 string or bytes."""
     return Image(expr)
+
+
+def video(path: Any, num_frames: int | None = None) -> Video:
+    """A video for a vision model (Qwen2-VL): a file path, URL, data URI, base64 string or the
+    bytes of a video file. It goes to the model whole (a file as base64 in `video_data`, a
+    URL as it is) and the server samples its frames: its own default number of them, since a
+    request has no field for a count. `num_frames` is accepted for SGLang's programs, and a
+    warning says that it is not sent."""
+    if num_frames is not None:
+        if num_frames < 1:
+            raise ValueError(f"video(num_frames=...) must be at least 1; got {num_frames}")
+        warnings.warn(
+            f"video(num_frames={num_frames}): the video is sent whole and the server samples "
+            "its own default number of frames; num_frames is not sent",
+            UserWarning,
+            stacklevel=2,
+        )
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, (str, bytes)):
+        raise TypeError(
+            f"video() takes a file path, URL, data URI, base64 string or bytes; got "
+            f"{type(path).__name__}"
+        )
+    return Video(path, num_frames)
 
 
 def _turn(role: str, expr: ExprLike | None) -> ExprList:

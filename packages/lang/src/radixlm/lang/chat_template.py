@@ -10,25 +10,49 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 #: Renders a conversation with a chat template: (messages, add_generation_prompt) -> text.
 Renderer = Callable[[Sequence[Mapping[str, str]], bool], str]
+#: What stands for an image / a video when neither the template nor the model says (SGLang's).
+DEFAULT_MEDIA_TOKENS = {"image": "<image>", "video": "<video>"}
 
 
 @dataclass(frozen=True)
 class ChatTemplate:
     """Per-role prefix and suffix, an optional default system prompt (inserted before the first
     non-system turn), end-of-turn strings (added to every gen's stop list) and the text that
-    stands for an image in the prompt."""
+    stands for an image / a video in the prompt (None: the model's, which RuntimeEndpoint and
+    EngineBackend read from its model info; `<image>` / `<video>` when it names none)."""
 
     name: str
     roles: Mapping[str, tuple[str, str]]
     default_system_prompt: str | None = None
     stop_str: tuple[str, ...] = ()
-    image_token: str = "<image>"
+    image_token: str | None = None
+    video_token: str | None = None
+
+    def media_token(self, kind: str) -> str:
+        """The text that stands for one `kind` ("image" or "video") in the prompt."""
+        token = self.image_token if kind == "image" else self.video_token
+        return token or DEFAULT_MEDIA_TOKENS[kind]
+
+    def with_model_media_tokens(self, model_info: Mapping[str, Any]) -> ChatTemplate:
+        """This template with the model's `image_token` / `video_token` (from its model info)
+        where it names none itself."""
+
+        def model_token(kind: str) -> str | None:
+            value = model_info.get(f"{kind}_token")
+            return value if isinstance(value, str) and value else None
+
+        image_token = self.image_token or model_token("image")
+        video_token = self.video_token or model_token("video")
+        if (image_token, video_token) == (self.image_token, self.video_token):
+            return self
+        return replace(self, image_token=image_token, video_token=video_token)
 
     def prefix_and_suffix(self, role: str) -> tuple[str, str]:
         """The text before and after a turn of `role`; ValueError for an unknown role."""

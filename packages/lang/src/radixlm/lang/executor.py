@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from radixlm.lang._media import data_uri, encode_image
+from radixlm.lang._media import data_uri, encode_image, encode_video
 from radixlm.lang.backends.base import Backend, Completion, GenerateCall, Prompt
 from radixlm.lang.chat_template import ChatTemplate
 from radixlm.lang.errors import ProgramError, UnsupportedFeature
@@ -32,11 +32,27 @@ from radixlm.lang.ir import (
     Select,
     VarScopeBegin,
     VarScopeEnd,
+    Video,
 )
 from radixlm.lang.speculative import ChatSpeculation, CompletionSpeculation
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class _TurnMedia:
+    """An image or video of the open turn: where its placeholder starts in the text."""
+
+    offset: int
+    token: str
+    kind: str  # "image" or "video"
+    encoded: str
+
+    def part(self) -> dict[str, Any]:
+        """The content part that stands for it in a chat message."""
+        key = f"{self.kind}_url"
+        return {"type": key, key: {"url": data_uri(self.encoded, self.kind)}}
 
 
 class StreamExecutor:
@@ -67,11 +83,12 @@ class StreamExecutor:
         self.text_ = ""
         self.messages_: list[dict[str, Any]] = []
         self.images_: list[str] = []
+        self.videos_: list[str] = []
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
         self.role: str | None = None
         self.role_begin = 0
-        self.role_images: list[str] = []
+        self.role_media: list[_TurnMedia] = []
         self.fork_start = 0
         self.fork_messages = 0
         self.base_names: frozenset[str] = frozenset()
@@ -150,10 +167,11 @@ class StreamExecutor:
             child.text_ = self.text_
             child.messages_ = list(self.messages_)
             child.images_ = list(self.images_)
+            child.videos_ = list(self.videos_)
             child.variables = dict(self.variables)
             child.meta_info = dict(self.meta_info)
             child.role, child.role_begin = self.role, self.role_begin
-            child.role_images = list(self.role_images)
+            child.role_media = list(self.role_media)
             child.fork_start, child.fork_messages = len(self.text_), len(self.messages_)
             child.base_names = frozenset(self.variables) | frozenset(self._events)
             children.append(child)
@@ -299,7 +317,9 @@ class StreamExecutor:
         elif isinstance(expr, RoleEnd):
             self._role_end(expr.role)
         elif isinstance(expr, Image):
-            self._image(expr)
+            self._media("image", encode_image(expr.source))
+        elif isinstance(expr, Video):
+            self._media("video", encode_video(expr.source))
         elif isinstance(expr, VarScopeBegin):
             self._scopes[expr.name] = len(self.text_)
         elif isinstance(expr, VarScopeEnd):
@@ -345,6 +365,7 @@ class StreamExecutor:
             text=self.text_,
             messages=tuple(self.messages_),
             images=tuple(self.images_),
+            videos=tuple(self.videos_),
             role=self.role,
             role_text=self.text_[self.role_begin :] if self.role else "",
         )
@@ -394,13 +415,14 @@ class StreamExecutor:
         self._append(decision.decision)
         self._set(expr.name, decision.decision, decision.meta_info)
 
-    def _image(self, expr: Image) -> None:
+    def _media(self, kind: str, encoded: str) -> None:
+        """An image or video: the template's placeholder into the text, the data beside it."""
         if self._chat_spec is not None and self._chat_spec.collecting:
-            raise UnsupportedFeature("image() inside a speculative assistant turn")
-        encoded = encode_image(expr.source)
-        self.images_.append(encoded)
-        self.role_images.append(encoded)
-        self._fill(self.chat_template.image_token, structural=True)
+            raise UnsupportedFeature(f"{kind}() inside a speculative assistant turn")
+        token = self.chat_template.media_token(kind)
+        (self.images_ if kind == "image" else self.videos_).append(encoded)
+        self.role_media.append(_TurnMedia(len(self.text_), token, kind, encoded))
+        self._fill(token, structural=True)
 
     def _role_begin(self, role: str) -> None:
         if self.role is not None:
@@ -415,7 +437,7 @@ class StreamExecutor:
             self._role_end("system")
         prefix, _ = self.chat_template.prefix_and_suffix(role)
         self._fill(prefix, structural=True)
-        self.role, self.role_begin, self.role_images = role, len(self.text_), []
+        self.role, self.role_begin, self.role_media = role, len(self.text_), []
         if role == "assistant" and self._chat_spec is not None:
             self._chat_spec.begin()
 
@@ -425,17 +447,27 @@ class StreamExecutor:
             raise ValueError(f"{role}_end() does not close a {role} turn; {where}")
         if self._chat_spec is not None and self._chat_spec.collecting:
             self._finish_chat_turn()
-        content = self.text_[self.role_begin :].lstrip()
+        content = self._turn_content()
         _, suffix = self.chat_template.prefix_and_suffix(role)
         self._fill(suffix, structural=True)
-        message: dict[str, Any] = {"role": role, "content": content}
-        if self.role_images:
-            message["content"] = [{"type": "text", "text": content}] + [
-                {"type": "image_url", "image_url": {"url": data_uri(image)}}
-                for image in self.role_images
-            ]
-        self.messages_.append(message)
-        self.role, self.role_images = None, []
+        self.messages_.append({"role": role, "content": content})
+        self.role, self.role_media = None, []
+
+    def _turn_content(self) -> str | list[dict[str, Any]]:
+        """The open turn as a chat message's content: its text, or with images and videos,
+        text and media parts in the order they were added (the placeholders left out of the
+        text, since each part stands for one)."""
+        if not self.role_media:
+            return self.text_[self.role_begin :].lstrip()
+        parts: list[dict[str, Any]] = []
+        cursor = self.role_begin
+        for item in self.role_media:
+            parts.append({"type": "text", "text": self.text_[cursor : item.offset]})
+            parts.append(item.part())
+            cursor = item.offset + len(item.token)
+        parts.append({"type": "text", "text": self.text_[cursor:]})
+        parts[0]["text"] = parts[0]["text"].lstrip()
+        return [p for p in parts if p["type"] != "text" or p["text"]]
 
     def _finish_chat_turn(self) -> None:
         assert self._chat_spec is not None

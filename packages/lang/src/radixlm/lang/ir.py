@@ -186,6 +186,27 @@ class Image(Expr):
 
 
 @dataclass(frozen=True, eq=False)
+class Video(Expr):
+    """A video: a file path, a URL, a data URI, a base64 string or raw bytes of a video file.
+
+    `num_frames` is SGLang's argument, kept for the program's record; the request carries the
+    whole video and the server samples its own number of frames.
+    """
+
+    source: str | bytes
+    num_frames: int | None = None
+
+    def describe(self) -> str:
+        shown = (
+            f"<{len(self.source)} bytes>"
+            if isinstance(self.source, bytes)
+            else repr(self.source[:60])
+        )
+        frames = f", num_frames={self.num_frames}" if self.num_frames is not None else ""
+        return f"video({shown}{frames})"
+
+
+@dataclass(frozen=True, eq=False)
 class RoleBegin(Expr):
     role: str
 

@@ -95,13 +95,22 @@ class RequestPreparer:
         if custom:
             self._check_custom(custom)
         logprobs = self._logprob_options(item, params, len(prompt_ids))
-        if (embeds is not None or media is not None) and logprobs.input_start is not None:
+        start = logprobs.input_start
+        if start is not None and embeds is not None:
             field = "prompt_logprobs" if params.prompt_logprobs is not None else "logprob_start_len"
-            what = "an input_embeds prompt has none" if media is None else "images have none"
             raise InvalidRequest(
                 field,
-                f"prompt logprobs need the prompt's token ids, and {what}; ask for output "
-                "logprobs only (logprob_start_len -1)",
+                "prompt logprobs need the prompt's token ids, and an input_embeds prompt has "
+                "none; ask for output logprobs only (logprob_start_len -1)",
+            )
+        if start is not None and media is not None and start < media.items[-1].end:
+            # Text after the last image is scored (lang's select); image positions have no ids.
+            field = "prompt_logprobs" if params.prompt_logprobs is not None else "logprob_start_len"
+            raise InvalidRequest(
+                field,
+                "prompt logprobs need the prompt's token ids, and images have none; start them "
+                f"after the last image (logprob_start_len >= {media.items[-1].end}) or ask for "
+                "output logprobs only (logprob_start_len -1)",
             )
         room = self.limits.context_length - len(prompt_ids)
         wanted = params.max_new_tokens

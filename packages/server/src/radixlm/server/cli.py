@@ -142,6 +142,50 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "help": "seconds a collective may wait for the other ranks before the engine is "
         "declared down (default 300)",
     },
+    # Images and videos (vision models).
+    "allow_media_urls": {
+        "action": "store_true",
+        "help": "fetch http(s) image and video URLs that requests name (off by default: the "
+        "server would make requests on its clients' behalf); never to loopback, link-local or "
+        "private addresses unless --media-url-allowlist names them",
+    },
+    "media_url_allowlist": {
+        "nargs": "+",
+        "metavar": "HOST",
+        "help": "host names, IP addresses or CIDR blocks media URLs may reach even when they "
+        "are private (with --allow-media-urls)",
+    },
+    "allowed_local_media_path": {
+        "metavar": "DIR",
+        "help": "let requests name image and video files under DIR (default: no file paths)",
+    },
+    "max_media_bytes": {
+        "type": int,
+        "metavar": "N",
+        "help": "largest image or video accepted, in bytes, fetched or inline (default 20 MiB)",
+    },
+    "media_fetch_timeout": {
+        "type": float,
+        "metavar": "S",
+        "help": "seconds one media URL may take to fetch (default 10)",
+    },
+    "max_media_redirects": {
+        "type": int,
+        "metavar": "N",
+        "help": "redirects followed when fetching a media URL (default 3)",
+    },
+    "max_image_pixels": {
+        "type": int,
+        "metavar": "N",
+        "help": "largest image accepted, in pixels (default 40 million; guards against "
+        "decompression bombs)",
+    },
+    "mm_encoder_cache_size": {
+        "type": int,
+        "metavar": "N",
+        "help": "vision-encoder outputs kept by image hash, so a repeated image is not encoded "
+        "again (default 128; 0: none)",
+    },
 }
 
 NO_MODEL_MESSAGE = """\
@@ -189,7 +233,11 @@ def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
         description="Serve a model over HTTP: OpenAI-compatible (/v1/...) and SGLang-native "
         "(/generate) routes.",
     )
-    parser.add_argument("--model-path", help="Hugging Face model directory")
+    parser.add_argument(
+        "--model-path",
+        help="Hugging Face model directory, or the name of a built-in model: radixlm-demo "
+        "(the default), radixlm-demo-vision (images)",
+    )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=30000, help="port to listen on")
@@ -320,12 +368,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _model_and_config(args: argparse.Namespace, prog: str) -> tuple[str, ServerConfig] | None:
-    """The model to serve (the built-in one without --model-path) and the server config; None
-    (after saying why) when there is no model."""
-    from radixlm.server.launcher import LaunchError, builtin_model
+    """The model to serve and the server config; None (after saying why) when there is no
+    model. Without --model-path that is the built-in model; a --model-path that is no file or
+    directory but the name of a built-in model (`radixlm-demo-vision`) is that model."""
+    from radixlm.server.launcher import LaunchError, builtin_model, named_builtin_model
 
     config = server_config(args)
     model_path = args.model_path
+    name: str | None = None
     if model_path is None:
         try:
             model_path, name = builtin_model()
@@ -333,8 +383,17 @@ def _model_and_config(args: argparse.Namespace, prog: str) -> tuple[str, ServerC
             print(NO_MODEL_MESSAGE.format(reason=error), file=sys.stderr, end="")
             return None
         print(f"{prog}: no --model-path given; serving the built-in model {name!r}")
-        if config.served_model_name is None:
-            config = dataclasses.replace(config, served_model_name=name)
+    elif not Path(model_path).exists():
+        try:
+            found = named_builtin_model(model_path)
+        except LaunchError as error:
+            print(f"{prog}: {error}", file=sys.stderr)
+            return None
+        if found is not None:
+            model_path, name = found
+            print(f"{prog}: serving the built-in model {name!r} from {model_path}")
+    if name is not None and config.served_model_name is None:
+        config = dataclasses.replace(config, served_model_name=name)
     return str(model_path), config
 
 

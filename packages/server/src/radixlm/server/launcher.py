@@ -184,6 +184,32 @@ def builtin_model() -> tuple[str, str]:
         raise LaunchError(f"the built-in model is not available: {error}") from None
 
 
+#: Built-in model names the runtime may export -> its function giving that model's directory.
+_BUILTIN_MODELS = (
+    ("BUILTIN_MODEL_NAME", "builtin_model_path"),
+    ("BUILTIN_VISION_MODEL_NAME", "builtin_vision_model_path"),
+)
+
+
+def named_builtin_model(name: str) -> tuple[str, str] | None:
+    """(path, name) of the runtime's built-in model called `name` (`radixlm-demo`,
+    `radixlm-demo-vision`); None when no built-in model has that name or the runtime is not
+    installed (the name is then taken for a path, and the engine says it does not exist).
+    LaunchError when the name is a built-in model's but its files are missing."""
+    try:
+        runtime = importlib.import_module("radixlm.runtime")
+    except ImportError:
+        return None
+    for name_attribute, path_function in _BUILTIN_MODELS:
+        if getattr(runtime, name_attribute, None) != name:
+            continue
+        try:
+            return str(getattr(runtime, path_function)()), name
+        except (AttributeError, FileNotFoundError) as error:
+            raise LaunchError(f"the built-in model {name!r} is not available: {error}") from None
+    return None
+
+
 def usage_banner(config: ServerConfig, model: str) -> str:
     """How to call the server, printed once it starts."""
     base = f"http://{config.host}:{config.port}"

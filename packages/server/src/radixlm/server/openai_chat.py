@@ -1,13 +1,13 @@
-"""`POST /v1/chat/completions`: messages through the chat template, constraints from
-response_format and tool_choice, reasoning and tool calls parsed out of the output (streamed as
-deltas)."""
+"""`POST /v1/chat/completions`: messages through the chat template (images and videos as the
+model's placeholders, their URLs to the engine), constraints from response_format and
+tool_choice, reasoning and tool calls parsed out of the output (streamed as deltas)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -29,6 +29,7 @@ from radixlm.server.openai_common import (
     usage,
 )
 from radixlm.server.openai_models import (
+    MEDIA_PARTS,
     ChatCompletionRequest,
     ChatMessage,
     NamedToolChoice,
@@ -45,11 +46,65 @@ from radixlm.server.streams import (
 from radixlm.server.tool_calls import ToolCallReader, tool_call_constraint
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates expect it (tool-call arguments as objects)."""
+@dataclass
+class ChatMedia:
+    """The images and videos of a conversation in prompt order, each with the content part
+    it came from (`messages.0.content.1`), so that the engine's errors about one name it."""
+
+    urls: dict[str, list[str]] = field(default_factory=lambda: {"image": [], "video": []})
+    parts: dict[str, list[str]] = field(default_factory=lambda: {"image": [], "video": []})
+
+    def error_names(self) -> dict[str, str]:
+        """The engine's names for the media -> the client's: `image_data` is the one image's
+        part (`messages.0.content.1`), or `messages` when there are several; `image_data[i]`
+        (radixlm's engine) and `image_data.i` name the i-th image's part."""
+        names: dict[str, str] = {}
+        for kind in ("image", "video"):
+            parts = self.parts[kind]
+            if parts:
+                names[f"{kind}_data"] = parts[0] if len(parts) == 1 else "messages"
+            for index, part in enumerate(parts):
+                names[f"{kind}_data[{index}]"] = part
+                names[f"{kind}_data.{index}"] = part
+        return names
+
+
+def _content_text(
+    message: ChatMessage, where: str, tokens: dict[str, str | None], media: ChatMedia
+) -> str | None:
+    """The message's content as one string: the text parts joined, the model's placeholder
+    (`image_token` / `video_token`) where each image or video sits; their URLs go to `media`.
+    InvalidRequest naming the part when the model does not take its modality."""
+    if not isinstance(message.content, list):
+        return message.content
+    pieces: list[str] = []
+    for index, part in enumerate(message.content):
+        kind = MEDIA_PARTS.get(part.type)
+        if kind is None:
+            pieces.append(part.text or "")
+            continue
+        field_name = f"{where}.content.{index}"
+        token = tokens[kind]
+        if token is None:
+            raise InvalidRequest(
+                field_name,
+                f"this model does not take {kind}s (it names no {kind}_token); remove the "
+                f"{part.type} part, or serve a model that takes {kind}s",
+            )
+        pieces.append(token)
+        media.urls[kind].append(str(part.media_url))
+        media.parts[kind].append(field_name)
+    return "".join(pieces)
+
+
+def _template_message(
+    message: ChatMessage, where: str, tokens: dict[str, str | None], media: ChatMedia
+) -> dict[str, Any]:
+    """A message as chat templates expect it (content one string, tool-call arguments as
+    objects)."""
     out: dict[str, Any] = {
         "role": "system" if message.role == "developer" else message.role,
-        "content": message.text(),
+        "content": _content_text(message, where, tokens, media),
     }
     if message.name is not None:
         out["name"] = message.name
@@ -107,10 +162,12 @@ def render_chat(
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """A conversation rendered through the chat template, and its tokens."""
+    """A conversation rendered through the chat template, its tokens, and its images and
+    videos (one placeholder each in the prompt, in order)."""
 
     text: str
     input_ids: list[int]
+    media: ChatMedia = field(default_factory=ChatMedia)
 
 
 def _offered_tools(request: ChatCompletionRequest) -> list[Tool] | None:
@@ -130,7 +187,11 @@ async def chat_prompt(state: ServerState, request: ChatCompletionRequest) -> Cha
     state.check_text_fits(sum(len(m.text() or "") for m in request.messages), "messages")
     tokenizer = state.engine.tokenizer
     tools = _offered_tools(request)
-    messages = [_template_message(m) for m in request.messages]
+    tokens = state.media_tokens
+    media = ChatMedia()
+    messages = [
+        _template_message(m, f"messages.{i}", tokens, media) for i, m in enumerate(request.messages)
+    ]
     tool_specs = [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
     def render() -> ChatPrompt:
@@ -142,7 +203,7 @@ async def chat_prompt(state: ServerState, request: ChatCompletionRequest) -> Cha
             request.chat_template_kwargs,
         )
         state.check_text_fits(text, "messages")
-        return ChatPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
+        return ChatPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)), media)
 
     return await state.run_blocking(render)
 
@@ -181,9 +242,12 @@ class _Chat:
             max_new_tokens=request.max_completion_tokens,
             json_schema=self._constraint(tools, choice),
         )
+        self.media = prompt.media
         item = GenerateRequest.parse(
             {
                 "input_ids": prompt.input_ids,
+                "image_data": prompt.media.urls["image"] or None,
+                "video_data": prompt.media.urls["video"] or None,
                 "sampling_params": params,
                 "rid": request.rid,
                 "return_logprob": request.logprobs,
@@ -207,7 +271,7 @@ class _Chat:
     def param_names(self) -> dict[str, str]:
         """SamplingParams fields -> this request's fields (for errors)."""
         names = param_names(self.request, self.max_tokens_name, self.constraint_param)
-        return {"text": "messages", "input_ids": "messages", **names}
+        return {"text": "messages", "input_ids": "messages", **self.media.error_names(), **names}
 
     def _constraint(self, tools: Any, choice: Any) -> str | None:
         """The constraint response_format or the tools set (json_schema text), or None."""

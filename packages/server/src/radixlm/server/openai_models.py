@@ -2,14 +2,23 @@
 
 Top-level fields are checked strictly (an unknown field is a 400 naming it). The SGLang / vLLM
 extras that `extra_body` sends (top_k, min_p, regex, json_schema, ...) are fields here too.
-Messages ignore unknown keys, so a response message can be sent back as it came.
+Messages ignore unknown keys, so a response message can be sent back as it came; their content
+is a string or a list of text, `image_url` and `video_url` parts.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from radixlm.sampling import InvalidRequest, RepetitionDetection
 
@@ -161,11 +170,69 @@ class CompletionRequest(SamplingFields):
         return self
 
 
-class TextPart(BaseModel):
+class MediaURL(BaseModel):
+    """Where an image or video is: an `http(s)` URL, a `data:` URL, or what else the engine
+    takes (a path under its allowed directory, base64). `detail` is OpenAI's image detail,
+    accepted and ignored (the model's processor decides the resolution)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+#: Content part type -> the modality it carries.
+MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content: `text`, an image (`image_url`) or a video
+    (`video_url`); the media URL as an object or, as some clients send it, a bare string."""
+
     model_config = ConfigDict(extra="ignore")
 
     type: str
     text: str | None = None
+    image_url: MediaURL | None = None
+    video_url: MediaURL | None = None
+
+    @field_validator("image_url", "video_url", mode="before")
+    @classmethod
+    def _bare_url(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _known_type(self) -> ContentPart:
+        if self.type == "text":
+            if self.text is None:
+                raise ValueError("a text content part needs text")
+        elif self.type in MEDIA_PARTS:
+            if getattr(self, self.type) is None:
+                raise ValueError(f"a content part of type {self.type} needs {self.type}.url")
+        elif self.type == "input_audio":
+            raise ValueError(
+                "audio input is not supported yet; send text, image_url or video_url parts"
+            )
+        else:
+            raise ValueError(
+                f"content parts of type {self.type!r} are not supported by this server; "
+                "send text, image_url or video_url parts"
+            )
+        return self
+
+    @property
+    def media_url(self) -> str | None:
+        """The URL of an image or video part; None for text."""
+        media = getattr(self, self.type) if self.type in MEDIA_PARTS else None
+        return media.url if isinstance(media, MediaURL) else None
+
+
+_CONTENT_PARTS = TypeAdapter(list[ContentPart])
+
+
+def _parts_first(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """Validate a list as parts alone (so its errors are not buried under "not a string")."""
+    return _CONTENT_PARTS.validate_python(value) if isinstance(value, list) else handler(value)
 
 
 class FunctionCall(BaseModel):
@@ -184,15 +251,18 @@ class MessageToolCall(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message; unknown keys (refusal, annotations, ...) are ignored."""
+    """One message; unknown keys (refusal, annotations, ...) are ignored. Images and videos
+    may only sit in user messages, as in OpenAI's API."""
 
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+
+    _content_parts = field_validator("content", mode="wrap")(_parts_first)
 
     @model_validator(mode="after")
     def _content(self) -> ChatMessage:
@@ -200,17 +270,18 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {self.role} message needs content")
         if self.role == "assistant" and self.content is None and not self.tool_calls:
             raise ValueError("an assistant message needs content or tool_calls")
-        for part in self.content if isinstance(self.content, list) else []:
-            if part.type != "text":
-                raise ValueError(
-                    f"content parts of type {part.type!r} are not supported by this server; "
-                    "send text parts only"
-                )
-            if part.text is None:
-                raise ValueError("a text content part needs text")
+        if self.role != "user":
+            for index, part in enumerate(self.content if isinstance(self.content, list) else []):
+                if part.type in MEDIA_PARTS:
+                    raise InvalidRequest(
+                        f"content.{index}",
+                        f"{part.type} parts are only taken in user messages, not in a "
+                        f"{self.role} message; move the {MEDIA_PARTS[part.type]} to a user message",
+                    )
         return self
 
     def text(self) -> str | None:
+        """The text parts joined (images and videos left out); None without content."""
         if isinstance(self.content, list):
             return "".join(part.text or "" for part in self.content)
         return self.content

@@ -131,6 +131,17 @@ class ServerState:
         return str(self.model_info.get("model_path") or "default")
 
     @property
+    def media_tokens(self) -> dict[str, str | None]:
+        """{"image": ..., "video": ...}: the text that stands for one image / video in a
+        prompt (the engine's `image_token` / `video_token`); None where the model does not
+        take that modality (or the engine does not say)."""
+        info = self.model_info
+        return {
+            kind: value if isinstance(value := info.get(f"{kind}_token"), str) and value else None
+            for kind in ("image", "video")
+        }
+
+    @property
     def context_length(self) -> int | None:
         value = self.model_info.get("max_context_length")
         return int(value) if isinstance(value, int) else None

@@ -23,14 +23,16 @@ Message = Mapping[str, Any]
 class Prompt:
     """The program's state as a backend sees it when a primitive runs.
 
-    `text` is the whole prompt; `messages` the finished chat turns; `images` every image so
-    far (base64, URL or data URI); `role` the turn still open (None outside any) and
-    `role_text` what that turn holds so far.
+    `text` is the whole prompt; `messages` the finished chat turns; `images` and `videos`
+    every image / video so far (base64, URL or data URI), one placeholder each in `text`, in
+    order; `role` the turn still open (None outside any) and `role_text` what that turn holds
+    so far.
     """
 
     text: str
     messages: Sequence[Message] = ()
     images: Sequence[str] = ()
+    videos: Sequence[str] = ()
     role: str | None = None
     role_text: str = ""
 

@@ -24,6 +24,7 @@ _KEYWORDS = {
     "text": "prompt",
     "input_ids": "input_ids",
     "image_data": "image_data",
+    "video_data": "video_data",
     "sampling_params": "sampling_params",
     "return_logprob": "return_logprob",
     "logprob_start_len": "logprob_start_len",
@@ -204,7 +205,7 @@ class EngineBackend(NativeBackend):
         template = resolve_chat_template(
             chat_template_name, self.model_info.get("chat_template"), _tokenizer_renderer(engine)
         )
-        super().__init__(self._engine_transport, template)
+        super().__init__(self._engine_transport, template.with_model_media_tokens(self.model_info))
 
     def shutdown(self) -> None:
         """Stop the private event loop, and the engine when this backend built it."""

@@ -32,23 +32,26 @@ class NativeTransport(Protocol):
     def server_info(self) -> dict[str, Any]: ...
 
 
-def _image_field(images: Sequence[str]) -> str | list[str] | None:
-    if not images:
-        return None
-    return images[0] if len(images) == 1 else list(images)
+def media_fields(prompt: Prompt) -> Body:
+    """The prompt's images and videos as one request's `image_data` / `video_data` (one item
+    bare, several as a list; absent when none)."""
+    fields: Body = {}
+    for key, items in (("image_data", prompt.images), ("video_data", prompt.videos)):
+        if items:
+            fields[key] = items[0] if len(items) == 1 else list(items)
+    return fields
 
 
 def generate_body(call: GenerateCall, stream: bool = False) -> Body:
     """The /generate body for one gen: the SamplingParams fields that were set, the logprob
-    options, the images; a `dtype` becomes its regex when no other constraint is given."""
+    options, the images and videos; a `dtype` becomes its regex when no other constraint is
+    given."""
     sampling = call.params.model_dump(mode="json", exclude_unset=True)
     if call.dtype is not None and call.params.constraint is None:
         sampling["regex"] = DTYPE_REGEX[call.dtype]
     body: Body = {"text": call.prompt.text, "sampling_params": sampling}
     body.update(call.logprobs.request_fields())
-    images = _image_field(call.prompt.images)
-    if images is not None:
-        body["image_data"] = images
+    body.update(media_fields(call.prompt))
     if stream:
         body["stream"] = True
     return body
@@ -126,10 +129,8 @@ class NativeBackend:
         token before the choice; the prompt alone rides along to give that token's id). A first
         call on the prompt alone tells where the choice starts and puts the prompt in the cache
         for the batch."""
-        images = _image_field(prompt.images)
-        head_body: Body = {"text": prompt.text, "sampling_params": {"max_new_tokens": 0}}
-        if images is not None:
-            head_body["image_data"] = images
+        media = media_fields(prompt)
+        head_body: Body = {"text": prompt.text, "sampling_params": {"max_new_tokens": 0}, **media}
         head = _as_list(self.transport.request(head_body))[0]
         prefix_tokens = int(head["meta_info"]["prompt_tokens"])
         start = max(prefix_tokens - 1, 0)
@@ -145,8 +146,7 @@ class NativeBackend:
             "return_text_in_logprobs": True,
             "logprob_start_len": start,
         }
-        if images is not None:
-            body["image_data"] = [images] * len(texts)
+        body.update({key: [value] * len(texts) for key, value in media.items()})
         outputs = _as_list(self.transport.request(body))
         prompt_last_id = None
         if prefix_tokens > 0:

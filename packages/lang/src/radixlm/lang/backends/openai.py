@@ -12,6 +12,9 @@ What an API cannot do, and what happens instead:
   sent in `extra_body` when `server_extensions` is on (the default when `base_url` is given:
   radixlm, SGLang and vLLM accept them); otherwise they raise UnsupportedFeature. On chat
   models a json_schema becomes `response_format`.
+- Images go to chat models as `image_url` parts. OpenAI's API takes no video: `video()` raises
+  UnsupportedFeature, unless `server_extensions` is on, when a chat model gets it as a
+  `video_url` part (radixlm's `/v1`, SGLang and vLLM accept them).
 """
 
 from __future__ import annotations
@@ -171,11 +174,22 @@ class OpenAI:
         if self._is_chat:
             kwargs["messages"] = self._chat_messages(call)
         else:
+            if call.prompt.videos:
+                raise UnsupportedFeature(
+                    f"completion model {self.model_name} takes a prompt text only, not video(); "
+                    "use a chat model with server_extensions, or RuntimeEndpoint"
+                )
             kwargs["prompt"] = call.prompt.text
         return kwargs
 
     def _chat_messages(self, call: GenerateCall) -> list[dict[str, Any]]:
         prompt = call.prompt
+        if prompt.videos and not self.server_extensions:
+            raise UnsupportedFeature(
+                f"the OpenAI API takes no videos, so chat model {self.model_name} cannot take "
+                "video(); use RuntimeEndpoint, or OpenAI(..., server_extensions=True) against a "
+                "server that accepts video_url parts (radixlm, SGLang, vLLM)"
+            )
         if prompt.role != "assistant" or prompt.role_text.strip():
             raise UnsupportedFeature(
                 f"{self.model_name} is a chat model: gen({call.name!r}) must open an assistant "

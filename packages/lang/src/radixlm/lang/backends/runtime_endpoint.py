@@ -124,8 +124,9 @@ class _HttpTransport:
 class RuntimeEndpoint(NativeBackend):
     """A radixlm server (`radixlm serve`) or any server with SGLang's native API.
 
-    The constructor asks `/get_model_info` for the model and its chat template, so a server that
-    cannot be reached fails here, with BackendUnavailable. `timeout` bounds each request (None:
+    The constructor asks `/get_model_info` for the model, its chat template and its image and
+    video placeholders (`image_token`, `video_token`: used where the template names none), so
+    a server that cannot be reached fails here, with BackendUnavailable. `timeout` bounds each request (None:
     wait forever); `connect_timeout` bounds connecting. `chat_template_name` overrides the
     model's template (see `radixlm.lang.chat_template.TEMPLATES`).
     """
@@ -150,7 +151,7 @@ class RuntimeEndpoint(NativeBackend):
             transport.close()
             raise
         template = resolve_chat_template(chat_template_name, self.model_info.get("chat_template"))
-        super().__init__(transport, template)
+        super().__init__(transport, template.with_model_media_tokens(self.model_info))
         self._http = transport
 
     def get_model_name(self) -> str:
