@@ -65,7 +65,14 @@ def test_image_url_may_be_a_bare_string_and_detail_is_ignored(
     )
     assert http.post(CHAT, json={"messages": messages, "max_tokens": 1}).status_code == 200
     assert engine.received[-1].image_data == [PNG, "https://x/b.png"]
-    assert "<image><image>?" in prompt_of(engine)
+    assert "<image><image>\n?" in prompt_of(engine)
+
+
+def test_text_right_after_an_image_starts_a_new_line(vision: tuple[httpx.Client, Any]) -> None:
+    http, engine = vision
+    messages = user(image(PNG), text("What colour is the square?"))
+    assert http.post(CHAT, json={"messages": messages, "max_tokens": 1}).status_code == 200
+    assert "<image>\nWhat colour is the square?" in prompt_of(engine)
 
 
 def test_video_parts_go_to_video_data(vision: tuple[httpx.Client, Any]) -> None:
@@ -74,7 +81,7 @@ def test_video_parts_go_to_video_data(vision: tuple[httpx.Client, Any]) -> None:
     assert http.post(CHAT, json={"messages": messages, "max_tokens": 1}).status_code == 200
     assert engine.received[-1].video_data == [MP4]
     assert engine.received[-1].image_data is None
-    assert "<video>What happens?" in prompt_of(engine)
+    assert "<video>\nWhat happens?" in prompt_of(engine)
 
 
 def test_media_of_several_messages_keep_the_conversation_order(

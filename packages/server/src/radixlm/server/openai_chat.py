@@ -73,16 +73,25 @@ def _content_text(
     message: ChatMessage, where: str, tokens: dict[str, str | None], media: ChatMedia
 ) -> str | None:
     """The message's content as one string: the text parts joined, the model's placeholder
-    (`image_token` / `video_token`) where each image or video sits; their URLs go to `media`.
+    (`image_token` / `video_token`) where each image or video sits, a line break between a
+    placeholder and text that follows it directly; their URLs go to `media`.
     InvalidRequest naming the part when the model does not take its modality."""
     if not isinstance(message.content, list):
         return message.content
     pieces: list[str] = []
+    after_media = False
     for index, part in enumerate(message.content):
         kind = MEDIA_PARTS.get(part.type)
         if kind is None:
-            pieces.append(part.text or "")
+            words = part.text or ""
+            # A placeholder and the text right after it are on separate lines ("<image>\nWhat
+            # is this?"), as LLaVA-style prompts write them (vLLM's rendering does the same).
+            if after_media and words[:1] and not words[:1].isspace():
+                words = "\n" + words
+            pieces.append(words)
+            after_media = False
             continue
+        after_media = True
         field_name = f"{where}.content.{index}"
         token = tokens[kind]
         if token is None:
