@@ -1,7 +1,13 @@
 """Model families, registered by their Hugging Face `architectures` name."""
 
-from radixlm.runtime.models import llama, mistral, qwen2, qwen3  # noqa: F401  (registration)
-from radixlm.runtime.models import llava  # noqa: F401, I001  (registration, after its text families)
+from radixlm.runtime.models import (  # noqa: F401  (registration)
+    llama,
+    llava,
+    mistral,
+    qwen2,
+    qwen2_vl,
+    qwen3,
+)
 from radixlm.runtime.models.arch import ArchConfig, RopeConfig
 from radixlm.runtime.models.decoder import DecoderForCausalLM
 from radixlm.runtime.models.linear import Linear, LinearFactory, ReplicatedLinears
