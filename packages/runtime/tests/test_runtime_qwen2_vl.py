@@ -404,11 +404,32 @@ def test_text_after_a_long_video_continues_past_its_last_time_position(
     assert delta == 17 + 1 - 35
 
 
-def test_precomputed_embeddings_are_refused_with_a_message(setups: dict[str, Setup]) -> None:
+def test_precomputed_embeddings_without_a_grid_are_refused(setups: dict[str, Setup]) -> None:
     processor = setups["2"].preparer.processor
     item = MediaItem("image", 0, 4, b"e")
     with pytest.raises(InvalidRequest, match="processor_output"):
         processor.mrope([1, 1, 1, 1], [item])
+
+
+def test_precomputed_embeddings_with_their_grid_answer_as_the_image(
+    setups: dict[str, Setup],
+) -> None:
+    setup = setups["2"]
+    spec = CASES["one_image"]
+    _, inputs = setup.preparer.prepare(setup.prompt_ids(spec.text), list(spec.images), None)
+    item = inputs.items[0]
+    with torch.inference_mode():
+        feature = setup.runner.model.encode_media([item])[0]
+    given = {
+        "format": "precomputed_embedding",
+        "feature": feature.tolist(),
+        "image_grid_thw": [list(item.extra["grid_thw"])],
+    }
+    sampling = {"max_new_tokens": STEPS, "temperature": 0}
+    direct = setup.engine.generate(spec.text, sampling, image_data=list(spec.images))
+    setup.engine.flush_cache().result()
+    out = setup.engine.generate(spec.text, sampling, image_data=given)
+    assert out["output_ids"] == direct["output_ids"]
 
 
 def test_placeholder_text_is_vision_start_pad_end(setups: dict[str, Setup]) -> None:

@@ -33,6 +33,8 @@ class _Entry:
     digest: bytes
     length: int
     embeddings: torch.Tensor | None = None
+    #: What positions need besides the length (M-RoPE models: the item's patch grid).
+    extra: dict[str, Any] | None = None
 
 
 def _items(value: Any) -> list[Any]:
@@ -149,8 +151,9 @@ class MultimodalPreparer:
             if not bool(torch.isfinite(feature).all()):
                 raise InvalidRequest(field, "feature holds a NaN or infinite value")
             length = self.processor.embedding_length(int(feature.shape[0]), data)
-            digest = _tensor_digest(b"embedding", feature, {})
-            return [_Entry(kind, field, None, digest, length, feature)]
+            extra = _grid_extra(kind, data)
+            digest = _tensor_digest(b"embedding", feature, extra)
+            return [_Entry(kind, field, None, digest, length, feature, extra)]
         raise InvalidRequest(
             field,
             f"a dict item needs format 'processor_output' or 'precomputed_embedding'; got {form!r}",
@@ -207,7 +210,7 @@ class MultimodalPreparer:
                     length=entry.length,
                     digest=entry.digest,
                     pixel_values=None if entry.processed is None else entry.processed.pixel_values,
-                    extra={} if entry.processed is None else entry.processed.extra,
+                    extra=entry.extra or ({} if entry.processed is None else entry.processed.extra),
                     embeddings=entry.embeddings,
                 )
             )
@@ -224,6 +227,20 @@ class MultimodalPreparer:
             f"{given} {noun} given but the prompt has {placed} {kind} placeholder(s); put "
             f"{token!r} in the prompt once where each {kind} goes",
         )
+
+
+def _grid_extra(kind: MediaKind, data: dict[str, Any]) -> dict[str, Any]:
+    """The patch grid a `precomputed_embedding` may carry (`image_grid_thw` /
+    `video_grid_thw`, and a video's `second_per_grid_ts`): M-RoPE models place it by it."""
+    grid = data.get("video_grid_thw" if kind == "video" else "image_grid_thw")
+    if grid is None:
+        return {}
+    rows = torch.as_tensor(grid, dtype=torch.int64).reshape(-1, 3).tolist()
+    extra: dict[str, Any] = {"grid_thw": tuple(int(v) for v in rows[0])}
+    seconds = data.get("second_per_grid_ts")
+    if kind == "video" and seconds is not None:
+        extra["second_per_grid_t"] = float(torch.as_tensor(seconds).reshape(-1)[0])
+    return extra
 
 
 def _tensor_digest(domain: bytes, tensor: torch.Tensor, extra: dict[str, Any]) -> bytes:
