@@ -306,8 +306,6 @@ def test_prompt_logprobs_of_the_text_after_the_last_image(engine: Engine) -> Non
     assert len(entries) == tail
     assert all(token >= 0 for _, token, _ in entries)
     with pytest.raises(InvalidRequest) as caught:
-        engine.generate(
-            prompt, GREEDY, image_data=image, return_logprob=True, logprob_start_len=3
-        )
+        engine.generate(prompt, GREEDY, image_data=image, return_logprob=True, logprob_start_len=3)
     assert caught.value.field == "logprob_start_len"
     assert "after the last image" in caught.value.message
