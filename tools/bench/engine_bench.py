@@ -11,6 +11,9 @@ Workloads (synthetic token ids, generated from a seed):
   self_consistency  a shared prefix + a question, sampled n = 8 times
   no_sharing        (only when named) 64 unrelated 256-token prompts, 64 output tokens each:
                     batched decode where no cache can help
+  llava_bench       (only when named) several questions about each of N images on a dummy
+                    LLaVA-shaped model of its own (_image_workload.py): radixlm, radixlm
+                    without its prefix and vision-encoder caches, transformers `generate`
 
 For each: requests/s, output tokens/s, radixlm's prefix-cache hit rate beside the optimal one
 (every reusable prefix computed once, with an unbounded cache), and the ratios.
@@ -19,6 +22,7 @@ For each: requests/s, output tokens/s, radixlm's prefix-cache hit rate beside th
     .venv/bin/python tools/bench/engine_bench.py                # Qwen2.5-0.5B shapes (long)
     .venv/bin/python tools/bench/engine_bench.py --workloads few_shot --skip-transformers
     .venv/bin/python tools/bench/engine_bench.py --quick --json results/engine.json
+    .venv/bin/python tools/bench/engine_bench.py --workloads llava_bench --quick  # images
     .venv/bin/python tools/bench/engine_bench.py --skip-in-process --http radixlm,transformers
 
 Systems: radixlm, radixlm-nocache (--skip-no-cache), radixlm-nojf: radixlm with jump-forward
@@ -65,6 +69,7 @@ from typing import Any, ClassVar
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import _image_workload
 import torch
 from _common import LLAMA31_8B_SHAPE, QWEN25_05B_SHAPE, random_hf_model, write_config
 
@@ -176,7 +181,7 @@ class Workloads:
 
 
 WORKLOADS = ("few_shot", "multi_turn", "tree_of_thought", "json", "self_consistency")
-EXTRA_WORKLOADS = ("no_sharing",)  # run only when named in --workloads
+EXTRA_WORKLOADS = ("no_sharing", *_image_workload.IMAGE_WORKLOADS)  # only when named
 
 
 def optimal_hit_rate(calls: Sequence[Call]) -> float:
@@ -650,8 +655,11 @@ def build(args: Any, workdir: Path) -> tuple[Any, Any]:
     return hf_model, runner
 
 
-def measure(system: Any, workload: str, args: Any) -> dict[str, Any]:
-    source = Workloads(SHAPES[args.shape]["vocab_size"], args.quick, args.seed, args.scale)
+def measure(system: Any, workload: str, args: Any, source: Any = None) -> dict[str, Any]:
+    """One workload on one system, timed; `source` holds the workload (default: the text
+    workloads on args.shape)."""
+    if source is None:
+        source = Workloads(SHAPES[args.shape]["vocab_size"], args.quick, args.seed, args.scale)
     start = time.perf_counter()
     calls = getattr(source, workload)(system.generate)
     seconds = time.perf_counter() - start
@@ -766,15 +774,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the figures to this file")
+    _image_workload.add_arguments(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     resolve(args)
+    _image_workload.resolve(args)
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = sorted(set(workloads) - set(WORKLOADS + EXTRA_WORKLOADS))
     if unknown:
         choices = ", ".join(WORKLOADS + EXTRA_WORKLOADS)
         parser.error(f"unknown workloads {unknown}; choose from {choices}")
+    # The image workload runs in this process only, on its own model.
+    images = [w for w in workloads if w in _image_workload.IMAGE_WORKLOADS]
+    workloads = [w for w in workloads if w not in images]
     if args.only_peer:
         rows = run_peer(args.only_peer, workloads, args)
         if args.json:
@@ -788,22 +801,30 @@ def main() -> None:
     servers = [] if args.http == "none" else [h for h in args.http.split(",") if h]
     if bad := sorted(set(servers) - set(HttpSystem.SERVERS)):
         parser.error(f"unknown --http servers {bad}; choose from radixlm, transformers, llamacpp")
-    print(
-        f"building a dummy {args.shape}-shaped model ({args.dtype} on {args.device}, "
-        f"scale {args.scale}); peers: {', '.join(peers) or 'none'}; over HTTP: "
-        f"{', '.join(servers) or 'none'} ..."
-    )
+    if workloads:
+        print(
+            f"building a dummy {args.shape}-shaped model ({args.dtype} on {args.device}, "
+            f"scale {args.scale}); peers: {', '.join(peers) or 'none'}; over HTTP: "
+            f"{', '.join(servers) or 'none'} ..."
+        )
     rows: list[dict[str, Any]] = []
     # The peers first, each in its own process, while this one holds no GPU memory yet.
-    for name in peers:
+    for name in peers if workloads else ():
         rows += peer_subprocess(name, workloads, args)
-    if not args.skip_in_process:
+    if not args.skip_in_process and workloads:
         rows += run_in_process(workloads, args)
-    if servers:
+    if servers and workloads:
         rows += run_http(servers, workloads, args)
-    report(rows)
-    if args.limit:
-        report_limits(rows, args)
+    if images and (peers or servers):
+        print("llava_bench runs in this process only: not on the peers nor over HTTP")
+    if images and not args.skip_in_process:
+        rows += run_images(args)
+    text_rows = [r for r in rows if r["workload"] not in images]
+    if text_rows:
+        report(text_rows)
+    _image_workload.report(rows)
+    if args.limit and text_rows:
+        report_limits(text_rows, args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
@@ -835,6 +856,26 @@ def run_in_process(workloads: list[str], args: Any) -> list[dict[str, Any]]:
                 system.close()
             rows.append(row)
             show(row)
+    return rows
+
+
+def run_images(args: Any) -> list[dict[str, Any]]:
+    """llava_bench on its own dummy LLaVA-shaped model (_image_workload.py): radixlm,
+    radixlm-nocache and transformers in this process, one after the other."""
+    workdir = _image_workload.write_model_dir(args)
+    source = _image_workload.ImageWorkloads(workdir, args)
+    describe = _image_workload.describe(source, args)
+    print(f"llava_bench: {describe} ...", flush=True)
+    rows: list[dict[str, Any]] = []
+    for system in _image_workload.systems(workdir, source, args):
+        try:
+            row = measure(system, "llava_bench", args, source)
+            row.update(shape=args.llava_shape, media_encoded=system.media_encoded)
+        finally:
+            system.close()
+        row["describe"] = describe
+        rows.append(row)
+        show(row)
     return rows
 
 
