@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -32,6 +32,19 @@ STACKED_PROJECTIONS: dict[str, tuple[str, str]] = {
 # Checkpoint tensors that carry nothing the model needs.
 # (FP8 checkpoints' k_scale / v_scale are KV-cache scales; the fp8 KV pool uses a scale of 1.)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale", ".kv_scale")
+
+
+def copy_weight(name: str, param: torch.Tensor | None, tensor: Any) -> None:
+    """Copy checkpoint tensor `name` into `param`; ValueError naming it when the model has no
+    such parameter or its shape differs."""
+    if param is None:
+        raise ValueError(f"the checkpoint has a tensor the model does not know: {name}")
+    if param.shape != tuple(tensor.shape):
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(tensor.shape)}, model shape {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(materialize(tensor))
 
 
 class RMSNorm(nn.Module):
@@ -281,18 +294,35 @@ class DecoderForCausalLM(nn.Module):
                 except ValueError as error:
                     raise ValueError(f"{name}: {error}") from None
             elif name in params:
-                param = params[name]
-                if param.shape != tuple(tensor.shape):
-                    raise ValueError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                        f"model shape {tuple(param.shape)}"
-                    )
-                with torch.no_grad():
-                    param.copy_(materialize(tensor))
+                copy_weight(name, params[name], tensor)
             else:
                 raise ValueError(f"the checkpoint has a tensor the model does not know: {name}")
             loaded.add(name)
         return loaded
+
+    def load_weights_beside(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        rename: Callable[[str], str],
+        own: tuple[str, ...],
+        skipped: tuple[str, ...] = (),
+    ) -> set[str]:
+        """`load_weights` for a model with parts beside the decoder (a vision tower): names
+        are renamed, those under the `own` prefixes copied into this model's parameters
+        (`skipped` prefixes dropped), the rest loaded into the decoder."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def decoder_weights() -> Iterable[tuple[str, torch.Tensor]]:
+            for raw, tensor in weights:
+                name = rename(raw)
+                if not name.startswith(own):
+                    yield name, tensor
+                elif not name.startswith(skipped):
+                    copy_weight(raw, params.get(name), tensor)
+                    loaded.add(name)
+
+        return DecoderForCausalLM.load_weights(self, decoder_weights()) | loaded
 
     def _module(self, path: str) -> Any:
         return self.get_submodule(path) if path else self

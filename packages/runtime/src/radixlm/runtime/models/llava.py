@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 
 from radixlm.runtime.models.arch import ArchConfig
 from radixlm.runtime.models.decoder import DecoderForCausalLM
-from radixlm.runtime.models.linear import LinearFactory, materialize
+from radixlm.runtime.models.linear import LinearFactory
 from radixlm.runtime.models.registry import ModelFamily, register, resolve
 from radixlm.runtime.models.vision import VisionTower
 
@@ -119,30 +119,13 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
     # Weights -------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-
-        def text_weights() -> Iterable[tuple[str, torch.Tensor]]:
-            for raw, tensor in weights:
-                name = _rename(raw)
-                if not name.startswith(("vision_tower.", "multi_modal_projector.")):
-                    yield name, tensor
-                    continue
-                if name.startswith("vision_tower.vision_model.head."):
-                    continue  # SigLIP's pooling head: LLaVA reads the patch features
-                param = params.get(name)
-                if param is None:
-                    raise ValueError(f"the checkpoint has a tensor the model does not know: {raw}")
-                if param.shape != tuple(tensor.shape):
-                    raise ValueError(
-                        f"{raw}: checkpoint shape {tuple(tensor.shape)}, "
-                        f"model shape {tuple(param.shape)}"
-                    )
-                with torch.no_grad():
-                    param.copy_(materialize(tensor))
-                loaded.add(name)
-
-        return super().load_weights(text_weights()) | loaded
+        return self.load_weights_beside(
+            weights,
+            _rename,
+            own=("vision_tower.", "multi_modal_projector."),
+            # SigLIP's pooling head: LLaVA reads the patch features.
+            skipped=("vision_tower.vision_model.head.",),
+        )
 
 
 def _rename(name: str) -> str:

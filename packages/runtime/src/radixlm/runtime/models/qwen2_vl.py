@@ -19,7 +19,7 @@ from transformers.activations import ACT2FN
 
 from radixlm.runtime.models.arch import ArchConfig, RopeConfig
 from radixlm.runtime.models.decoder import DecoderForCausalLM, RMSNorm
-from radixlm.runtime.models.linear import LinearFactory, materialize
+from radixlm.runtime.models.linear import LinearFactory
 from radixlm.runtime.models.qwen2 import qwen_sliding_windows
 from radixlm.runtime.models.registry import ModelFamily, register
 from radixlm.runtime.models.rope import RotaryEmbedding, apply_rotary
@@ -414,28 +414,7 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
     # Weights -------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-
-        def text_weights() -> Iterable[tuple[str, torch.Tensor]]:
-            for raw, tensor in weights:
-                name = _rename(raw)
-                if not name.startswith("visual."):
-                    yield name, tensor
-                    continue
-                param = params.get(name)
-                if param is None:
-                    raise ValueError(f"the checkpoint has a tensor the model does not know: {raw}")
-                if param.shape != tuple(tensor.shape):
-                    raise ValueError(
-                        f"{raw}: checkpoint shape {tuple(tensor.shape)}, "
-                        f"model shape {tuple(param.shape)}"
-                    )
-                with torch.no_grad():
-                    param.copy_(materialize(tensor))
-                loaded.add(name)
-
-        return super().load_weights(text_weights()) | loaded
+        return self.load_weights_beside(weights, _rename, own=("visual.",))
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
