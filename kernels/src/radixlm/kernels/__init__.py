@@ -22,6 +22,7 @@ from radixlm.kernels.elementwise import (
     silu_and_mul,
 )
 from radixlm.kernels.logits import apply_token_bitmask_inplace, sample_from_probs
+from radixlm.kernels.lora import lora_expand, lora_shrink
 from radixlm.kernels.quant import (
     dequantize_fp8,
     dequantize_int4,
@@ -52,6 +53,8 @@ __all__ = [
     "int4_linear",
     "int8_linear",
     "interpreter_enabled",
+    "lora_expand",
+    "lora_shrink",
     "pack_int4",
     "quantize_fp8",
     "quantize_int4",

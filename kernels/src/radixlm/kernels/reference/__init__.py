@@ -17,6 +17,7 @@ from radixlm.kernels.reference.logits import (
     sampling_thresholds,
     unpack_bitmask,
 )
+from radixlm.kernels.reference.lora import lora_expand, lora_shrink
 from radixlm.kernels.reference.quant import (
     dequantize_fp8,
     dequantize_int4,
@@ -42,6 +43,8 @@ __all__ = [
     "fused_add_rms_norm",
     "int4_linear",
     "int8_linear",
+    "lora_expand",
+    "lora_shrink",
     "pack_int4",
     "quantize_fp8",
     "quantize_int4",

@@ -17,6 +17,7 @@ from radixlm.kernels.triton_ops.elementwise import (
 )
 from radixlm.kernels.triton_ops.extend import extend_attention
 from radixlm.kernels.triton_ops.logits import apply_token_bitmask_inplace, sample_from_probs
+from radixlm.kernels.triton_ops.lora import lora_expand, lora_shrink
 from radixlm.kernels.triton_ops.quant import fp8_linear, int4_linear, int8_linear
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "fused_add_rms_norm",
     "int4_linear",
     "int8_linear",
+    "lora_expand",
+    "lora_shrink",
     "rms_norm",
     "rotary_embedding",
     "sample_from_probs",
