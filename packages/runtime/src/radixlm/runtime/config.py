@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -245,6 +246,73 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters served over the base model (SGLang's flags).
+
+    - `enabled`: build the adapter pool (implied by `paths`), so adapters can be loaded at
+      run time too.
+    - `paths`: (name, PEFT adapter directory) loaded at start.
+    - `max_loras_per_batch`: adapter slots of the pool, the most distinct adapters in one
+      batch (requests without an adapter take none).
+    - `max_rank`: the largest rank the pool holds (None: the largest of `paths`, or 16).
+    - `target_modules`: the projections the pool adapts (None: those `paths` target, or all
+      of q/k/v/o/gate/up/down when there are none).
+    """
+
+    enabled: bool = False
+    paths: tuple[tuple[str, str], ...] = ()
+    max_loras_per_batch: int = 8
+    max_rank: int | None = None
+    target_modules: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch must be >= 1; got {self.max_loras_per_batch}")
+        if self.max_rank is not None and self.max_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1; got {self.max_rank}")
+        names = [name for name, _ in self.paths]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"lora_paths: adapter name(s) given twice: {', '.join(twice)}")
+
+    @property
+    def active(self) -> bool:
+        return self.enabled or bool(self.paths)
+
+
+def _lora_paths(value: Any) -> tuple[tuple[str, str], ...]:
+    """SGLang's `lora_paths`: a {name: path} mapping, or a list of `name=path` strings,
+    bare paths (named after themselves) and {"lora_name", "lora_path"} objects."""
+    if not value:
+        return ()
+    if isinstance(value, Mapping):
+        return tuple((str(name), str(path)) for name, path in value.items())
+    if isinstance(value, str):
+        value = [value]
+    pairs: list[tuple[str, str]] = []
+    for item in value:
+        if isinstance(item, Mapping):
+            if "lora_name" not in item or "lora_path" not in item:
+                raise ValueError(f"lora_paths: {item!r} needs lora_name and lora_path")
+            pairs.append((str(item["lora_name"]), str(item["lora_path"])))
+        elif isinstance(item, tuple | list) and len(item) == 2:
+            pairs.append((str(item[0]), str(item[1])))
+        else:
+            name, sep, path = str(item).partition("=")
+            pairs.append((name, path) if sep else (str(item), str(item)))
+    return tuple(pairs)
+
+
+def _target_modules(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else list(value)
+    if items == ["all"]:
+        return ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return tuple(str(item) for item in items)
+
+
+@dataclass(frozen=True)
 class RunnerConfig:
     """Everything the model runner needs, composed by feature."""
 
@@ -253,6 +321,7 @@ class RunnerConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)
@@ -492,6 +561,7 @@ class EngineConfig:
             attention=AttentionConfig(**sections["attention"]),
             sampler=SamplerConfig(**sections["sampler"]),
             parallel=ParallelConfig(**sections["parallel"]),
+            lora=LoraConfig(**sections["lora"]),
         )
         return cls(
             runner=runner,
@@ -534,6 +604,7 @@ _SECTIONS = (
     "cache",
     "grammar",
     "media",
+    "lora",
 )
 
 #: SGLang-style keyword -> (section, field, conversion).
@@ -597,6 +668,12 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "allowed_local_media_path": ("media", "allowed_local_path", None),
     "max_image_pixels": ("media", "max_image_pixels", int),
     "mm_encoder_cache_size": ("media", "encoder_cache_size", int),
+    # LoRA adapters
+    "enable_lora": ("lora", "enabled", bool),
+    "lora_paths": ("lora", "paths", _lora_paths),
+    "max_loras_per_batch": ("lora", "max_loras_per_batch", int),
+    "max_lora_rank": ("lora", "max_rank", lambda v: None if v is None else int(v)),
+    "lora_target_modules": ("lora", "target_modules", _target_modules),
     # engine
     "sampling_defaults": ("engine", "sampling_defaults", None),
     "incremental_streaming_output": ("engine", "incremental_streaming_output", None),

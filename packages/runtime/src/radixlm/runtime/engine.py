@@ -42,12 +42,14 @@ from radixlm.runtime.messages import (
     CommandResult,
     FlushCache,
     GetServerInfo,
+    LoadLoraAdapter,
     Output,
     RequestClosed,
     RequestFailed,
     SeqDelta,
     Stats,
     StopSequence,
+    UnloadLoraAdapter,
 )
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.multimodal.preparer import multimodal_preparer
@@ -191,6 +193,12 @@ class Engine:
             self._live = self._connection.stats
         self.eos_token_ids = info.eos_token_ids
         self.context_length = info.context_length
+        lora = info.static_info.get("lora")
+        #: The loaded LoRA adapters, name -> directory (None: the engine serves none); kept
+        #: in step with the core by the load and unload answers.
+        self._lora: dict[str, str] | None = (
+            dict(lora["initial_adapters"]) if isinstance(lora, dict) else None
+        )
         self.sampling_defaults = SamplingDefaults.from_generation_config(
             dict(info.generation_config),
             mode=config.sampling_defaults,
@@ -215,6 +223,7 @@ class Engine:
                 config.media,
                 info.hidden_size,
             ),
+            lora_adapters=self.lora_adapters if self._lora is not None else None,
         )
 
     # ------------------------------------------------------------------------ lifecycle
@@ -404,6 +413,7 @@ class Engine:
         image_data: Any = None,
         video_data: Any = None,
         audio_data: Any = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> Any: ...
 
     def generate(
@@ -425,6 +435,7 @@ class Engine:
         image_data: Any = None,
         video_data: Any = None,
         audio_data: Any = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> Any:
         """Generate, SGLang's way, blocking: a dict for one prompt (n == 1), a list of dicts
         for a batch or n > 1 (prompt-major), or with `stream=True` an iterator of chunks
@@ -456,6 +467,7 @@ class Engine:
                 image_data=image_data,
                 video_data=video_data,
                 audio_data=audio_data,
+                lora_path=lora_path,
             ),
         )
         chunks = self._stream_sync(request)
@@ -482,6 +494,7 @@ class Engine:
         image_data: Any = None,
         video_data: Any = None,
         audio_data: Any = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> Any:
         """`generate` for asyncio: awaits the result, or with `stream=True` returns an async
         iterator of chunks (`async for chunk in await engine.async_generate(..., stream=True)`)."""
@@ -506,6 +519,7 @@ class Engine:
                 image_data=image_data,
                 video_data=video_data,
                 audio_data=audio_data,
+                lora_path=lora_path,
             ),
         )
         chunks = self._stream_async(request)
@@ -711,6 +725,39 @@ class Engine:
     def flush_cache(self) -> Reply[bool]:
         """Drop the radix cache; False (and nothing dropped) while requests are running."""
         return Reply(self._ask(FlushCache))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> Reply[dict[str, str]]:
+        """Load a PEFT LoRA adapter directory under a name requests use (`lora_path`),
+        SGLang's `/load_lora_adapter`. The Reply gives the loaded adapters (name -> path);
+        a bad adapter or a name in use raises InvalidRequest naming `lora_path` /
+        `lora_name`."""
+        return self._lora_command(lambda reply: LoadLoraAdapter(lora_name, lora_path, reply))
+
+    def unload_lora_adapter(self, lora_name: str) -> Reply[dict[str, str]]:
+        """Unload an adapter: new requests naming it are refused at once, requests already
+        using it finish, then its weights are freed. InvalidRequest if no such adapter."""
+        return self._lora_command(lambda reply: UnloadLoraAdapter(lora_name, reply))
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The loaded adapters, name -> directory (empty when LoRA is off)."""
+        return dict(self._lora or {})
+
+    def _lora_command(self, make: Callable[[int], Command]) -> Reply[dict[str, str]]:
+        answer = self._ask(make)
+        done: Future[dict[str, str]] = Future()
+
+        def update(future: Future[Any]) -> None:
+            error = future.exception()
+            if error is not None:
+                done.set_exception(error)
+                return
+            # Updated before the caller sees the answer, so its next request finds the name.
+            if self._lora is not None:
+                self._lora = dict(future.result())
+            done.set_result(dict(future.result()))
+
+        answer.add_done_callback(update)
+        return Reply(done)
 
     def run_in_loop(self, function: Callable[[EngineCore], T], timeout: float | None = 60) -> T:
         """Run `function(core)` on the engine thread between steps and return its result

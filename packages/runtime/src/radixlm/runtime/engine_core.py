@@ -22,6 +22,8 @@ from radixlm.runtime.detokenizer import load_tokenizer
 from radixlm.runtime.distributed import SINGLE, RankFailure, TensorParallel
 from radixlm.runtime.executor import EntryInputs, InputLogprobAsk, ModelExecutor, StepResult
 from radixlm.runtime.grammar import GrammarService
+from radixlm.runtime.lora.adapter import LoraAdapterError
+from radixlm.runtime.lora.registry import AdapterRegistry
 from radixlm.runtime.messages import (
     Abort,
     Call,
@@ -33,17 +35,20 @@ from radixlm.runtime.messages import (
     EngineRequest,
     FlushCache,
     GetServerInfo,
+    LoadLoraAdapter,
     Output,
     RequestClosed,
     RequestFailed,
     Shutdown,
     Stats,
     StopSequence,
+    UnloadLoraAdapter,
 )
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.request_state import RequestHandle, SequenceState, open_request
 from radixlm.runtime.sampling_batch import SamplingRequest
 from radixlm.runtime.scheduler import ReqStatus, ScheduledBatch, Scheduler
+from radixlm.runtime.scheduler.adapters import AdapterSlots
 from radixlm.runtime.tensor_parallel import StepSender, heartbeat_interval, rank_report
 from radixlm.sampling import EngineOverloaded, EngineUnavailable, InvalidRequest
 
@@ -70,8 +75,13 @@ class EngineCore:
         jump_forward: bool = True,
         pool_size: int = 0,
         publish_stats: bool = False,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         self.scheduler = scheduler
+        #: The LoRA adapters by name (None: the engine serves none).
+        self.adapters = adapters
+        #: The adapter uid of each open request that has one.
+        self._lora_of: dict[str, str] = {}
         self.executor = executor
         self.grammar = grammar
         self.eos_token_ids = eos_token_ids
@@ -169,6 +179,10 @@ class EngineCore:
                 if flushed:
                     self.executor.encoder_cache.clear()
                 self._out.append(CommandResult(reply, flushed))
+            case LoadLoraAdapter(name, path, reply):
+                self._answer(reply, lambda: self._lora_registry().load(name, path))
+            case UnloadLoraAdapter(name, reply):
+                self._answer(reply, lambda: self._lora_registry().unload(name))
             case GetServerInfo(reply):
                 self._out.append(CommandResult(reply, self.live_stats()))
             case CheckInvariants(reply):
@@ -181,15 +195,31 @@ class EngineCore:
     def _answer(self, reply: int, function: Callable[[], Any]) -> None:
         try:
             self._out.append(CommandResult(reply, function()))
+        except LoraAdapterError as error:  # bad input: a 400 naming the field
+            self._out.append(CommandResult(reply, None, InvalidRequest(error.field, str(error))))
         except Exception as error:  # the caller gets it
             self._out.append(CommandResult(reply, None, error))
+
+    def _lora_registry(self) -> AdapterRegistry:
+        if self.adapters is None:
+            raise InvalidRequest(
+                "lora_name",
+                "this engine serves no LoRA adapters; start it with --enable-lora "
+                "(or --lora-paths) to load them",
+            )
+        return self.adapters
 
     def add(self, request: EngineRequest) -> None:
         """Queue every sequence of a request, or fail it: a grammar that cannot be compiled,
         a full queue (the scheduler's `max_queued_requests`). Its rid is unique: the front end,
         which routes outputs by rid, refuses one already in use."""
         rid = request.rid
+        lora: tuple[str, str] | None = None
         try:
+            if request.lora_name is not None:
+                # Checked again here: the adapter may have been unloaded since the front end
+                # checked the name.
+                lora = self._lora_registry().resolve(request.lora_name)
             future = self.grammar.submit(request.params)
         except InvalidRequest as error:
             self._out.append(RequestFailed(rid, error))
@@ -199,6 +229,7 @@ class EngineCore:
             self.eos_token_ids,
             future,
             prefix_sharing=self.scheduler.caching,
+            lora=lora,
         )
         added = []
         try:
@@ -212,6 +243,9 @@ class EngineCore:
             self._out.append(RequestFailed(rid, error))
             return
         self.handles[rid] = handle
+        if lora is not None and self.adapters is not None:
+            self.adapters.open(lora[0])
+            self._lora_of[rid] = lora[0]
         self._seqs.update((seq.req.rid, seq) for seq in handle.seqs)
         self._compiling.extend(s for s in handle.seqs if s.req.grammar_pending)
 
@@ -269,6 +303,7 @@ class EngineCore:
             "media_encoder_cache_hits": self.executor.encoder_cache.stats.hits,
             # Rank 0's time in the forward's collectives (0 without tensor parallelism).
             "tp_collective_seconds": self.executor.runner.tp.timing.seconds,
+            **(self.adapters.stats() if self.adapters is not None else {}),
         }
 
     # -------------------------------------------------------------------------------- step
@@ -426,6 +461,9 @@ class EngineCore:
 
     def _forget(self, handle: RequestHandle) -> None:
         self.handles.pop(handle.rid, None)
+        uid = self._lora_of.pop(handle.rid, None)
+        if uid is not None and self.adapters is not None:
+            self.adapters.close(uid)
         for seq in handle.seqs:
             self._seqs.pop(seq.req.rid, None)
 
@@ -476,8 +514,14 @@ def create_core(
         disable=config.cache.disable_radix_cache,
     )
     rows = runner.req_to_token_pool
+    slots = registry = None
+    if runner.lora is not None:
+        slots = AdapterSlots(runner.lora.shape.slots)
+        registry = AdapterRegistry(runner.lora, slots)
+        for adapter in runner.initial_adapters:
+            registry.add(adapter)
     scheduler = Scheduler(
-        config.scheduler, pool, rows, cache, rows.max_requests, runner.context_length
+        config.scheduler, pool, rows, cache, rows.max_requests, runner.context_length, slots
     )
     grammar = GrammarService(config.grammar, tokenizer, runner.vocab_size, eos_token_ids)
     core = EngineCore(
@@ -494,6 +538,7 @@ def create_core(
         jump_forward=config.grammar.jump_forward,
         pool_size=pool.num_slots,
         publish_stats=publish_stats,
+        adapters=registry,
     )
     quant = info.quantization
     static = {
@@ -506,6 +551,15 @@ def create_core(
         "quantization": quant.describe() if quant else None,
         "kv_cache_dtype": str(pool.dtype).removeprefix("torch."),
         "tp_size": runner.tp.size,
+        # The adapter pool: None without LoRA, else its slots, largest rank and projections.
+        "lora": None
+        if runner.lora is None
+        else {
+            "max_loras_per_batch": runner.lora.shape.slots,
+            "max_lora_rank": runner.lora.shape.max_rank,
+            "lora_target_modules": sorted(runner.lora.shape.targets),
+            "initial_adapters": registry.listing() if registry is not None else {},
+        },
     }
     # Each rank's memory after loading: its weights, its KV pool, its resident size.
     static["tp_ranks"] = ranks

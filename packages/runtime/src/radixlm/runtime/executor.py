@@ -30,6 +30,8 @@ class ForwardStep:
 
     writes: list[RowWrite]
     entries: list[BatchEntry]
+    #: With LoRA: the (uid, directory) each adapter slot holds (see `AdapterSlots`).
+    adapter_table: tuple[tuple[str, str] | None, ...] | None = None
 
 
 def run_forward(runner: ModelRunner, step: ForwardStep) -> LogitsOutput:
@@ -37,7 +39,16 @@ def run_forward(runner: ModelRunner, step: ForwardStep) -> LogitsOutput:
     table = runner.req_to_token_pool
     for row, start, slots in step.writes:
         table.write(row, start, slots)
-    return runner.forward(ForwardBatch.build(step.entries, table.req_to_token))
+    lora = runner.lora
+    if lora is None:
+        return runner.forward(ForwardBatch.build(step.entries, table.req_to_token))
+    if step.adapter_table is not None:
+        lora.sync(step.adapter_table)
+    lora.set_batch([(len(e.input_ids), e.lora_slot) for e in step.entries])
+    try:
+        return runner.forward(ForwardBatch.build(step.entries, table.req_to_token))
+    finally:
+        lora.clear_batch()
 
 
 @dataclass(frozen=True)
@@ -138,9 +149,10 @@ class ModelExecutor:
                     media_embeds=media,
                     mrope_positions=mrope,
                     return_hidden_states=extra.return_hidden_states,
+                    lora_slot=entry.lora_slot,
                 )
             )
-        step = ForwardStep(writes, entries)
+        step = ForwardStep(writes, entries, batch.adapter_table)
         if self.sender is not None:
             # Under tensor parallelism every other rank runs the same step on its shard.
             with self.sender.lock:

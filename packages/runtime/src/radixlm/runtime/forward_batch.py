@@ -47,6 +47,8 @@ class BatchEntry:
     mrope_positions: torch.Tensor | None = None
     #: Return the final hidden states of this request's new tokens.
     return_hidden_states: bool = False
+    #: The slot of the request's LoRA adapter in the runner's pool (-1: none).
+    lora_slot: int = -1
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ class EngineRequest:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     #: The token that ends the thinking, when `params.thinking_token_budget` is set.
     thinking_end: int | None = None
+    #: The LoRA adapter's name (None: the base model); the core resolves it to its uid.
+    lora_name: str | None = None
     created: float = 0.0  # time.monotonic() when it arrived (system-wide on Linux)
 
 
@@ -79,6 +81,25 @@ class StopSequence:
 class FlushCache:
     """Drop the radix cache (answered False while requests run)."""
 
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadLoraAdapter:
+    """Read, check and register a LoRA adapter (answered with the loaded adapters, name ->
+    directory, or an InvalidRequest naming `lora_name` / `lora_path`)."""
+
+    name: str
+    path: str
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadLoraAdapter:
+    """Remove an adapter's name; requests already using it finish (answered like
+    `LoadLoraAdapter`)."""
+
+    name: str
     reply: int
 
 
@@ -114,6 +135,8 @@ Command = (
     | Abort
     | StopSequence
     | FlushCache
+    | LoadLoraAdapter
+    | UnloadLoraAdapter
     | GetServerInfo
     | CheckInvariants
     | Call

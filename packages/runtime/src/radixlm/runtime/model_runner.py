@@ -19,12 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.runtime.attention import AttentionBackend, create_backend
-from radixlm.runtime.config import RunnerConfig
+from radixlm.runtime.config import LoraConfig, RunnerConfig
 from radixlm.runtime.cuda_graph import CudaGraphRunner, cuda_graphs_usable
 from radixlm.runtime.distributed import SINGLE, TensorParallel
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.loader import ModelInfo, load_model
 from radixlm.runtime.logprobs import TokenLogprob, collect_logprobs
+from radixlm.runtime.lora.adapter import LoraAdapter, load_adapter
+from radixlm.runtime.lora.manager import LoraManager, pool_shape
 from radixlm.runtime.memory import KVPool, ReqToTokenPool, kv_pool_capacity
 from radixlm.runtime.models import DecoderForCausalLM
 from radixlm.runtime.sampler import SampleOutput, Sampler
@@ -87,6 +89,13 @@ class ModelRunner:
             logger.info("compute dtype %s on %s: %s", info.dtype, info.device, info.dtype_reason)
         if info.quantization is not None:
             logger.info("quantized weights: %s", info.quantization.describe())
+        # The adapter pool's buffers are allocated before the KV pool is sized.
+        #: The LoRA adapter pool (None: no adapters are served).
+        self.lora: LoraManager | None = None
+        #: The adapters read at start (rank 0 registers them with the engine core).
+        self.initial_adapters: list[LoraAdapter] = []
+        if config.lora.active:
+            self.lora, self.initial_adapters = build_lora(config.lora, model, info)
         arch = info.arch
         memory = config.memory
         kv_dtype = self.dtype if memory.kv_cache_dtype == "auto" else _dtype(memory.kv_cache_dtype)
@@ -118,8 +127,9 @@ class ModelRunner:
         self.sampler = Sampler(config.sampler)
         self.stats = RunnerStats()
         self.graph_runner: CudaGraphRunner | None = None
-        # gloo's collectives cannot be captured in a CUDA graph (NCCL's can).
-        graphs = config.attention.cuda_graph and tp.backend != "gloo"
+        # gloo's collectives cannot be captured in a CUDA graph (NCCL's can); the LoRA path
+        # reads per-step segment tensors that a captured graph would not see.
+        graphs = config.attention.cuda_graph and tp.backend != "gloo" and self.lora is None
         if cuda_graphs_usable(self.device, graphs, self.attention):
             sizes = [
                 s for s in config.attention.graph_batch_sizes() if s <= memory.max_running_requests
@@ -250,6 +260,19 @@ _KV_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+
+
+def build_lora(
+    config: LoraConfig, model: torch.nn.Module, info: ModelInfo
+) -> tuple[LoraManager, list[LoraAdapter]]:
+    """Read the start-up adapters, size the pool after them and wrap the model's layers."""
+    if info.quantization is not None:
+        raise ValueError("LoRA adapters cannot be served over quantized weights yet")
+    initial = [load_adapter(name, path, info.arch) for name, path in config.paths]
+    shape = pool_shape(initial, config.max_loras_per_batch, config.max_rank, config.target_modules)
+    for adapter in initial:
+        shape.check(adapter)
+    return LoraManager(model, info.arch, shape, info.dtype, info.device), initial
 
 
 def _dtype(name: str) -> torch.dtype:

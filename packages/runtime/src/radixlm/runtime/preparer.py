@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -68,8 +69,11 @@ class RequestPreparer:
         limits: FrontendLimits,
         incremental_streaming: bool = False,
         multimodal: MultimodalPreparer | None = None,
+        lora_adapters: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        #: The loaded LoRA adapters, name -> directory (None: the engine serves none).
+        self.lora_adapters = lora_adapters
         #: A vision model's image and video handling (None: media are refused).
         self.multimodal = multimodal
         self.defaults = defaults
@@ -84,6 +88,7 @@ class RequestPreparer:
     def prepare(self, item: GenerateRequest) -> EngineRequest:
         """Validate and tokenize one single request. Raises InvalidRequest naming the field."""
         self._refuse_unsupported(item)
+        lora_name = self._lora_name(item)
         embeds = self._input_embeds(item)
         prompt_ids = self._prompt_ids(item, embeds)
         prompt_ids, media = self._media(item, prompt_ids, embeds)
@@ -137,13 +142,35 @@ class RequestPreparer:
             return_hidden_states=hidden,
             bad_words_ids=self._bad_words(params),
             thinking_end=thinking_end,
+            lora_name=lora_name,
             created=time.monotonic(),
         )
+
+    def _lora_name(self, item: GenerateRequest) -> str | None:
+        """The request's adapter name, checked against the loaded ones (None: the base model;
+        so is an empty name)."""
+        name = _one(item.lora_path, str)
+        if not name:
+            return None
+        if self.lora_adapters is None:
+            raise InvalidRequest(
+                "lora_path",
+                "this engine serves no LoRA adapters; remove lora_path, or start the server "
+                "with --lora-paths NAME=PATH (or --enable-lora and POST /load_lora_adapter)",
+            )
+        loaded = self.lora_adapters()
+        if name not in loaded:
+            known = ", ".join(sorted(loaded)) or "none"
+            raise InvalidRequest(
+                "lora_path",
+                f"unknown LoRA adapter {name!r} (loaded: {known}); load it with "
+                "POST /load_lora_adapter or name a loaded one",
+            )
+        return name
 
     def _refuse_unsupported(self, item: GenerateRequest) -> None:
         refused = {
             "audio_data": "audio input is not supported yet; remove audio_data",
-            "lora_path": "LoRA adapters are not supported by this engine; remove lora_path",
         }
         if self.multimodal is None:
             for field, kind in (("image_data", "images"), ("video_data", "videos")):

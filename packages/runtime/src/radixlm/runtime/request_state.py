@@ -75,6 +75,7 @@ def open_request(
     eos_token_ids: tuple[int, ...],
     grammar_future: Any,
     prefix_sharing: bool,
+    lora: tuple[str, str] | None = None,
 ) -> RequestHandle:
     """The engine-side state of a prepared request: one scheduler `Req` and stop conditions
     per sequence (`n > 1` siblings wait for the first one's prefill when the cache shares it)."""
@@ -97,6 +98,9 @@ def open_request(
             stopper=stops,
             # Every prompt position's hidden state is returned: none comes from the cache.
             reuse_prefix=not hidden,
+            # KV computed under an adapter is cached under its uid, apart from other adapters'.
+            extra_key=lora[0] if lora is not None else None,
+            lora=lora,
         )
         seq = SequenceState(
             handle,

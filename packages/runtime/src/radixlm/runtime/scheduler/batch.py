@@ -31,6 +31,8 @@ class StepEntry:
     is_prefill: bool
     logprob_start: int = 0
     logprob_targets: list[int] | None = None
+    #: The request's LoRA adapter slot (-1: the base model).
+    lora_slot: int = -1
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,14 @@ class ScheduledBatch:
 
     `retracted`: requests sent back to the queue in this step (their tokens are kept);
     `dropped`: requests the scheduler ended because they cannot fit in the KV pool even alone
-    (already released; the engine reports them as aborted).
+    (already released; the engine reports them as aborted). `adapter_table`: with LoRA, the
+    (uid, directory) each adapter slot holds for this step (None: an empty slot).
     """
 
     entries: tuple[StepEntry, ...]
     retracted: tuple[Req, ...] = field(default=())
     dropped: tuple[Req, ...] = field(default=())
+    adapter_table: tuple[tuple[str, str] | None, ...] | None = None
 
     @property
     def num_tokens(self) -> int:

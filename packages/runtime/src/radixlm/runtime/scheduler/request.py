@@ -71,6 +71,7 @@ class Req:
         wait_for: Req | None = None,
         stopper: Stopper | None = None,
         reuse_prefix: bool = True,
+        lora: tuple[str, str] | None = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -96,6 +97,9 @@ class Req:
         #: False: compute every prompt position, even those the cache holds (the engine wants
         #: an output of each, e.g. its hidden state).
         self.reuse_prefix = reuse_prefix
+        #: Its LoRA adapter: (uid, adapter directory), or None for the base model. The cache
+        #: key's `extra_key` should name the adapter too (KV differs under each adapter).
+        self.lora = lora
         self._prompt_key: array[int] | None = None
         self.arrival = next(_ARRIVALS)
         self.status = ReqStatus.WAITING

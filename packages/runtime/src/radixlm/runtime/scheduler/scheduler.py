@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol
 
 from radixlm.cache import MatchResult, RadixCache
 from radixlm.runtime.config import SchedulerConfig
+from radixlm.runtime.scheduler.adapters import AdapterSlots
 from radixlm.runtime.scheduler.batch import ScheduledBatch, SeqUpdate, StepEntry
 from radixlm.runtime.scheduler.policy import Policy, common_prefix_tokens
 from radixlm.runtime.scheduler.request import Req, ReqStatus
@@ -66,6 +67,7 @@ class Scheduler:
         cache: RadixCache,
         max_running_requests: int = 256,
         context_length: int = 1 << 30,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         if cache.page_size != pool.page_size:
             raise ValueError("the radix cache and the KV pool must use the same page size")
@@ -78,6 +80,9 @@ class Scheduler:
         self.max_running = max_running_requests
         #: A sequence that reaches this many tokens ends (finish reason length).
         self.context_length = context_length
+        #: The LoRA adapter slots (None: the engine serves no adapters). A request is admitted
+        #: only when its adapter has a slot, so a step never needs more than the pool holds.
+        self.adapters = adapters
         self.policy = Policy(
             config.schedule_policy, config.policy_fallback_queue_len, config.random_seed
         )
@@ -209,6 +214,8 @@ class Scheduler:
             self.cache.unlock(req.last_node)
         if req.row is not None:
             self.rows.free(req.row)
+        if req.lora is not None and self.adapters is not None:
+            self.adapters.release(req.lora[0])
         req.kv_slots = []
         req.spare_slots = []
         req.cache_len = 0
@@ -298,7 +305,8 @@ class Scheduler:
                 self.config.min_new_token_ratio,
                 self.new_token_ratio - self.config.new_token_ratio_decay,
             )
-        return ScheduledBatch(tuple(entries), tuple(retracted), tuple(dropped))
+        table = self.adapters.snapshot() if self.adapters is not None else None
+        return ScheduledBatch(tuple(entries), tuple(retracted), tuple(dropped), table)
 
     def _youngest(self, among: Sequence[Req] | None = None) -> Req:
         return max(among if among is not None else self.running, key=lambda r: r.arrival)
@@ -376,7 +384,13 @@ class Scheduler:
             is_prefill=is_prefill,
             logprob_start=logprob_start,
             logprob_targets=targets,
+            lora_slot=self._lora_slot(req),
         )
+
+    def _lora_slot(self, req: Req) -> int:
+        if req.lora is None or self.adapters is None:
+            return -1
+        return self.adapters.slot_of(req.lora[0])
 
     def _reserve(self, req: Req) -> float:
         """Slots `req` will still need: its uncomputed tokens and a share of its output."""
@@ -419,6 +433,8 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
+            if req.lora is not None and not self._adapter_fits(req.lora[0]):
+                continue  # every adapter slot is held by running requests: wait for one
             match = self._match(req)
             prefix = match.length if req.reuse_prefix else 0
             if req.input_logprob_next is not None and not req.input_logprobs_done:
@@ -458,6 +474,11 @@ class Scheduler:
         self._matches.clear()
         return entries
 
+    def _adapter_fits(self, uid: str) -> bool:
+        if self.adapters is None:
+            raise RuntimeError("a request names a LoRA adapter but the engine serves none")
+        return self.adapters.can_place(uid)
+
     def _prefix_length(self, req: Req) -> int:
         if not self.caching:
             return 0
@@ -493,6 +514,8 @@ class Scheduler:
         req.cache_len = len(prefix_slots)
         req.row = row
         req.row_synced = 0
+        if req.lora is not None and self.adapters is not None:
+            self.adapters.acquire(*req.lora)
         if req.cached_tokens is None:
             req.cached_tokens = len(prefix_slots)
             self.prompt_tokens += len(req.prompt_ids)
