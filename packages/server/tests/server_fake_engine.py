@@ -16,6 +16,13 @@ an item it cannot read (here: one holding "broken"), naming it as radixlm's engi
 (`image_data` when it is the only one, else `image_data[i]`). A text-only fake refuses any
 image or video, naming the field.
 
+`LoraFakeEngine` adds LoRA adapters, held in memory as name -> path: the optional
+`load_lora_adapter` / `unload_lora_adapter` / `lora_adapters` members of EngineClient, with
+radixlm's engine's refusals (fields `lora_name` / `lora_path`), and a request naming an
+unknown adapter in `lora_path` refused before its first chunk. The plain FakeEngine has none
+of those members and ignores `lora_path`. Either records each request it receives
+(`received`, so `received[-1].lora_path`).
+
 Also used by tools/bench/serve_bench.py --fake (loaded by path), so it must not import pytest.
 """
 
@@ -186,6 +193,8 @@ class FakeEngine:
         self.closed_early: list[str] = []
         self.aborted: list[str] = []
         self.completed: list[str] = []
+        #: Loaded LoRA adapters, name -> path; None: this engine does no LoRA (LoraFakeEngine).
+        self.lora_registry: dict[str, str] | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -244,6 +253,9 @@ class FakeEngine:
     def _check(self, request: GenerateRequest, prompt: list[int]) -> None:
         """What radixlm's engine refuses, with its fields (messages shortened)."""
         request.params.check(self.vocab_size)
+        lora = request.lora_path
+        if self.lora_registry is not None and lora is not None and lora not in self.lora_registry:
+            raise InvalidRequest("lora_path", f"no LoRA adapter named {lora!r} is loaded")
         custom = request.custom_logit_processor
         if custom is not None:
             if not self.enable_custom_logit_processor:
@@ -449,6 +461,50 @@ class FakeEngine:
             (
                 self.aborted if state["abort"] else self.completed if done else self.closed_early
             ).append(rid)
+
+
+class LoraFakeEngine(FakeEngine):
+    """A FakeEngine serving LoRA adapters (in memory; they change nothing in the output).
+
+    A path holding "missing" does not exist, one holding "rank64" has too large a rank, as
+    radixlm's engine would say. `adapter_calls` records each load and unload."""
+
+    def __init__(
+        self, tokenizer: Any, *, lora_paths: dict[str, str] | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(tokenizer, **kwargs)
+        self.lora_registry = dict(lora_paths or {})
+        self.adapter_calls: list[tuple[str, ...]] = []
+
+    def lora_adapters(self) -> dict[str, str]:
+        assert self.lora_registry is not None
+        return dict(self.lora_registry)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        assert self.lora_registry is not None
+        self.adapter_calls.append(("load", lora_name, lora_path))
+        await asyncio.sleep(0)
+        if lora_name in self.lora_registry:
+            raise InvalidRequest(
+                "lora_name",
+                f"a LoRA adapter named {lora_name!r} is already loaded; unload it first or "
+                "choose another name",
+            )
+        if "missing" in lora_path:
+            raise InvalidRequest("lora_path", f"no LoRA adapter at {lora_path!r}")
+        if "rank64" in lora_path:
+            raise InvalidRequest(
+                "lora_path", "the adapter's rank 64 is above the engine's max_lora_rank 16"
+            )
+        self.lora_registry[lora_name] = lora_path
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        assert self.lora_registry is not None
+        self.adapter_calls.append(("unload", lora_name))
+        await asyncio.sleep(0)
+        if lora_name not in self.lora_registry:
+            raise InvalidRequest("lora_name", f"no LoRA adapter named {lora_name!r} is loaded")
+        del self.lora_registry[lora_name]
 
 
 class ForceToken(CustomLogitProcessor):

@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from radixlm.server._version import __version__
 from radixlm.server.config import ServerConfig
 from radixlm.server.errors import APIError, BodyTooLarge, body_too_large, install_error_handlers
+from radixlm.server.lora import adapter_cards, lora_router
 from radixlm.server.metrics import ServerMetrics
 from radixlm.server.native import native_router
 from radixlm.server.openai_chat import create_chat_completion
@@ -122,16 +123,19 @@ def _openai_router(state: ServerState) -> APIRouter:
 
     @router.get("/models")
     async def list_models() -> dict[str, Any]:
-        """The served model (OpenAI's model list)."""
-        return {"object": "list", "data": [model_card()]}
+        """The served model, then its loaded LoRA adapters (OpenAI's model list)."""
+        return {"object": "list", "data": [model_card(), *adapter_cards(state)]}
 
     @router.get("/models/{model:path}")
     async def retrieve_model(model: str) -> dict[str, Any]:
-        """One model by name; 404 for any other."""
-        if model != state.served_model_name:
-            raise APIError(404, f"the model {model!r} is not served here", param="model",
-                           code="model_not_found")  # fmt: skip
-        return model_card()
+        """One model (the served model or a LoRA adapter) by name; 404 for any other."""
+        if model == state.served_model_name:
+            return model_card()
+        for card in adapter_cards(state):
+            if card["id"] == model:
+                return card
+        raise APIError(404, f"the model {model!r} is not served here", param="model",
+                       code="model_not_found")  # fmt: skip
 
     def body_schema(model: Any) -> dict[str, Any]:
         content = {"application/json": {"schema": model.model_json_schema()}}
@@ -206,6 +210,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
 
     app.add_exception_handler(ClientDisconnected, on_disconnect)
     app.include_router(native_router(state))
+    app.include_router(lora_router(state))
     app.include_router(_openai_router(state))
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes, metrics=state.metrics)
     if config.api_key is not None:  # outermost: checked first

@@ -18,11 +18,21 @@ from radixlm.server.config import (
     TOOL_CALL_PARSERS,
     ServerConfig,
 )
+from radixlm.server.lora import LoraPathsAction, TargetModulesAction, lora_path_item
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more; got {text}")
+    return value
+
 
 # Flags that configure the engine: (flag dest, argparse keywords). Their values go to
 # `radixlm.runtime.Engine(model_path, **kwargs)` under the dest name, only when given, so the
 # engine's own defaults apply otherwise. Their `choices` are the runtime's, written once in
-# `radixlm.runtime.config` (`ENGINE_CHOICES`, read by `launcher.engine_choices`).
+# `radixlm.runtime.config` (`ENGINE_CHOICES`, read by `launcher.engine_choices`), plus a
+# flag's `extra_choices` (values the CLI accepts beside them).
 ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "tokenizer_path": {"help": "tokenizer directory (default: the model's)"},
     "dtype": {"help": "weight dtype"},
@@ -186,6 +196,41 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "help": "vision-encoder outputs kept by image hash, so a repeated image is not encoded "
         "again (default 128; 0: none)",
     },
+    # LoRA adapters (SGLang's flags).
+    "enable_lora": {
+        "action": "store_true",
+        "help": "serve LoRA adapters (implied by --lora-paths); more can be loaded while "
+        "serving with POST /load_lora_adapter",
+    },
+    "lora_paths": {
+        "nargs": "+",
+        "type": lora_path_item,
+        "action": LoraPathsAction,
+        "metavar": "NAME=PATH",
+        "help": "LoRA adapters (local PEFT directories) to load at startup, each NAME=PATH, a "
+        'bare PATH (named by itself) or a JSON object {"lora_name": ..., "lora_path": ...}; '
+        "requests name them as model (NAME or SERVED_NAME:NAME) or lora_path",
+    },
+    "max_loras_per_batch": {
+        "type": _positive_int,
+        "metavar": "N",
+        "help": "most distinct LoRA adapters in one batch (default 8)",
+    },
+    "max_lora_rank": {
+        "type": _positive_int,
+        "metavar": "R",
+        "help": "largest LoRA rank an adapter may have (default: the largest of --lora-paths', "
+        "16 without them); adapters loaded later must fit",
+    },
+    "lora_target_modules": {
+        "nargs": "+",
+        "action": TargetModulesAction,
+        "extra_choices": ["all"],
+        "metavar": "MODULE",
+        "help": "modules LoRA adapters may adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, "
+        "up_proj, down_proj), or all (default: those of --lora-paths, all without them); "
+        "adapters loaded later must fit",
+    },
 }
 
 NO_MODEL_MESSAGE = """\
@@ -223,6 +268,7 @@ def _replica_count(text: str) -> int:
 def _add_flag(parser: argparse._ActionsContainer, dest: str, spec: dict[str, Any]) -> None:
     spec = dict(spec)
     aliases = spec.pop("aliases", [])
+    spec.pop("extra_choices", None)
     parser.add_argument("--" + dest.replace("_", "-"), *aliases, dest=dest, **spec)
 
 
@@ -285,7 +331,7 @@ def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
     choices = engine_choices()
     for dest, spec in ENGINE_FLAGS.items():
         if dest in choices:
-            spec = {**spec, "choices": list(choices[dest])}
+            spec = {**spec, "choices": [*choices[dest], *spec.get("extra_choices", ())]}
         _add_flag(engine, dest, spec)
     engine.add_argument(
         "--engine-mode",

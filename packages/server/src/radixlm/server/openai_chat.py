@@ -36,7 +36,7 @@ from radixlm.server.openai_models import (
     Tool,
 )
 from radixlm.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
-from radixlm.server.state import ServerState, renamed_errors
+from radixlm.server.state import ServedModel, ServerState, renamed_errors
 from radixlm.server.streams import (
     EngineJSONResponse,
     EngineStreams,
@@ -221,10 +221,15 @@ class _Chat:
     """One `/v1/chat/completions` call, on its rendered prompt."""
 
     def __init__(
-        self, state: ServerState, request: ChatCompletionRequest, prompt: ChatPrompt
+        self,
+        state: ServerState,
+        request: ChatCompletionRequest,
+        prompt: ChatPrompt,
+        model: ServedModel,
     ) -> None:
         self.state = state
         self.request = request
+        self.model = model
         self.id = state.new_id("chatcmpl-")
         self.created = now()
         choice = request.effective_tool_choice
@@ -264,6 +269,7 @@ class _Chat:
                 "return_text_in_logprobs": True,
                 "stream": request.stream,
                 "custom_logit_processor": request.custom_logit_processor,
+                "lora_path": model.lora,
             }
         )
         self.item = state.prepare(item)
@@ -280,7 +286,13 @@ class _Chat:
     def param_names(self) -> dict[str, str]:
         """SamplingParams fields -> this request's fields (for errors)."""
         names = param_names(self.request, self.max_tokens_name, self.constraint_param)
-        return {"text": "messages", "input_ids": "messages", **self.media.error_names(), **names}
+        return {
+            "text": "messages",
+            "input_ids": "messages",
+            **self.media.error_names(),
+            **self.model.error_names(),
+            **names,
+        }
 
     def _constraint(self, tools: Any, choice: Any) -> str | None:
         """The constraint response_format or the tools set (json_schema text), or None."""
@@ -328,7 +340,7 @@ class _Chat:
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
-            "model": self.state.served_model_name,
+            "model": self.model.name,
             "choices": choices,
         }
         if usage_value is not ...:
@@ -428,9 +440,9 @@ class _Chat:
 
 async def create_chat_completion(state: ServerState, http: Request) -> Response:
     request = await state.read_body(http, partial(parse_body, ChatCompletionRequest))
-    state.check_model(request.model)
+    model = state.check_model(request.model).with_lora_path(request.lora_path)
     with renamed_errors({"text": "messages", "input_ids": "messages", **param_names(request)}):
-        call = _Chat(state, request, await chat_prompt(state, request))
+        call = _Chat(state, request, await chat_prompt(state, request), model)
     with renamed_errors(call.param_names()):
         streams = state.streams("/v1/chat/completions", [call.item])
         if request.stream:

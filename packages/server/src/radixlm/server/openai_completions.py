@@ -24,7 +24,7 @@ from radixlm.server.openai_common import (
     usage,
 )
 from radixlm.server.openai_models import CompletionRequest
-from radixlm.server.state import ServerState, renamed_errors
+from radixlm.server.state import ServedModel, ServerState, renamed_errors
 from radixlm.server.streams import (
     EngineJSONResponse,
     EngineStreams,
@@ -49,9 +49,10 @@ def _prompts(request: CompletionRequest) -> list[Prompt]:
 class _Completion:
     """One `/v1/completions` call: its engine requests and how their chunks become choices."""
 
-    def __init__(self, state: ServerState, request: CompletionRequest) -> None:
+    def __init__(self, state: ServerState, request: CompletionRequest, model: ServedModel) -> None:
         self.state = state
         self.request = request
+        self.model = model
         self.id = state.new_id("cmpl-")
         self.created = now()
         self.prompts = _prompts(request)
@@ -75,6 +76,7 @@ class _Completion:
                     "return_text_in_logprobs": True,
                     "stream": request.stream,
                     "custom_logit_processor": request.custom_logit_processor,
+                    "lora_path": model.lora,
                 }
             )
             self.items.append(state.prepare(item))
@@ -103,7 +105,7 @@ class _Completion:
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
-            "model": self.state.served_model_name,
+            "model": self.model.name,
             "choices": choices,
         }
         if usage_value is not ...:
@@ -216,10 +218,10 @@ class _Completion:
 
 async def create_completion(state: ServerState, http: Request) -> Response:
     request = await state.read_body(http, partial(parse_body, CompletionRequest))
-    state.check_model(request.model)
-    names = {"text": "prompt", "input_ids": "prompt", **param_names(request)}
+    model = state.check_model(request.model).with_lora_path(request.lora_path)
+    names = {"text": "prompt", "input_ids": "prompt", **model.error_names(), **param_names(request)}
     with renamed_errors(names):
-        call = _Completion(state, request)
+        call = _Completion(state, request, model)
         if request.use_beam_search:
             return EngineJSONResponse(await cancel_on_disconnect(http, call.beam_search()))
         streams = state.streams("/v1/completions", call.items)

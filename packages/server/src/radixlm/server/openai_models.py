@@ -101,6 +101,8 @@ class SamplingFields(BaseModel):
     custom_params: dict[str, Any] | None = None
     custom_logit_processor: str | None = None
     rid: str | None = None
+    #: SGLang's field: the LoRA adapter to answer with (or name it in `model`).
+    lora_path: str | None = None
 
     @field_validator("n")
     @classmethod

@@ -25,7 +25,7 @@ from radixlm.server.openai_responses_models import (
     ResponsesRequest,
 )
 from radixlm.server.response_store import StoredResponse
-from radixlm.server.state import ServerState
+from radixlm.server.state import ServedModel, ServerState
 from radixlm.server.streams import (
     EngineJSONResponse,
     EngineStreams,
@@ -44,6 +44,7 @@ _FIELD_NAMES = {
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
     "response_format": "text.format",
+    "lora_path": "model",  # an adapter the engine no longer has (unloaded meanwhile)
 }
 
 
@@ -171,9 +172,11 @@ class _Turn:
         self.chat = chat
 
     @classmethod
-    async def start(cls, state: ServerState, request: ResponsesRequest) -> _Turn:
-        """The turn that answers `request` after the stored conversation it continues (404
-        when that is gone), its prompt rendered and tokenized."""
+    async def start(
+        cls, state: ServerState, request: ResponsesRequest, model: ServedModel
+    ) -> _Turn:
+        """The turn that answers `request` with `model` after the stored conversation it
+        continues (404 when that is gone), its prompt rendered and tokenized."""
         earlier: tuple[ConversationItem, ...] = ()
         if request.previous_response_id is not None:
             previous = state.responses.get(request.previous_response_id)
@@ -188,7 +191,7 @@ class _Turn:
         conversation = (*earlier, *request.items())
         try:
             chat_call = chat_request(request, list(conversation))
-            chat = _Chat(state, chat_call, await chat_prompt(state, chat_call))
+            chat = _Chat(state, chat_call, await chat_prompt(state, chat_call), model)
         except InvalidRequest as error:
             raise _renamed(error) from None
         return cls(state, request, conversation, chat)
@@ -221,7 +224,7 @@ class _Turn:
             else None,
             "instructions": request.instructions,
             "max_output_tokens": request.max_output_tokens,
-            "model": self.state.served_model_name,
+            "model": self.chat.model.name,
             "output": output,
             "parallel_tool_calls": request.parallel_tool_calls,
             "previous_response_id": request.previous_response_id,
@@ -434,8 +437,7 @@ class _ResponseEvents:
 
 async def create_response(state: ServerState, http: Request) -> Response:
     request = await state.read_body(http, partial(parse_body, ResponsesRequest))
-    state.check_model(request.model)
-    turn = await _Turn.start(state, request)
+    turn = await _Turn.start(state, request, state.check_model(request.model))
     try:
         streams = state.streams(ROUTE, [turn.chat.item])
         if request.stream:

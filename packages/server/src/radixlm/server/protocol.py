@@ -75,6 +75,30 @@ class EngineClient(Protocol):
 
     False while the engine cannot serve (its process died and is restarting, or it shut
     down): `/health` then answers 503. An engine without it counts as healthy.
+
+        def load_lora_adapter(lora_name: str, lora_path: str) -> Awaitable[dict[str, str] | None]
+        def unload_lora_adapter(lora_name: str) -> Awaitable[dict[str, str] | None]
+        def lora_adapters() -> dict[str, str]
+
+    LoRA adapters (SGLang's `/load_lora_adapter` and `/unload_lora_adapter`; without these
+    members those routes answer a 400 "this engine does not support LoRA adapters" and only
+    the base model is served). `load_lora_adapter` loads the PEFT directory `lora_path` under
+    `lora_name`; `unload_lora_adapter` removes an adapter: requests already running on it
+    finish, new ones naming it are refused. Both return at once with an awaitable (radixlm's
+    `Reply`, a coroutine) that resolves once the engine has done it, to the adapters then
+    loaded (name -> path; None: the server reads `lora_adapters()`), and must not block the
+    event loop; a failure raises `radixlm.sampling.InvalidRequest` naming
+    `lora_name` or `lora_path` with what is wrong (a name already loaded, or unknown, a path
+    that is missing or not an adapter, a rank or target modules the engine cannot hold), a
+    400 naming that field. `lora_adapters()` is synchronous and cheap (it is read on every
+    OpenAI request whose `model` is not the base model's name, and on `/v1/models`): the
+    adapters loaded now, name -> path, in the order they were loaded. A request for an
+    adapter arrives as `GenerateRequest.lora_path` (its name; one per single request, as
+    `split()` gives it): an OpenAI request whose `model` is an adapter's name (vLLM's
+    convention) or `<served name>:<adapter>` (SGLang's), or that sent `lora_path` (SGLang's
+    field), and any `/generate` request with `lora_path`. The engine refuses an unknown name
+    with `InvalidRequest` naming `lora_path` (the server reports it under the field the
+    client used: `model` or `lora_path`).
     """
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:

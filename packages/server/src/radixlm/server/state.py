@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from starlette.requests import Request
@@ -71,6 +72,43 @@ def renamed_errors(names: Mapping[str, str]) -> Iterator[None]:
         if error.field not in names:
             raise
         raise InvalidRequest(names[error.field], error.message) from None
+
+
+#: Adapter names a 404 about an unknown model lists at most.
+_NAMES_SHOWN = 10
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What an OpenAI request's `model` named: the base model, or one of its LoRA adapters.
+
+    `name` is what the response's `model` echoes: the served name for the base model (whatever
+    alias the client sent), the client's own spelling for an adapter (`adapter` or
+    `served:adapter`). `lora` is the adapter's name, the `lora_path` of the engine requests;
+    `lora_param` the request field it came from, which the engine's errors about `lora_path`
+    are reported under."""
+
+    name: str
+    lora: str | None = None
+    lora_param: str = "model"
+
+    def with_lora_path(self, lora_path: str | None) -> ServedModel:
+        """This model with a request's explicit `lora_path` (SGLang's field) applied: the
+        adapter it names on the base model (the engine checks the name); InvalidRequest when
+        `model` already names another adapter."""
+        if lora_path is None or lora_path == self.lora:
+            return self
+        if self.lora is not None:
+            raise InvalidRequest(
+                "lora_path",
+                f"names the LoRA adapter {lora_path!r} but model names {self.lora!r}; "
+                "send the adapter in one of them",
+            )
+        return ServedModel(self.name, lora_path, "lora_path")
+
+    def error_names(self) -> dict[str, str]:
+        """The engine's field for the adapter -> the request field that named it."""
+        return {"lora_path": self.lora_param} if self.lora is not None else {}
 
 
 class ServerState:
@@ -154,17 +192,42 @@ class ServerState:
         if context is not None:
             check_text_fits(text, context, self.max_token_chars, field)
 
-    def check_model(self, name: str | None) -> None:
-        """None, "default" (SGLang's documentation's name) and the served name are served;
-        any other name is a 404 naming the served model."""
-        if name is not None and name not in ("default", self.served_model_name):
-            raise APIError(
-                404,
-                f"the model {name!r} is not served here; this server serves "
-                f"{self.served_model_name!r} (see /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+    def lora_adapters(self) -> dict[str, str]:
+        """The engine's loaded LoRA adapters, name -> path, read now (the engine's optional
+        `lora_adapters()`); {} for an engine without LoRA support."""
+        read = getattr(self.engine, "lora_adapters", None)
+        return dict(read()) if callable(read) else {}
+
+    def check_model(self, name: str | None) -> ServedModel:
+        """What an OpenAI request's `model` names. None, "default" (SGLang's documentation's
+        name) and the served name are the base model; a loaded LoRA adapter's name (vLLM's
+        convention) or `<served name>:<adapter>` (SGLang's; `default:<adapter>` too) is that
+        adapter. Any other name is a 404 naming what is served."""
+        served = self.served_model_name
+        if name is None or name in ("default", served):
+            return ServedModel(served)
+        adapters = self.lora_adapters()
+        if name in adapters:
+            return ServedModel(name, name)
+        for base in (served, "default"):
+            adapter = name.removeprefix(f"{base}:")
+            if adapter != name and adapter in adapters:
+                return ServedModel(name, adapter)
+        where = "see /v1/models"
+        serves = repr(served)
+        if adapters:
+            names = ", ".join(repr(a) for a in sorted(adapters)[:_NAMES_SHOWN])
+            more = len(adapters) - _NAMES_SHOWN
+            kind = "LoRA adapter" if len(adapters) == 1 else "LoRA adapters"
+            serves += f" and the {kind} {names}" + (f" and {more} more" if more > 0 else "")
+            first = min(adapters)
+            where = f"send model={first!r} or model={served + ':' + first!r}; {where}"
+        raise APIError(
+            404,
+            f"the model {name!r} is not served here; this server serves {serves} ({where})",
+            param="model",
+            code="model_not_found",
+        )
 
     @staticmethod
     def new_id(prefix: str) -> str:
