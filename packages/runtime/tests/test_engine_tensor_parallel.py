@@ -247,3 +247,28 @@ def test_a_vision_model_under_tp_answers_as_the_unsplit_engine(
     assert _ids(ours) == _ids(theirs)
     assert again["output_ids"] == theirs[2]["output_ids"]
     assert again["meta_info"]["cached_tokens"] >= 16  # the image, from the cache
+
+
+def test_lora_adapters_under_tp_answer_as_the_unsplit_engine(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from radixlm.runtime.fixtures import build_random_lora
+
+    # Column layers hold each rank's rows of B, row layers each rank's columns of A; one
+    # adapter slot for two adapters, and one adapter loaded at run time: the other rank reads
+    # it from its directory when its slot first holds it.
+    first = build_random_lora(model_dir, tmp_path / "first", rank=8, seed=1, scale=0.3)
+    second = build_random_lora(model_dir, tmp_path / "second", rank=4, seed=2, scale=0.3)
+    prompts = sample_texts(4, seed=5)
+    names: list[str | None] = ["first", "second", None, "first"]
+    outputs = {}
+    for tp_size in (1, 2):
+        options = {**OPTIONS, "lora_paths": {"first": str(first)}, "max_loras_per_batch": 1}
+        extra = {"tp_size": 2, "dist_timeout": 30} if tp_size == 2 else {}
+        with Engine(str(model_dir), max_lora_rank=8, **options, **extra) as eng:
+            eng.load_lora_adapter("second", str(second)).result(60)
+            outputs[tp_size] = _ids(eng.generate(prompts, GREEDY, lora_path=names))
+            base = _ids(eng.generate(prompts, GREEDY))
+    assert outputs[2] == outputs[1]
+    assert outputs[1][0] != base[0] and outputs[1][1] != base[1]  # the adapters matter
+    assert outputs[1][2] == base[2]

@@ -195,6 +195,68 @@ def build_tiny_model(
     return path
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_random_lora(
+    model_dir: str | Path,
+    path: str | Path,
+    rank: int = 8,
+    alpha: float = 16.0,
+    target_modules: tuple[str, ...] = LORA_TARGETS,
+    seed: int = 0,
+    scale: float = 0.1,
+) -> Path:
+    """Write a random LoRA adapter for the model at `model_dir` into `path`, in the layout
+    `peft` saves (adapter_config.json, adapter_model.safetensors): A [rank, in] and B
+    [out, rank] drawn from N(0, scale^2) for each target projection of every layer."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    config = getattr(config, "text_config", None) or config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    kv = config.num_key_value_heads * head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    shapes = {
+        "q_proj": ("self_attn", hidden, q),
+        "k_proj": ("self_attn", hidden, kv),
+        "v_proj": ("self_attn", hidden, kv),
+        "o_proj": ("self_attn", q, hidden),
+        "gate_proj": ("mlp", hidden, inter),
+        "up_proj": ("mlp", hidden, inter),
+        "down_proj": ("mlp", inter, hidden),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for module in target_modules:
+            block, fan_in, fan_out = shapes[module]
+            stem = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            a = torch.randn(rank, fan_in, generator=generator) * scale
+            b = torch.randn(fan_out, rank, generator=generator) * scale
+            tensors[f"{stem}.lora_A.weight"] = a
+            tensors[f"{stem}.lora_B.weight"] = b
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(target_modules),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(adapter_config), encoding="utf-8")
+    return path
+
+
 def sample_texts(count: int, seed: int = 0, words: int = 12) -> list[str]:
     """`count` random sentences over the tiny tokenizer's training words."""
     rng = random.Random(seed)
