@@ -47,7 +47,9 @@ _SAMPLING_EXTRAS = {
     "sampling_seed": f"{S}: alias of seed",
 }
 _OPENAI_SHARED = {
-    "model": f"{OAI}: the served name or 'default'; any other name is a 404",
+    "model": f"{OAI}: the served name or 'default', or a LoRA adapter ('name' as {V}, "
+    f"'served:name' as {S}); any other name is a 404",
+    "lora_path": f"{S}: a LoRA adapter's name; a 400 when `model` names another one",
     "n": OAI,
     "stream": OAI,
     "stream_options": f"{OAI} (continuous_usage_stats: {V})",
@@ -72,7 +74,7 @@ ORIGINS: dict[str, dict[str, str]] = {
         "video_data": f"{S}: one video_token placeholder per video in the prompt; refused by "
         "models without video",
         "audio_data": f"{S}: refused (no audio models yet)",
-        "lora_path": f"{S}: refused (no adapters yet)",
+        "lora_path": f"{S}: a loaded LoRA adapter's name (a list for a batch); unknown: a 400",
         "logprob_start_len": f"{S}: at or past the prompt's length a 400 (not clamped)",
         "token_ids_logprob": f"{S}: turns logprobs on by itself",
         "return_hidden_states": f"{S}: the prompt is recomputed, not served from the cache",
