@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 
 from radixlm.router import DataParallelEngine
-from radixlm.sampling import EngineUnavailable, FinishReason, GenerateChunk, GenerateRequest
+from radixlm.sampling import (
+    EngineUnavailable,
+    FinishReason,
+    GenerateChunk,
+    GenerateRequest,
+    InvalidRequest,
+)
 
 
 class WordTokenizer:
@@ -229,3 +235,43 @@ def test_bad_arguments() -> None:
         DataParallelEngine([FakeReplica("a")], match_on="bytes")
     with pytest.raises(ValueError, match="router policy must be one of"):
         DataParallelEngine([FakeReplica("a")], "fastest")
+
+
+class LoraReplica(FakeReplica):
+    """A replica with LoRA adapters; `refuse` makes its next load fail."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.adapters: dict[str, str] = {}
+        self.refuse = False
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]:
+        if self.refuse:
+            raise InvalidRequest("lora_path", f"{self.name} cannot read {lora_path}")
+        self.adapters[lora_name] = lora_path
+        return dict(self.adapters)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        if lora_name not in self.adapters:
+            raise InvalidRequest("lora_name", f"no adapter {lora_name}")
+        del self.adapters[lora_name]
+        return dict(self.adapters)
+
+    def lora_adapters(self) -> dict[str, str]:
+        return dict(self.adapters)
+
+
+def test_lora_adapters_are_loaded_on_every_replica_or_none() -> None:
+    replicas = [LoraReplica("a"), LoraReplica("b")]
+    engine = DataParallelEngine(replicas)
+    assert asyncio.run(engine.load_lora_adapter("x", "/x")) == {"x": "/x"}
+    assert [r.adapters for r in replicas] == [{"x": "/x"}, {"x": "/x"}]
+    assert engine.lora_adapters() == {"x": "/x"}
+    replicas[1].refuse = True
+    with pytest.raises(InvalidRequest, match="cannot read"):
+        asyncio.run(engine.load_lora_adapter("y", "/y"))
+    assert [r.adapters for r in replicas] == [{"x": "/x"}, {"x": "/x"}]  # a took y back
+    assert asyncio.run(engine.unload_lora_adapter("x")) == {}
+    assert engine.lora_adapters() == {}
+    with pytest.raises(InvalidRequest, match="no adapter"):
+        asyncio.run(engine.unload_lora_adapter("x"))

@@ -6,7 +6,9 @@
 
 Each replica is anything with the server's `EngineClient` members (`generate(GenerateRequest)`
 as an async iterator, `abort`, `flush_cache`, `model_info`, `server_info`, `tokenizer`, and
-optionally `healthy`, `failed`, `beam_search`, `shutdown`); so is this object, and the HTTP API
+optionally `healthy`, `failed`, `beam_search`, `shutdown`, and the LoRA members
+`load_lora_adapter` / `unload_lora_adapter` / `lora_adapters`, passed to every replica); so is
+this object, and the HTTP API
 in front of it is the one of a single replica. A request's key is its prompt's token ids
 (`input_ids`, or its text encoded with the replicas' tokenizer — the tokens their caches see;
 see `radixlm.router.keys`). A replica that is not healthy is out of routing until it is again
@@ -17,6 +19,7 @@ see `radixlm.router.keys`). A replica that is not healthy is out of routing unti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -176,6 +179,40 @@ class DataParallelEngine:
             if done:
                 self.router.forget(str(index))
         return all(results)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]:
+        """Load a LoRA adapter on every replica (all or none: when one refuses it, those
+        that loaded it unload it again and the refusal is raised); the adapters loaded."""
+        done: list[Any] = []
+        loaded: dict[str, str] = {}
+        try:
+            for replica in self.replicas:
+                loaded = dict(await replica.load_lora_adapter(lora_name, lora_path))
+                done.append(replica)
+        except BaseException:
+            for replica in done:
+                with contextlib.suppress(Exception):
+                    await replica.unload_lora_adapter(lora_name)
+            raise
+        return loaded
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        """Unload an adapter from every replica (requests running on it finish)."""
+        left: dict[str, str] = {}
+        errors: list[BaseException] = []
+        for replica in self.replicas:
+            try:
+                left = dict(await replica.unload_lora_adapter(lora_name))
+            except Exception as error:  # unload the others anyway
+                errors.append(error)
+        if len(errors) == len(self.replicas):
+            raise errors[0]
+        return left
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters loaded (every replica holds the same ones)."""
+        read = getattr(self.replicas[0], "lora_adapters", None)
+        return dict(read()) if read is not None else {}
 
     def model_info(self) -> dict[str, Any]:
         info: dict[str, Any] = dict(self.replicas[0].model_info())
