@@ -113,7 +113,7 @@ def circles_image(count: int, rng: random.Random, size: int = IMAGE_SIZE) -> Ima
         for _ in range(200):
             if len(circles) == count:
                 break
-            r = rng.uniform(size * 0.08, size * 0.125)
+            r = rng.uniform(size * 0.09, size * 0.11)  # similar sizes: more circles, more colour
             x, y = rng.uniform(r + 1, size - r - 1), rng.uniform(r + 1, size - r - 1)
             if all((x - a) ** 2 + (y - b) ** 2 > (r + c + 3) ** 2 for a, b, c in circles):
                 circles.append((x, y, r))
