@@ -209,26 +209,36 @@ def llama_engine(family_setups: dict[str, Any]) -> Any:
         yield engine
 
 
+@pytest.mark.parametrize("family", list(ADAPTERS))
 def test_greedy_continuations_equal_peft_alone_and_batched(
-    llama_engine: Engine, family_setups: dict[str, Any]
+    family: str, family_setups: dict[str, Any]
 ) -> None:
-    _, adapters = family_setups["llama3"]
+    base, adapters = family_setups[family]
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     names: list[str | None] = [name for name, _, _ in adapters] + [None]
     prompts = [PROMPT, PROMPT[:7], PROMPT[3:], PROMPT[:10]]
     expected = [peft_greedy(ref, prompts[k], 10) for k, (_, _, ref) in enumerate(adapters)]
     with adapters[0][2].disable_adapter():
         expected.append(peft_greedy(adapters[0][2], prompts[3], 10))
-    alone = [
-        llama_engine.generate(input_ids=prompts[k], sampling_params=params, lora_path=name)
-        for k, name in enumerate(names)
-    ]
-    # One batch over three adapters and the base model, with only two adapter slots.
-    batched = llama_engine.generate(input_ids=prompts, sampling_params=params, lora_path=names)
+    # Two adapter slots for three adapters: the batch waits for a slot, then swaps.
+    with Engine(
+        str(base),
+        show_progress=False,
+        dtype="float32",
+        max_total_tokens=2048,
+        lora_paths={name: str(path) for name, path, _ in adapters},
+        max_loras_per_batch=2,
+    ) as engine:
+        alone = [
+            engine.generate(input_ids=prompts[k], sampling_params=params, lora_path=name)
+            for k, name in enumerate(names)
+        ]
+        batched = engine.generate(input_ids=prompts, sampling_params=params, lora_path=names)
+        assert engine.server_info()["lora_slot_swaps"] >= 3
+        engine.check_invariants()
     for k in range(4):
         assert alone[k]["output_ids"] == expected[k], names[k]
         assert batched[k]["output_ids"] == expected[k], names[k]
-    llama_engine.check_invariants()
 
 
 def test_cache_is_shared_within_an_adapter_never_across(llama_engine: Engine) -> None:
