@@ -4,18 +4,13 @@ SGLang's `/generate` with `lora_path`, and adapters loaded and unloaded at run t
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from server_process import free_port, served  # this folder is not a package
 
 from radixlm.runtime.fixtures import build_random_lora, build_tiny_model
 
@@ -24,49 +19,18 @@ pytestmark = pytest.mark.timeout(150)
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:
     root = tmp_path_factory.mktemp("lora-server")
     model = build_tiny_model(root / "model")
     first = build_random_lora(model, root / "first", rank=8, seed=1, scale=0.3)
     second = build_random_lora(model, root / "second", rank=4, seed=2, scale=0.3)
-    port = _free_port()
-    log = root / "serve.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [
-        sys.executable, "-m", "radixlm.server", "--model-path", str(model),
-        "--served-model-name", "tiny", "--port", str(port), "--log-level", "warning",
+    args = [
+        "--model-path", str(model), "--served-model-name", "tiny", "--log-level", "warning",
         "--lora-paths", f"first={first}", "--max-loras-per-batch", "2", "--max-lora-rank", "8",
     ]  # fmt: skip
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"radixlm serve exited:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"radixlm serve did not start:\n{log.read_text()}")
-            time.sleep(0.2)
+    with served(args, root / "serve.log", free_port()) as base:
         yield base, first, second
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def _generate(base: str, lora_path: str | None) -> list[int]:

@@ -10,18 +10,13 @@ trained to give.
 from __future__ import annotations
 
 import base64
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from server_process import free_port, served  # this folder is not a package
 
 import radixlm.lang as sgl
 
@@ -32,54 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "examples" / "images"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
     log = tmp_path_factory.mktemp("vision-server") / "serve.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [
-        sys.executable,
-        "-m",
-        "radixlm.server",
-        "--model-path",
-        MODEL,
-        "--port",
-        str(port),
-        "--allowed-local-media-path",
-        str(IMAGES),
-        "--log-level",
-        "warning",
-    ]
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"radixlm serve exited:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"radixlm serve did not start:\n{log.read_text()}")
-            time.sleep(0.2)
+    args = ["--model-path", MODEL, "--allowed-local-media-path", str(IMAGES)]
+    with served([*args, "--log-level", "warning"], log, free_port()) as base:
         yield base
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _prompt(question: str) -> str:
