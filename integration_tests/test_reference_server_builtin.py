@@ -9,11 +9,7 @@ documented answer is asserted; elsewhere the structure.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -24,6 +20,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from server_process import free_port, served  # this folder is not a package
 
 import radixlm.lang as sgl
 
@@ -48,51 +45,12 @@ PROFILE = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """(url, log file) of `python -m radixlm.server --port N` on the built-in model."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("reference-server") / "serve.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [
-        sys.executable,
-        "-m",
-        "radixlm.server",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"radixlm serve exited:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"radixlm serve did not start:\n{log.read_text()}")
-            time.sleep(0.2)
+    with served(["--log-level", "warning"], log, free_port()) as url:
         yield url, log
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")
