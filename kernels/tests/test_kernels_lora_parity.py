@@ -384,3 +384,29 @@ def test_lora_matmuls_at_serving_shapes(case: str, r: int, dtype: torch.dtype) -
     for backend, out in zip(BACKENDS, outs, strict=True):
         _run(backend, rk.lora_expand, ys[0], weights_b, indptr, slots, out)
     _close(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_with_a_plan_equals_the_oracle(case: str, dtype: torch.dtype) -> None:
+    # One plan per batch, reused by every call (what the runtime does once per step).
+    seg = CASES[case]
+    indptr, slots = seg.tensors("cpu")
+    plan = rk.lora_plan(indptr, slots, seg.rows)
+    torch.manual_seed(3)
+    x, weights_a = _shrink_inputs(seg, 40, 8, dtype, "cpu")
+    with rk.use_backend("reference"):
+        y = rk.lora_shrink(x, weights_a, indptr, slots, plan=plan)
+        _close(y, _oracle_shrink(x, weights_a, seg))
+        _, weights_b, out = _expand_inputs(seg, 8, 24, dtype, "cpu")
+        want = _oracle_expand(y, weights_b, seg, out)
+        _close(rk.lora_expand(y, weights_b, indptr, slots, out, plan=plan), want)
+
+
+def test_a_plan_for_another_batch_is_refused() -> None:
+    seg = CASES["mixed"]
+    indptr, slots = seg.tensors("cpu")
+    plan = rk.lora_plan(indptr[:3], slots[:2], 5)
+    x, weights_a = _shrink_inputs(seg, 16, 8, torch.float32, "cpu")
+    with rk.use_backend("reference"), pytest.raises(ValueError, match="plan is for 5 rows"):
+        rk.lora_shrink(x, weights_a, indptr, slots, plan=plan)

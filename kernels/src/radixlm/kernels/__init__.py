@@ -22,7 +22,7 @@ from radixlm.kernels.elementwise import (
     silu_and_mul,
 )
 from radixlm.kernels.logits import apply_token_bitmask_inplace, sample_from_probs
-from radixlm.kernels.lora import lora_expand, lora_shrink
+from radixlm.kernels.lora import LoraPlan, lora_expand, lora_plan, lora_shrink
 from radixlm.kernels.quant import (
     dequantize_fp8,
     dequantize_int4,
@@ -39,6 +39,7 @@ from radixlm.kernels.quant import (
 
 __all__ = [
     "BackendName",
+    "LoraPlan",
     "__version__",
     "apply_token_bitmask_inplace",
     "available",
@@ -54,6 +55,7 @@ __all__ = [
     "int8_linear",
     "interpreter_enabled",
     "lora_expand",
+    "lora_plan",
     "lora_shrink",
     "pack_int4",
     "quantize_fp8",

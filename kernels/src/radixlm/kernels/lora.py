@@ -14,6 +14,9 @@ import torch
 
 from radixlm.kernels import _checks, reference
 from radixlm.kernels._backend import use_triton
+from radixlm.kernels.reference.lora import LoraPlan, lora_plan
+
+__all__ = ["MAX_RANK", "LoraPlan", "lora_expand", "lora_plan", "lora_shrink"]
 
 # The tiles are sized for LoRA ranks (shrink's rank tiles sit on a grid axis); a wider
 # low-rank product is better served by two dense GEMMs.
@@ -62,6 +65,7 @@ def lora_shrink(
     seg_slots: torch.Tensor,
     *,
     max_seg_len: int | None = None,
+    plan: LoraPlan | None = None,
 ) -> torch.Tensor:
     """``y[t] = weights_a[slot(t)] @ x[t]`` (that is ``x @ A.T``) row by row, each row with its
     segment's adapter; zeros for rows whose slot is -1.
@@ -77,6 +81,9 @@ def lora_shrink(
         max_seg_len: the longest segment's length if the caller knows it (it must not be
             smaller); otherwise the Triton path reads it from the device (one synchronisation).
             The reference ignores it.
+        plan: the rows grouped by slot (:func:`lora_plan` of these segments), built once for a
+            batch and passed to every layer's call: the reference then skips the grouping. The
+            Triton path ignores it.
 
     Returns:
         A new ``[T, R]`` tensor in x's dtype, accumulated in fp32. The segment tensors' values
@@ -104,7 +111,7 @@ def lora_shrink(
         impl = triton_ops.lora_shrink
     else:
         impl = reference.lora_shrink
-    return impl(x, weights_a, seg_indptr, seg_slots, max_seg_len=max_seg_len)
+    return impl(x, weights_a, seg_indptr, seg_slots, max_seg_len=max_seg_len, plan=plan)
 
 
 def lora_expand(
@@ -115,6 +122,7 @@ def lora_expand(
     out: torch.Tensor,
     *,
     max_seg_len: int | None = None,
+    plan: LoraPlan | None = None,
 ) -> torch.Tensor:
     """``out[t] += weights_b[slot(t)] @ y[t]`` (that is ``out += y @ B.T``) in place, row by row
     with each row's segment's adapter; rows whose slot is -1 are left untouched.
@@ -123,7 +131,7 @@ def lora_expand(
         y: ``[T, R]`` float32 / float16 / bfloat16 (usually :func:`lora_shrink`'s result, or a
             column slice of it when several projections were shrunk together); any strides.
         weights_b: ``[S, N, R]`` in y's dtype, the B matrices with the LoRA scaling folded in.
-        seg_indptr, seg_slots, max_seg_len: as in :func:`lora_shrink`.
+        seg_indptr, seg_slots, max_seg_len, plan: as in :func:`lora_shrink`.
         out: ``[T, N]`` float32 / float16 / bfloat16, updated in place; any strides, e.g. the
             column slice ``qkv[:, q_size:q_size + kv_size]`` of a fused projection's output.
 
@@ -166,4 +174,4 @@ def lora_expand(
         impl = triton_ops.lora_expand
     else:
         impl = reference.lora_expand
-    return impl(y, weights_b, seg_indptr, seg_slots, out, max_seg_len=max_seg_len)
+    return impl(y, weights_b, seg_indptr, seg_slots, out, max_seg_len=max_seg_len, plan=plan)

@@ -17,7 +17,7 @@ from radixlm.kernels.reference.logits import (
     sampling_thresholds,
     unpack_bitmask,
 )
-from radixlm.kernels.reference.lora import lora_expand, lora_shrink
+from radixlm.kernels.reference.lora import LoraPlan, lora_expand, lora_plan, lora_shrink
 from radixlm.kernels.reference.quant import (
     dequantize_fp8,
     dequantize_int4,
@@ -33,6 +33,7 @@ from radixlm.kernels.reference.quant import (
 )
 
 __all__ = [
+    "LoraPlan",
     "apply_token_bitmask_inplace",
     "decode_attention",
     "dequantize_fp8",
@@ -44,6 +45,7 @@ __all__ = [
     "int4_linear",
     "int8_linear",
     "lora_expand",
+    "lora_plan",
     "lora_shrink",
     "pack_int4",
     "quantize_fp8",

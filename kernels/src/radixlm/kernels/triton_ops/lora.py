@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.kernels.reference.lora import LoraPlan
 from radixlm.kernels.triton_ops._common import INTERPRETED, next_pow2, upcast_dots
 
 
@@ -224,6 +225,7 @@ def lora_shrink(
     seg_slots: torch.Tensor,
     *,
     max_seg_len: int | None = None,
+    plan: LoraPlan | None = None,  # the reference's row grouping: not needed here
 ) -> torch.Tensor:
     """Triton version of :func:`radixlm.kernels.lora_shrink`."""
     t, k = x.shape
@@ -271,6 +273,7 @@ def lora_expand(
     out: torch.Tensor,
     *,
     max_seg_len: int | None = None,
+    plan: LoraPlan | None = None,  # the reference's row grouping: not needed here
 ) -> torch.Tensor:
     """Triton version of :func:`radixlm.kernels.lora_expand`."""
     t, r = y.shape

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radixlm.kernels import lora_expand, lora_shrink
+from radixlm.kernels import LoraPlan, lora_expand, lora_shrink
 from radixlm.runtime.lora.adapter import LoraModuleWeights
 from radixlm.runtime.models.linear import MergedColumnLinear, Part, RowLinear
 
@@ -46,6 +46,9 @@ class LoraBatch:
 
     indptr: torch.Tensor
     slots: torch.Tensor
+    #: The rows grouped by slot, built once per step for the torch path (None on CUDA, where
+    #: the Triton kernels read the segments themselves).
+    plan: LoraPlan | None = None
 
 
 class LoraContext:
@@ -135,7 +138,7 @@ class LoraColumnLinear(_LoraLinear):
         batch = self.context.batch
         if batch is None:
             return out
-        y = lora_shrink(x, self.lora_a, batch.indptr, batch.slots)
+        y = lora_shrink(x, self.lora_a, batch.indptr, batch.slots, plan=batch.plan)
         rank = self.max_rank
         for i, (_, (begin, end), _part) in enumerate(self.targets):
             lora_expand(
@@ -144,6 +147,7 @@ class LoraColumnLinear(_LoraLinear):
                 batch.indptr,
                 batch.slots,
                 out[:, begin:end],
+                plan=batch.plan,
             )
         return out
 
@@ -192,8 +196,8 @@ class LoraRowLinear(_LoraLinear):
         self.base.load_weight(shard, name, tensor)
 
     def _delta_into(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
-        y = lora_shrink(x, self.lora_a, batch.indptr, batch.slots)
-        lora_expand(y, self.lora_b, batch.indptr, batch.slots, out)
+        y = lora_shrink(x, self.lora_a, batch.indptr, batch.slots, plan=batch.plan)
+        lora_expand(y, self.lora_b, batch.indptr, batch.slots, out, plan=batch.plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base

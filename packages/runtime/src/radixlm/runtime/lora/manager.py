@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from radixlm.kernels import lora_plan
 from radixlm.runtime.lora.adapter import (
     TARGET_MODULES,
     LoraAdapter,
@@ -154,12 +155,13 @@ class LoraManager:
         indptr = [0]
         for count, _ in segments:
             indptr.append(indptr[-1] + count)
-        self.context.batch = LoraBatch(
-            indptr=torch.tensor(indptr, dtype=torch.int64, device=self.device),
-            slots=torch.tensor(
-                [slot for _, slot in segments], dtype=torch.int64, device=self.device
-            ),
+        seg_indptr = torch.tensor(indptr, dtype=torch.int64, device=self.device)
+        seg_slots = torch.tensor(
+            [slot for _, slot in segments], dtype=torch.int64, device=self.device
         )
+        # The torch path groups the rows by adapter once here, not in each layer's call.
+        plan = None if self.device.type == "cuda" else lora_plan(seg_indptr, seg_slots, indptr[-1])
+        self.context.batch = LoraBatch(seg_indptr, seg_slots, plan)
 
     def clear_batch(self) -> None:
         self.context.batch = None
