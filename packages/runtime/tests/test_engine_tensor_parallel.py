@@ -272,3 +272,37 @@ def test_lora_adapters_under_tp_answer_as_the_unsplit_engine(
     assert outputs[2] == outputs[1]
     assert outputs[1][0] != base[0] and outputs[1][1] != base[1]  # the adapters matter
     assert outputs[1][2] == base[2]
+
+
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_a_mixture_of_experts_under_tp_answers_as_the_unsplit_engine(
+    tmp_path: Path, ep_size: int
+) -> None:
+    import torch
+    import transformers
+
+    from radixlm.runtime.fixtures import build_tiny_tokenizer
+
+    # Qwen2-MoE: 4 experts (top 2), a shared expert, a dense layer; ep_size 1 splits every
+    # expert's columns across the 2 ranks, ep_size 2 puts 2 whole experts on each rank.
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1],
+        initializer_range=0.15, eos_token_id=1, bos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(tmp_path)
+    build_tiny_tokenizer(tmp_path, vocab_size=300)
+    prompts = sample_texts(3, seed=2)
+    options = {**OPTIONS, "dtype": "float32", "enable_return_routed_experts": True}
+    asks = {"return_routed_experts": True}
+    with Engine(str(tmp_path), **options) as one:
+        theirs = one.generate(prompts, GREEDY, **asks)
+    with Engine(str(tmp_path), tp_size=2, ep_size=ep_size, dist_timeout=30, **options) as two:
+        ours = two.generate(prompts, GREEDY, **asks)
+        assert two.server_info()["moe"]["ep_size"] == ep_size
+    assert _ids(ours) == _ids(theirs)
+    assert [o["meta_info"]["routed_experts"] for o in ours] == [
+        o["meta_info"]["routed_experts"] for o in theirs
+    ]

@@ -23,6 +23,7 @@ from radixlm.kernels.elementwise import (
 )
 from radixlm.kernels.logits import apply_token_bitmask_inplace, sample_from_probs
 from radixlm.kernels.lora import LoraPlan, lora_expand, lora_plan, lora_shrink
+from radixlm.kernels.moe import MoePlan, fused_moe, grouped_matmul, moe_align
 from radixlm.kernels.quant import (
     dequantize_fp8,
     dequantize_int4,
@@ -40,6 +41,7 @@ from radixlm.kernels.quant import (
 __all__ = [
     "BackendName",
     "LoraPlan",
+    "MoePlan",
     "__version__",
     "apply_token_bitmask_inplace",
     "available",
@@ -50,13 +52,16 @@ __all__ = [
     "extend_attention",
     "fp8_linear",
     "fused_add_rms_norm",
+    "fused_moe",
     "get_backend",
+    "grouped_matmul",
     "int4_linear",
     "int8_linear",
     "interpreter_enabled",
     "lora_expand",
     "lora_plan",
     "lora_shrink",
+    "moe_align",
     "pack_int4",
     "quantize_fp8",
     "quantize_int4",

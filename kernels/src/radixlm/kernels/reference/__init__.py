@@ -18,6 +18,13 @@ from radixlm.kernels.reference.logits import (
     unpack_bitmask,
 )
 from radixlm.kernels.reference.lora import LoraPlan, lora_expand, lora_plan, lora_shrink
+from radixlm.kernels.reference.moe import (
+    MoePlan,
+    fused_moe,
+    grouped_matmul,
+    moe_align,
+    moe_per_expert_loop,
+)
 from radixlm.kernels.reference.quant import (
     dequantize_fp8,
     dequantize_int4,
@@ -34,6 +41,7 @@ from radixlm.kernels.reference.quant import (
 
 __all__ = [
     "LoraPlan",
+    "MoePlan",
     "apply_token_bitmask_inplace",
     "decode_attention",
     "dequantize_fp8",
@@ -42,11 +50,15 @@ __all__ = [
     "extend_attention",
     "fp8_linear",
     "fused_add_rms_norm",
+    "fused_moe",
+    "grouped_matmul",
     "int4_linear",
     "int8_linear",
     "lora_expand",
     "lora_plan",
     "lora_shrink",
+    "moe_align",
+    "moe_per_expert_loop",
     "pack_int4",
     "quantize_fp8",
     "quantize_int4",

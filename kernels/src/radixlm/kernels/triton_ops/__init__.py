@@ -18,6 +18,7 @@ from radixlm.kernels.triton_ops.elementwise import (
 from radixlm.kernels.triton_ops.extend import extend_attention
 from radixlm.kernels.triton_ops.logits import apply_token_bitmask_inplace, sample_from_probs
 from radixlm.kernels.triton_ops.lora import lora_expand, lora_shrink
+from radixlm.kernels.triton_ops.moe import fused_moe, grouped_matmul
 from radixlm.kernels.triton_ops.quant import fp8_linear, int4_linear, int8_linear
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "extend_attention",
     "fp8_linear",
     "fused_add_rms_norm",
+    "fused_moe",
+    "grouped_matmul",
     "int4_linear",
     "int8_linear",
     "lora_expand",

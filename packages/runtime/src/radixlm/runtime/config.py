@@ -68,7 +68,9 @@ class ModelConfig:
     `quantization` quantizes a full-precision checkpoint's linear layers as it loads (int8,
     w8a8_int8, int4 in groups of `quantization_group_size`, fp8) or names the method of a
     pre-quantized one (gptq, awq, fp8; read from its config.json when not given). See
-    `radixlm.runtime.quant`.
+    `radixlm.runtime.quant`. `ep_size`: expert parallelism for a mixture-of-experts model
+    (its experts placed on `ep_size` groups of the tensor-parallel ranks; must divide
+    `tp_size` and the number of experts).
     """
 
     model_path: str
@@ -81,8 +83,11 @@ class ModelConfig:
     cpu_weight_packing: bool = True
     quantization: QuantizationMethod | None = None
     quantization_group_size: int = 128
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.ep_size < 1:
+            raise ValueError(f"ep_size must be >= 1; got {self.ep_size}")
         # Spellings of the same dtype (bf16, fp16, half, fp32) are taken as their full names.
         object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))
         _choice("dtype", self.dtype, DtypeName)
@@ -487,6 +492,8 @@ class EngineConfig:
       process of its own, rank 0 of the group; see `in_process`).
     - `engine_restarts`: how many times a dead engine process is started again (its open
       requests end with an error either way); beyond that the engine stays down.
+    - `enable_return_routed_experts`: keep the experts a mixture-of-experts model routed each
+      token to, so that requests may ask for them (`return_routed_experts`; SGLang's flag).
     - `cpu_threads`: torch threads of the engine process (and of each tensor-parallel rank)
       on CPU; None: the machine's cores less one for the front process, shared among this
       machine's ranks (several replicas on one machine each take their share).
@@ -508,6 +515,7 @@ class EngineConfig:
     engine_process: bool | None = None
     engine_restarts: int = 0
     cpu_threads: int | None = None
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.engine_process is False and self.runner.parallel.tp_size > 1:
@@ -618,6 +626,8 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "show_progress": ("model", "show_progress", None),
     "quantization": ("model", "quantization", None),
     "quantization_group_size": ("model", "quantization_group_size", int),
+    "ep_size": ("model", "ep_size", int),
+    "expert_parallel_size": ("model", "ep_size", int),
     # memory
     "mem_fraction_static": ("memory", "kv_cache_fraction", None),
     "kv_cache_fraction": ("memory", "kv_cache_fraction", None),
@@ -686,6 +696,7 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "engine_process": ("engine", "engine_process", _optional_bool),
     "engine_restarts": ("engine", "engine_restarts", int),
     "cpu_threads": ("engine", "cpu_threads", int),
+    "enable_return_routed_experts": ("engine", "enable_return_routed_experts", bool),
 }
 
 #: The allowed values of each keyword with a fixed set of them (the CLI's `choices`).

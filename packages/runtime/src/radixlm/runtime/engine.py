@@ -214,6 +214,8 @@ class Engine:
                 max_logprobs=config.max_logprobs,
                 stream_interval=config.stream_interval,
                 hidden_size=info.hidden_size,
+                mixture_of_experts=info.static_info.get("moe") is not None,
+                routed_experts=bool(info.static_info.get("routed_experts")),
             ),
             config.incremental_streaming_output,
             multimodal_preparer(
@@ -414,6 +416,8 @@ class Engine:
         video_data: Any = None,
         audio_data: Any = None,
         lora_path: str | list[str | None] | None = None,
+        return_routed_experts: bool | list[bool] = False,
+        routed_experts_start_len: int | list[int] = 0,
     ) -> Any: ...
 
     def generate(
@@ -436,6 +440,8 @@ class Engine:
         video_data: Any = None,
         audio_data: Any = None,
         lora_path: str | list[str | None] | None = None,
+        return_routed_experts: bool | list[bool] = False,
+        routed_experts_start_len: int | list[int] = 0,
     ) -> Any:
         """Generate, SGLang's way, blocking: a dict for one prompt (n == 1), a list of dicts
         for a batch or n > 1 (prompt-major), or with `stream=True` an iterator of chunks
@@ -468,6 +474,8 @@ class Engine:
                 video_data=video_data,
                 audio_data=audio_data,
                 lora_path=lora_path,
+                return_routed_experts=return_routed_experts,
+                routed_experts_start_len=routed_experts_start_len,
             ),
         )
         chunks = self._stream_sync(request)
@@ -495,6 +503,8 @@ class Engine:
         video_data: Any = None,
         audio_data: Any = None,
         lora_path: str | list[str | None] | None = None,
+        return_routed_experts: bool | list[bool] = False,
+        routed_experts_start_len: int | list[int] = 0,
     ) -> Any:
         """`generate` for asyncio: awaits the result, or with `stream=True` returns an async
         iterator of chunks (`async for chunk in await engine.async_generate(..., stream=True)`)."""
@@ -520,6 +530,8 @@ class Engine:
                 video_data=video_data,
                 audio_data=audio_data,
                 lora_path=lora_path,
+                return_routed_experts=return_routed_experts,
+                routed_experts_start_len=routed_experts_start_len,
             ),
         )
         chunks = self._stream_async(request)

@@ -46,6 +46,7 @@ from radixlm.runtime.messages import (
 )
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.request_state import RequestHandle, SequenceState, open_request
+from radixlm.runtime.routed_experts import RoutedExpertsStore
 from radixlm.runtime.sampling_batch import SamplingRequest
 from radixlm.runtime.scheduler import ReqStatus, ScheduledBatch, Scheduler
 from radixlm.runtime.scheduler.adapters import AdapterSlots
@@ -350,6 +351,14 @@ class EngineCore:
             self.grammar.bitmask(grammars),
             inputs if any(inputs) else None,
         )
+        store = self.executor.routed_store
+        if store is not None:
+            # Read while the requests still hold their slots (the update may free them).
+            for entry in batch.entries:
+                tape = self._seqs[entry.req.rid].routed
+                if tape is not None and entry.req.status is ReqStatus.RUNNING:
+                    end = entry.prefix_len + len(entry.input_ids)
+                    tape.extend(store, entry.req.kv_slots, entry.prefix_len, end)
         if (
             result.hidden_states is not None
             or any(a is not None for a in asks)
@@ -524,6 +533,15 @@ def create_core(
         config.scheduler, pool, rows, cache, rows.max_requests, runner.context_length, slots
     )
     grammar = GrammarService(config.grammar, tokenizer, runner.vocab_size, eos_token_ids)
+    moe = info.arch.moe
+    routed_store = None
+    if config.enable_return_routed_experts and moe is not None:
+        routed_store = RoutedExpertsStore(
+            pool.num_slots, info.arch.num_layers, moe.top_k, sorted(moe.sparse_layers)
+        )
+        runner.model.model.routed.enabled = True
+        # A replayed CUDA graph would not run the code that records the routing.
+        runner.graph_runner = None
     core = EngineCore(
         scheduler,
         ModelExecutor(
@@ -531,6 +549,7 @@ def create_core(
             seed=config.scheduler.random_seed,
             sender=sender,
             encoder_cache_size=config.media.encoder_cache_size,
+            routed_store=routed_store,
         ),
         grammar,
         eos_token_ids,
@@ -551,6 +570,18 @@ def create_core(
         "quantization": quant.describe() if quant else None,
         "kv_cache_dtype": str(pool.dtype).removeprefix("torch."),
         "tp_size": runner.tp.size,
+        # A mixture-of-experts model's experts (None: a dense model), and whether the routing
+        # is kept for `return_routed_experts`.
+        "moe": None
+        if moe is None
+        else {
+            "num_experts": moe.num_experts,
+            "top_k": moe.top_k,
+            "num_layers": info.arch.num_layers,
+            "sparse_layers": sorted(moe.sparse_layers),
+            "ep_size": moe.ep_size,
+        },
+        "routed_experts": routed_store is not None,
         # The adapter pool: None without LoRA, else its slots, largest rank and projections.
         "lora": None
         if runner.lora is None

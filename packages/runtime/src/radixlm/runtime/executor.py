@@ -13,6 +13,7 @@ from radixlm.runtime.logprobs import TokenLogprob
 from radixlm.runtime.model_runner import LogitsOutput, ModelRunner
 from radixlm.runtime.multimodal.encoder_cache import EncoderCache
 from radixlm.runtime.multimodal.inputs import MultimodalInputs
+from radixlm.runtime.routed_experts import RoutedExpertsStore
 from radixlm.runtime.sampling_batch import SamplingBatch, SamplingRequest
 from radixlm.runtime.scheduler import ScheduledBatch
 
@@ -92,8 +93,11 @@ class ModelExecutor:
         seed: int = 0,
         sender: StepSender | None = None,
         encoder_cache_size: int = 128,
+        routed_store: RoutedExpertsStore | None = None,
     ) -> None:
         self.runner = runner
+        #: The experts each KV slot's token was routed to (`enable_return_routed_experts`).
+        self.routed_store = routed_store
         #: Vision-encoder outputs by image hash. The encoder runs here, on rank 0 alone: under
         #: tensor parallelism the other ranks receive the embeddings with the step.
         self.encoder_cache = EncoderCache(encoder_cache_size)
@@ -160,6 +164,11 @@ class ModelExecutor:
                 out = run_forward(runner, step)
         else:
             out = run_forward(runner, step)
+        if self.routed_store is not None:
+            ids = runner.model.model.routed.take()
+            if ids is not None:
+                slots = [slot for entry in entries for slot in entry.out_slots]
+                self.routed_store.write(slots, ids)
         rows = [i for i, s in enumerate(sampling) if s is not None]
         tokens: list[int | None] = [None] * len(entries)
         logprobs: list[TokenLogprob | None] = [None] * len(entries)

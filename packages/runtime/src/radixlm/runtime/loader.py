@@ -186,6 +186,13 @@ def read_model_info(config: ModelConfig) -> ModelInfo:
         arch = family.arch_config(hf_config)
     except ValueError as error:
         raise ModelLoadError(f"{path}: {error}") from None
+    if config.ep_size > 1:
+        if arch.moe is None:
+            raise ModelLoadError(
+                f"{path}: ep_size applies to mixture-of-experts models; "
+                f"{family.architecture} has no experts (drop --ep-size)"
+            )
+        arch = dataclasses.replace(arch, moe=dataclasses.replace(arch.moe, ep_size=config.ep_size))
     generation: dict[str, Any] = {}
     generation_file = path / "generation_config.json"
     if generation_file.is_file():

@@ -54,6 +54,8 @@ class EngineRequest:
     thinking_end: int | None = None
     #: The LoRA adapter's name (None: the base model); the core resolves it to its uid.
     lora_name: str | None = None
+    #: `return_routed_experts`: the first prompt position whose experts are returned.
+    routed_experts_start: int | None = None
     created: float = 0.0  # time.monotonic() when it arrived (system-wide on Linux)
 
 
@@ -176,6 +178,8 @@ class SeqDelta(NamedTuple):
     input_ids_logprobs: tuple[Entries | None, ...] = ()
     hidden_states: tuple[Any, ...] = ()
     grammar: dict[str, Any] | None = None
+    #: Routed experts not sent yet: (first position, [positions, layers, top_k] int32).
+    routed_experts: tuple[int, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
+from radixlm.runtime import routed_experts
 from radixlm.runtime.detokenizer import TextDecoder
 from radixlm.runtime.messages import EngineRequest, Entries, SeqDelta
 from radixlm.runtime.stopping import SequenceOutput
@@ -79,6 +82,8 @@ class SequenceView:
         self.input_top: list[Entries | None] = []
         self.input_ids_logprobs: list[Entries | None] = []
         self.hidden_states: list[Any] = []
+        #: The routed experts of the positions computed so far (when asked).
+        self.routed: Any = None
         self.sent_text = 0
         self.sent_ids = 0
         self.sent_logprobs = 0
@@ -115,6 +120,9 @@ class SequenceView:
                 None if e is None else self._texted(e) for e in delta.input_ids_logprobs
             )
         self.hidden_states.extend(delta.hidden_states)
+        if delta.routed_experts is not None:
+            start, rows = delta.routed_experts
+            self.routed = rows if self.routed is None else torch.cat([self.routed[:start], rows])
         new = delta.new_ids
         last = len(new) - 1
         for k, token in enumerate(new):
@@ -210,6 +218,15 @@ class SequenceView:
             start_hidden = min(self.sent_hidden, len(entries)) if request.stream else 0
             out["hidden_states"] = tuple(entries[start_hidden:])
             self.sent_hidden = len(entries)
+        start_routed = request.routed_experts_start
+        if start_routed is not None and final:
+            # Every position the model ran on: the prompt and the output but its last token.
+            end = len(request.prompt_ids) + num_ids - 1
+            rows = self.routed[start_routed:end] if self.routed is not None else None
+            out["extra"] = {
+                "routed_experts": None if rows is None else routed_experts.encode(rows),
+                "routed_experts_start_len": start_routed,
+            }
         chunk = GenerateChunk(
             rid=request.rid,
             index=self.index,

@@ -57,6 +57,9 @@ class FrontendLimits:
     max_logprobs: int = 20  # vLLM-style logprobs / prompt_logprobs counts; -1: no limit
     stream_interval: int = 1  # output tokens per streamed chunk, unless the request says
     hidden_size: int = 0  # the width of `input_embeds` rows (0: embeddings are refused)
+    #: Whether the model has experts, and whether the engine keeps their routing.
+    mixture_of_experts: bool = False
+    routed_experts: bool = False
 
 
 class RequestPreparer:
@@ -143,8 +146,34 @@ class RequestPreparer:
             bad_words_ids=self._bad_words(params),
             thinking_end=thinking_end,
             lora_name=lora_name,
+            routed_experts_start=self._routed_experts_start(item, len(prompt_ids)),
             created=time.monotonic(),
         )
+
+    def _routed_experts_start(self, item: GenerateRequest, prompt_len: int) -> int | None:
+        """`routed_experts_start_len` when the request asks for its routed experts."""
+        if not _one(item.return_routed_experts, bool):
+            return None
+        limits = self.limits
+        if not limits.mixture_of_experts:
+            raise InvalidRequest(
+                "return_routed_experts",
+                "this model has no experts (it is not a mixture-of-experts model); remove "
+                "return_routed_experts",
+            )
+        if not limits.routed_experts:
+            raise InvalidRequest(
+                "return_routed_experts",
+                "the server does not keep the routed experts; start it with "
+                "--enable-return-routed-experts",
+            )
+        start = _one(item.routed_experts_start_len, int) or 0
+        if not 0 <= start <= prompt_len:
+            raise InvalidRequest(
+                "routed_experts_start_len",
+                f"must lie in [0, prompt_tokens] = [0, {prompt_len}]; got {start}",
+            )
+        return start
 
     def _lora_name(self, item: GenerateRequest) -> str | None:
         """The request's adapter name, checked against the loaded ones (None: the base model;

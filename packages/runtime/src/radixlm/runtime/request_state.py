@@ -9,6 +9,7 @@ from typing import Any
 from radixlm.runtime.hidden_states import HiddenStates
 from radixlm.runtime.logprobs import TokenLogprob
 from radixlm.runtime.messages import EngineRequest, LogprobOptions, SeqDelta
+from radixlm.runtime.routed_experts import RoutedTape
 from radixlm.runtime.scheduler import Req
 from radixlm.runtime.stopping import TokenStops
 from radixlm.runtime.thinking import ThinkingBudget
@@ -115,6 +116,7 @@ def open_request(
             if thinking_end is None or params.thinking_token_budget is None
             else ThinkingBudget(thinking_end, params.thinking_token_budget),
             hidden_states=HiddenStates(len(prompt_ids)) if hidden else None,
+            routed=RoutedTape() if request.routed_experts_start is not None else None,
         )
         seq.record_input_logprobs([])  # the first prompt token's entry has no logprob
         req.grammar_pending = req.rewindable = grammar_future is not None
@@ -148,6 +150,7 @@ class SequenceState:
     input_top: list[Entries | None] = field(default_factory=list)
     input_ids_logprobs: list[Entries | None] = field(default_factory=list)
     hidden_states: HiddenStates | None = None  # only when the request asked for them
+    routed: RoutedTape | None = None  # only when the request asked for its routed experts
     sent_ids: int = 0
     sent_logprobs: int = 0
     sent_input: int = 0
@@ -230,6 +233,8 @@ class SequenceState:
             if len(entries) > self.sent_hidden:
                 extra["hidden_states"] = tuple(entries[self.sent_hidden :])
                 self.sent_hidden = len(entries)
+        if self.routed is not None:
+            extra["routed_experts"] = self.routed.take_new()
         if self.grammar_info is not None:
             extra["grammar"] = {**self.grammar_info, "rollbacks": self.req.grammar_rollbacks}
         delta = SeqDelta(

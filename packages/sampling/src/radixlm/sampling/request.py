@@ -23,6 +23,8 @@ _PER_ITEM_SCALARS = (
     "lora_path",
     "custom_logit_processor",
     "return_hidden_states",
+    "return_routed_experts",
+    "routed_experts_start_len",
 )
 # Fields whose single-request value is itself a list, so only a list of lists is per-item.
 _PER_ITEM_LISTS = ("token_ids_logprob",)
@@ -59,6 +61,11 @@ class GenerateRequest(BaseModel):
     lora_path: str | list[str | None] | None = None
     custom_logit_processor: str | list[str | None] | None = None
     return_hidden_states: bool | list[bool] = False
+    #: Mixture-of-experts models: return the experts each token was routed to (the engine
+    #: must run with `enable_return_routed_experts`), from prompt position
+    #: `routed_experts_start_len` on.
+    return_routed_experts: bool | list[bool] = False
+    routed_experts_start_len: int | list[int] = 0
 
     @classmethod
     def parse(cls, data: Mapping[str, Any]) -> GenerateRequest:
@@ -98,7 +105,7 @@ class GenerateRequest(BaseModel):
                 raise InvalidRequest("input_ids", "a prompt must hold at least one token id")
             if min(ids) < 0:
                 raise InvalidRequest("input_ids", "token ids must be >= 0")
-        for name in ("logprob_start_len", "top_logprobs_num"):
+        for name in ("logprob_start_len", "top_logprobs_num", "routed_experts_start_len"):
             values = getattr(self, name)
             floor = -1 if name == "logprob_start_len" else 0
             for value in values if isinstance(values, list) else [values]:

@@ -152,6 +152,20 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "help": "seconds a collective may wait for the other ranks before the engine is "
         "declared down (default 300)",
     },
+    # Mixture-of-experts models.
+    "ep_size": {
+        "type": int,
+        "metavar": "N",
+        "aliases": ["--expert-parallel-size"],
+        "help": "expert parallelism of a mixture-of-experts model: its experts placed on N "
+        "groups of the tensor-parallel ranks (N divides --tp-size and the number of experts); "
+        "default 1 (every rank holds a slice of every expert)",
+    },
+    "enable_return_routed_experts": {
+        "action": "store_true",
+        "help": "keep the experts a mixture-of-experts model routes each token to, so that "
+        "/generate requests may ask for them (return_routed_experts)",
+    },
     # Images and videos (vision models).
     "allow_media_urls": {
         "action": "store_true",

@@ -75,6 +75,10 @@ class _LoraLinear(nn.Module):
     def set_slot(self, slot: int, weights: Mapping[str, LoraModuleWeights]) -> None:
         raise NotImplementedError
 
+    def projection_names(self) -> list[str]:
+        """The Hugging Face names of the projections this layer adapts."""
+        raise NotImplementedError
+
 
 class LoraColumnLinear(_LoraLinear):
     """A merged column layer plus the LoRA deltas of its adapted projections."""
@@ -104,6 +108,9 @@ class LoraColumnLinear(_LoraLinear):
             self.register_buffer(
                 f"lora_b{i}", self._zeros(num_slots, end - begin, max_rank), persistent=False
             )
+
+    def projection_names(self) -> list[str]:
+        return [hf_name for hf_name, _cols, _part in self.targets]
 
     def b(self, i: int) -> torch.Tensor:
         buffer: torch.Tensor = getattr(self, f"lora_b{i}")
@@ -194,6 +201,9 @@ class LoraRowLinear(_LoraLinear):
 
     def load_weight(self, shard: str | None, name: str, tensor: object) -> None:
         self.base.load_weight(shard, name, tensor)
+
+    def projection_names(self) -> list[str]:
+        return [self.hf_name]
 
     def _delta_into(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
         y = lora_shrink(x, self.lora_a, batch.indptr, batch.slots, plan=batch.plan)

@@ -98,6 +98,14 @@ class LoraManager:
         self.context, self.layers = apply_lora(
             model, shape.targets, shape.slots, shape.max_rank, dtype
         )
+        #: The (layer, projection) pairs the wrapped layers hold (a mixture-of-experts layer
+        #: has no dense gate/up/down to adapt).
+        self.covered = {
+            (layer, name)
+            for layer, wrappers in self.layers.items()
+            for wrapper in wrappers
+            for name in wrapper.projection_names()
+        }
         #: Adapters registered on this rank (rank 0: every loaded one), by uid.
         self.registered: dict[str, LoraAdapter] = {}
         #: Adapters a slot needed that were not registered here (other ranks), by uid.
@@ -108,8 +116,19 @@ class LoraManager:
 
     def add(self, uid: str, adapter: LoraAdapter) -> None:
         """Register a checked adapter (LoraAdapterError when the pool cannot hold it)."""
-        self.shape.check(adapter)
+        self.check(adapter)
         self.registered[uid] = adapter
+
+    def check(self, adapter: LoraAdapter) -> None:
+        self.shape.check(adapter)
+        missing = sorted(set(adapter.weights) - self.covered)
+        if missing:
+            layer, module = missing[0]
+            raise LoraAdapterError(
+                f"LoRA adapter {adapter.name!r} adapts layer {layer}'s {module}, which this "
+                "model does not have as a dense projection (a mixture-of-experts layer's "
+                "experts cannot be adapted)"
+            )
 
     def remove(self, uid: str) -> None:
         self.registered.pop(uid, None)
@@ -133,7 +152,7 @@ class LoraManager:
         adapter = self.registered.get(uid) or self._fetched.get(uid)
         if adapter is None:
             adapter = load_adapter(uid, path, self.arch)
-            self.shape.check(adapter)
+            self.check(adapter)
             self._fetched[uid] = adapter
         return adapter
 

@@ -4,9 +4,11 @@ from radixlm.runtime.models import (  # noqa: F401  (registration)
     llama,
     llava,
     mistral,
+    mixtral,
     qwen2,
     qwen2_vl,
     qwen3,
+    qwen_moe,
 )
 from radixlm.runtime.models.arch import ArchConfig, RopeConfig
 from radixlm.runtime.models.decoder import DecoderForCausalLM

@@ -58,6 +58,37 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts part of a model's shape.
+
+    - `num_experts`, `top_k`, `intermediate_size` (each expert's);
+    - `normalize`: the top-k weights are divided by their sum (Mixtral always; Qwen's
+      `norm_topk_prob`); `weights_in_float`: the weights stay float32 (Mixtral) instead of
+      being cast to the activations' dtype (Qwen);
+    - `shared_intermediate_size`: Qwen2-MoE's shared expert (0: none);
+    - `sparse_layers`: the layers with experts (the others have a dense MLP of the model's
+      `intermediate_size`);
+    - `ep_size`: expert parallelism (1: every rank holds every expert, split by columns).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize: bool
+    weights_in_float: bool = False
+    shared_intermediate_size: int = 0
+    sparse_layers: frozenset[int] = frozenset()
+    ep_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.top_k}) must be between 1 and the number of "
+                f"experts ({self.num_experts})"
+            )
+
+
+@dataclass(frozen=True)
 class ArchConfig:
     """Everything the shared decoder needs; families differ only in these values."""
 
@@ -84,6 +115,8 @@ class ArchConfig:
     #: A vision-language model's whole Hugging Face config (its vision tower, projector and
     #: placeholder tokens); None for a text-only model.
     multimodal: Any = field(default=None, compare=False, repr=False)
+    #: A mixture-of-experts model's experts (None: every layer has a dense MLP).
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.sliding_windows:

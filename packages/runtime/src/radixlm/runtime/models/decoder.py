@@ -19,6 +19,7 @@ from radixlm.runtime.models.linear import (
     VocabEmbedding,
     materialize,
 )
+from radixlm.runtime.models.moe import RoutedExperts, SparseMoeBlock, split_moe_weights
 from radixlm.runtime.models.rope import RotaryEmbedding, apply_rotary
 
 # Checkpoint projection name -> (merged module name, shard).
@@ -130,12 +131,25 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_id: int, linears: LinearFactory, dtype: torch.dtype):
+    def __init__(
+        self,
+        arch: ArchConfig,
+        layer_id: int,
+        linears: LinearFactory,
+        dtype: torch.dtype,
+        routed: RoutedExperts | None = None,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.self_attn = DecoderAttention(arch, layer_id, linears, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = DecoderMLP(arch, linears)
+        self.mlp: nn.Module
+        if arch.moe is not None and layer_id in arch.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(
+                arch.hidden_size, arch.moe, linears, dtype, routed or RoutedExperts()
+            )
+        else:
+            self.mlp = DecoderMLP(arch, linears)
 
     def forward(
         self,
@@ -154,8 +168,10 @@ class DecoderModel(nn.Module):
     def __init__(self, arch: ArchConfig, linears: LinearFactory, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype, linears.tp)
+        #: The experts each sparse layer chose at the last forward (when enabled).
+        self.routed = RoutedExperts()
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, i, linears, dtype) for i in range(arch.num_layers)
+            DecoderLayer(arch, i, linears, dtype, self.routed) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope, arch.max_position_embeddings)
@@ -260,12 +276,25 @@ class DecoderForCausalLM(nn.Module):
                     names.update(f"{stem}.{leaf}" for leaf in leaves())
             else:
                 names.update(f"{path}.{leaf}" for leaf in leaves())
+        moe = self._moe_blocks()
         for name, _param in self.named_parameters():
-            if name.rpartition(".")[0] not in linear_paths:
+            owner, _, leaf = name.rpartition(".")
+            if owner in moe and leaf in ("w13", "w2"):
+                continue  # named per expert below
+            if owner not in linear_paths:
                 names.add(name)
+        for prefix, block in moe.items():
+            names.update(block.expert_names(prefix))
         if self.lm_head is None:
             names.discard("lm_head.weight")
         return names
+
+    def _moe_blocks(self) -> dict[str, SparseMoeBlock]:
+        return {
+            path: module
+            for path, module in self.named_modules()
+            if isinstance(module, SparseMoeBlock)
+        }
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into the model; returns the names used.
@@ -276,6 +305,9 @@ class DecoderForCausalLM(nn.Module):
             self.head_packing.check_loadable()
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        moe = self._moe_blocks()
+        if moe:
+            weights = split_moe_weights(weights, moe, loaded)
         for name, tensor in weights:
             if name.endswith(IGNORED_SUFFIXES):
                 continue
