@@ -275,3 +275,26 @@ def test_routed_experts_need_the_flag_and_a_moe_model(
         pytest.raises(InvalidRequest, match="no experts"),
     ):
         engine.generate(input_ids=PROMPT, sampling_params=params, return_routed_experts=True)
+
+
+def test_routed_experts_cross_the_engine_process(checkpoints: dict[str, tuple[Path, Any]]) -> None:
+    from radixlm.runtime.routed_experts import decode
+
+    path, hf_model = checkpoints["qwen3_moe"]
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    with Engine(
+        str(path),
+        show_progress=False,
+        dtype="float32",
+        max_total_tokens=1024,
+        engine_process=True,
+        enable_return_routed_experts=True,
+    ) as engine:
+        out = engine.generate(
+            input_ids=PROMPT, sampling_params={**params, "n": 2}, return_routed_experts=True
+        )
+    layers, top_k = COMMON["num_hidden_layers"], hf_model.config.num_experts_per_tok
+    for seq in out:  # n = 2: each sequence has its own rows
+        ids = PROMPT + seq["output_ids"][:-1]
+        got = decode(seq["meta_info"]["routed_experts"], layers, top_k)
+        assert torch.equal(got, hf_routed(hf_model, ids, layers, [0, 1, 2]))
