@@ -154,6 +154,23 @@ class Driver:
         finally:
             self.release(seq)
 
+    def prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
+        """Logits at every prompt position from one prefill forward."""
+        runner = self.runner
+        seq = self.start(prompt)
+        try:
+            batch = ForwardBatch.build(
+                [self.entry(seq, prompt)], runner.req_to_token_pool.req_to_token
+            )
+            batch.write_req_to_token()
+            runner.attention.prepare(batch)
+            with torch.inference_mode():
+                hidden = runner.model(batch.input_ids, batch.positions, runner.attention)
+                logits: torch.Tensor = runner.model.compute_logits(hidden)
+                return logits
+        finally:
+            self.release(seq)
+
     def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor:
         """Logits at every prompt position (prefill, one position kept per forward)."""
         seq = self.start(prompt)

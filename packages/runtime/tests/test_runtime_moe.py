@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from radixlm.runtime import Engine, ForwardBatch, ModelRunner, RunnerConfig
+from radixlm.runtime import Engine, ModelRunner, RunnerConfig
 from radixlm.runtime.fixtures import build_tiny_tokenizer
 from radixlm.sampling import InvalidRequest
 
@@ -91,21 +91,6 @@ def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
     return logits
 
 
-def all_position_logits(runner: ModelRunner, driver: Any, prompt: list[int]) -> torch.Tensor:
-    seq = driver.start(prompt)
-    try:
-        batch = ForwardBatch.build(
-            [driver.entry(seq, prompt)], runner.req_to_token_pool.req_to_token
-        )
-        batch.write_req_to_token()
-        runner.attention.prepare(batch)
-        with torch.inference_mode():
-            hidden = runner.model(batch.input_ids, batch.positions, runner.attention)
-            return runner.model.compute_logits(hidden)
-    finally:
-        driver.release(seq)
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_prefill_logits_match_transformers(
     family: str,
@@ -117,7 +102,7 @@ def test_prefill_logits_match_transformers(
     runner = ModelRunner(runner_config_for(path))
     driver = driver_for(runner)
     expected = hf_logits(hf_model, PROMPT)
-    ours = all_position_logits(runner, driver, PROMPT)
+    ours = driver.prefill_logits(PROMPT)
     assert (ours - expected).abs().max().item() < 1e-4
     # Position by position (decode steps over the cached prefix).
     stepwise = driver.prompt_logits(PROMPT)
@@ -172,7 +157,7 @@ def test_stacked_expert_layout_loads_the_same(
             (out / file.name).write_bytes(file.read_bytes())
     save_file(stacked, str(out / "model.safetensors"))
     runner = ModelRunner(runner_config_for(out))
-    ours = all_position_logits(runner, driver_for(runner), PROMPT)
+    ours = driver_for(runner).prefill_logits(PROMPT)
     assert (ours - hf_logits(hf_model, PROMPT)).abs().max().item() < 1e-4
 
 

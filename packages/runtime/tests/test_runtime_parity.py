@@ -8,25 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from radixlm.runtime import ForwardBatch, ModelRunner
+from radixlm.runtime import ModelRunner
 
 ARCHS = ["llama3", "mistral", "qwen2", "qwen3"]
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 128, 64, 33, 2, 200, 11, 9, 180, 77, 4, 61, 19]
-
-
-def all_position_logits(runner: ModelRunner, driver: Any, prompt: list[int]) -> torch.Tensor:
-    seq = driver.start(prompt)
-    try:
-        batch = ForwardBatch.build(
-            [driver.entry(seq, prompt)], runner.req_to_token_pool.req_to_token
-        )
-        batch.write_req_to_token()
-        runner.attention.prepare(batch)
-        with torch.inference_mode():
-            hidden = runner.model(batch.input_ids, batch.positions, runner.attention)
-            return runner.model.compute_logits(hidden)
-    finally:
-        driver.release(seq)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -38,7 +23,7 @@ def test_prefill_logits_match_transformers(
 ) -> None:
     runner = runners[arch]
     _, hf_model = hf_checkpoints[arch]
-    ours = all_position_logits(runner, driver_for(runner), PROMPT)
+    ours = driver_for(runner).prefill_logits(PROMPT)
     with torch.no_grad():
         theirs = hf_model(torch.tensor([PROMPT])).logits[0].float()
     assert ours.shape == (len(PROMPT), runner.vocab_size)
@@ -74,8 +59,8 @@ def test_sliding_window_changes_logits_beyond_the_window(
     # The window (6) is shorter than the prompt: position 19 must not see position 0.
     runner = runners["mistral"]
     assert runner.info.arch.sliding_windows == (6, 6)
-    base = all_position_logits(runner, driver_for(runner), PROMPT)
-    changed = all_position_logits(runner, driver_for(runner), [PROMPT[1] + 1, *PROMPT[1:]])
+    base = driver_for(runner).prefill_logits(PROMPT)
+    changed = driver_for(runner).prefill_logits([PROMPT[1] + 1, *PROMPT[1:]])
     assert torch.equal(base[-1], changed[-1])
     assert not torch.equal(base[3], changed[3])
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -48,3 +49,20 @@ def _num_sms_cuda(index: int) -> int:
 def soft_cap(x, cap):
     """``cap * tanh(x / cap)`` written with exp (tanh is not in every Triton build)."""
     return cap - 2.0 * cap / (tl.exp(2.0 * x / cap) + 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """Tile sizes and launch settings of one matmul-like kernel call."""
+
+    m: int
+    n: int
+    k: int
+    num_warps: int
+    num_stages: int
+
+
+def capped_dot_block(n: int, cap: int) -> int:
+    """A tile edge for `n` elements: a power of two, at least 16 (tl.dot needs every dimension
+    >= 16 when compiled; narrower edges are masked), at most `cap`."""
+    return min(max(16, next_pow2(n)), cap)

@@ -6,31 +6,19 @@ built on it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from radixlm.kernels.reference.moe import MoePlan, moe_mlp
-from radixlm.kernels.triton_ops._common import INTERPRETED, next_pow2, upcast_dots
+from radixlm.kernels.triton_ops._common import (
+    INTERPRETED,
+    Blocks,
+    capped_dot_block,
+    next_pow2,
+    upcast_dots,
+)
 from radixlm.kernels.triton_ops.elementwise import silu_and_mul
-
-
-@dataclass(frozen=True, slots=True)
-class Blocks:
-    """Tile sizes and launch settings of one grouped matmul call."""
-
-    m: int
-    n: int
-    k: int
-    num_warps: int
-    num_stages: int
-
-
-def _dot_block(n: int, cap: int) -> int:
-    # tl.dot needs every dimension >= 16 when compiled; narrower edges are masked.
-    return min(max(16, next_pow2(n)), cap)
 
 
 def choose_blocks(rows_per_expert: int, cols: int, depth: int, dtype: torch.dtype) -> Blocks:
@@ -41,10 +29,12 @@ def choose_blocks(rows_per_expert: int, cols: int, depth: int, dtype: torch.dtyp
     tile fewer times. fp32 halves the K step (shared memory per stage).
     """
     if INTERPRETED:  # small tiles keep the tests quick and exercise the edge masks
-        return Blocks(16, _dot_block(cols, 32), _dot_block(depth, 32), num_warps=4, num_stages=1)
+        return Blocks(
+            16, capped_dot_block(cols, 32), capped_dot_block(depth, 32), num_warps=4, num_stages=1
+        )
     m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64
-    n = _dot_block(cols, 128 if m == 64 else 64)
-    k = _dot_block(depth, (128 if m <= 32 else 64) // (2 if dtype == torch.float32 else 1))
+    n = capped_dot_block(cols, 128 if m == 64 else 64)
+    k = capped_dot_block(depth, (128 if m <= 32 else 64) // (2 if dtype == torch.float32 else 1))
     stages = 2 if dtype == torch.float32 else 3
     return Blocks(m, n, k, num_warps=4, num_stages=stages)
 
