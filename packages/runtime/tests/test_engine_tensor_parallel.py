@@ -284,7 +284,8 @@ def test_a_mixture_of_experts_under_tp_answers_as_the_unsplit_engine(
     from radixlm.runtime.fixtures import build_tiny_tokenizer
 
     # Qwen2-MoE: 4 experts (top 2), a shared expert, a dense layer; ep_size 1 splits every
-    # expert's columns across the 2 ranks, ep_size 2 puts 2 whole experts on each rank.
+    # expert's columns across the 2 ranks, ep_size 2 puts 2 whole experts on each rank and
+    # exchanges the tokens' rows with all-to-all.
     config = transformers.Qwen2MoeConfig(
         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
@@ -299,10 +300,14 @@ def test_a_mixture_of_experts_under_tp_answers_as_the_unsplit_engine(
     asks = {"return_routed_experts": True}
     with Engine(str(tmp_path), **options) as one:
         theirs = one.generate(prompts, GREEDY, **asks)
+        alone = one.generate(prompts[0], GREEDY, **asks)
     with Engine(str(tmp_path), tp_size=2, ep_size=ep_size, dist_timeout=30, **options) as two:
         ours = two.generate(prompts, GREEDY, **asks)
+        # One request: a decode step of one token, so one rank has no token to dispatch.
+        single = two.generate(prompts[0], GREEDY, **asks)
         assert two.server_info()["moe"]["ep_size"] == ep_size
     assert _ids(ours) == _ids(theirs)
+    assert single["output_ids"] == alone["output_ids"]
     assert [o["meta_info"]["routed_experts"] for o in ours] == [
         o["meta_info"]["routed_experts"] for o in theirs
     ]

@@ -100,8 +100,28 @@ class TensorParallel:
         self.timing.seconds += time.perf_counter() - start
         self.timing.calls += 1
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's `tensor` concatenated along the last dimension, in rank order."""
+    def all_to_all(
+        self, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int]
+    ) -> torch.Tensor:
+        """Rows exchanged between ranks: this rank sends `input_splits[j]` consecutive rows of
+        `tensor` to rank j and receives `output_splits[j]` rows from it, in rank order."""
+        if self.size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+        start = self._clock(tensor)
+        try:
+            dist.all_to_all_single(out, tensor, output_splits, input_splits, group=self.group)
+        except RuntimeError as error:
+            raise RankFailure.of("all-to-all", error) from error
+        self._count(tensor, start)
+        return out
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `tensor` concatenated along `dim` (the last by default), in rank
+        order."""
         if self.size == 1:
             return tensor
         import torch.distributed as dist
@@ -114,7 +134,7 @@ class TensorParallel:
         except RuntimeError as error:
             raise RankFailure.of("all-gather", error) from error
         self._count(tensor, start)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=dim)
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (on the control group)."""

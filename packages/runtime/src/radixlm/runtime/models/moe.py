@@ -11,8 +11,11 @@ Under tensor parallelism every expert's intermediate dimension is split across t
 column / row pattern of a dense MLP), and the partial outputs are summed by the layer's one
 all-reduce. With expert parallelism (`ep_size`) the experts are placed on ranks instead:
 `ep_size` groups of `num_experts / ep_size` experts, the intermediate dimension split across
-the `tp_size / ep_size` ranks of a group; each rank runs its experts for the tokens routed to
-them (the others' ids become -1) and the same all-reduce adds the groups' outputs.
+the `tp_size / ep_size` ranks of a group. With `ep_size == tp_size` (whole experts per rank)
+the tokens are exchanged with all-to-all: each rank takes a share of them and sends each
+chosen (token, expert) row to the expert's rank (`_dispatched`). Otherwise each rank runs its
+experts for the tokens routed to them (the others' ids become -1) and the same all-reduce adds
+the groups' outputs.
 
 Checkpoints name the experts per expert (`mlp.experts.3.gate_proj.weight`, Mixtral's
 `block_sparse_moe.experts.3.w1.weight`) or stacked (`mlp.experts.gate_up_proj`
@@ -23,7 +26,7 @@ both load.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +165,14 @@ class SparseMoeBlock(nn.Module):
         self.w2 = nn.Parameter(torch.empty(count, hidden, inter, dtype=dtype), False)
         if self.tp.enabled:
             mark_sharded(self.w13, self.w2)
+        #: What runs this rank's experts, with `radixlm.kernels.fused_moe`'s signature. A
+        #: benchmark swaps in `radixlm.kernels.reference.moe_per_expert_loop`, the naive loop
+        #: over experts, to measure the fused path against it (tools/bench/moe_bench.py).
+        self.experts_impl: Callable[..., torch.Tensor] = fused_moe
+        #: Expert parallelism over every rank (`ep_size == tp_size`): each rank takes its
+        #: share of the tokens and sends each chosen (token, expert) pair to the rank that
+        #: holds the expert (`_dispatched`), instead of running its experts on every token.
+        self.dispatch = moe.ep_size > 1 and moe.ep_size == linears.tp.size
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_intermediate_size:
@@ -184,17 +195,50 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         self.routed.record(ids)
-        placement = self.placement
-        if placement.count != self.moe.num_experts:
-            local = ids - placement.first
-            ids = torch.where((local >= 0) & (local < placement.count), local, -1)
-        out = fused_moe(x, self.w13, self.w2, weights, ids)
-        if self.tp.enabled:
-            out = self.tp.all_reduce(out)
+        out = self._dispatched(x, weights, ids) if self.dispatch else self._local(x, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(x)  # all-reduced by its row layer
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
+
+    def _local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts (or its columns of every expert) on every token, summed over
+        the ranks by one all-reduce. Ids of experts another rank holds become -1."""
+        placement = self.placement
+        if placement.count != self.moe.num_experts:
+            local = ids - placement.first
+            ids = torch.where((local >= 0) & (local < placement.count), local, -1)
+        out = self.experts_impl(x, self.w13, self.w2, weights, ids)
+        return self.tp.all_reduce(out) if self.tp.enabled else out
+
+    def _dispatched(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Expert parallelism with all-to-all: rank r takes the r-th share of the tokens,
+        sends each of their chosen (token, expert) rows to the expert's rank, runs its own
+        experts on the rows it receives, sends the results back, weights and sums them per
+        token, and the ranks gather every token's output."""
+        tp, count = self.tp, self.placement.count
+        tokens, k = ids.shape
+        share = -(-tokens // tp.size)
+        begin = min(tp.rank * share, tokens)
+        end = min(begin + share, tokens)
+        mine = ids[begin:end].reshape(-1)
+        owner = mine // count
+        order = torch.argsort(owner, stable=True)
+        sent = torch.bincount(owner, minlength=tp.size)
+        ones = [1] * tp.size
+        got = tp.all_to_all(sent, ones, ones)
+        send_splits, recv_splits = sent.tolist(), got.tolist()
+        rows = tp.all_to_all(x[begin:end][order // k], recv_splits, send_splits)
+        local = tp.all_to_all((mine % count)[order], recv_splits, send_splits)
+        unit = torch.ones(rows.shape[0], 1, dtype=weights.dtype, device=x.device)
+        computed = self.experts_impl(rows, self.w13, self.w2, unit, local[:, None])
+        back = tp.all_to_all(computed, send_splits, recv_splits)
+        scale = weights[begin:end].reshape(-1)[order].float()
+        summed = torch.zeros(share, x.shape[1], dtype=torch.float32, device=x.device)
+        summed.index_add_(0, order // k, back.float() * scale[:, None])
+        return tp.all_gather(summed.to(x.dtype), dim=0)[:tokens]
 
     # Weights -------------------------------------------------------------------------------
 
