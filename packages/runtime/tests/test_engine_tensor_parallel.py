@@ -274,26 +274,42 @@ def test_lora_adapters_under_tp_answer_as_the_unsplit_engine(
     assert outputs[1][2] == base[2]
 
 
-@pytest.mark.parametrize("ep_size", [1, 2])
+MOE_SMALL: dict[str, Any] = dict(
+    vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
+    initializer_range=0.15, eos_token_id=1, bos_token_id=0,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "ep_size"),
+    [("qwen2_moe", 1), ("qwen2_moe", 2), ("mixtral", 2), ("qwen3_moe", 1)],
+)
 def test_a_mixture_of_experts_under_tp_answers_as_the_unsplit_engine(
-    tmp_path: Path, ep_size: int
+    tmp_path: Path, family: str, ep_size: int
 ) -> None:
     import torch
     import transformers
 
     from radixlm.runtime.fixtures import build_tiny_tokenizer
 
-    # Qwen2-MoE: 4 experts (top 2), a shared expert, a dense layer; ep_size 1 splits every
-    # expert's columns across the 2 ranks, ep_size 2 puts 2 whole experts on each rank and
-    # exchanges the tokens' rows with all-to-all.
-    config = transformers.Qwen2MoeConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1],
-        initializer_range=0.15, eos_token_id=1, bos_token_id=0,
-    )  # fmt: skip
+    # 4 experts, top 2. ep_size 1 splits every expert's columns across the 2 ranks; ep_size 2
+    # puts 2 whole experts on each rank and exchanges the tokens' rows with all-to-all.
+    # Qwen2-MoE adds a shared expert and a dense layer.
+    config = {
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **MOE_SMALL, num_experts=4, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, mlp_only_layers=[1],
+        ),
+        "mixtral": lambda: transformers.MixtralConfig(
+            **{**MOE_SMALL, "intermediate_size": 32}, num_local_experts=4
+        ),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **MOE_SMALL, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True
+        ),
+    }[family]()  # fmt: skip
     torch.manual_seed(0)
-    transformers.Qwen2MoeForCausalLM(config).save_pretrained(tmp_path)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     build_tiny_tokenizer(tmp_path, vocab_size=300)
     prompts = sample_texts(3, seed=2)
     options = {**OPTIONS, "dtype": "float32", "enable_return_routed_experts": True}
