@@ -29,6 +29,7 @@ STEPS = [
     "engine-graphs",
     "engine-eager",
     "tp-bench",
+    "moe-bench",
 ]
 
 
@@ -102,6 +103,22 @@ def test_the_figures_land_in_the_output_folder(
     assert set(summary["engine"]) == {"graphs", "eager"}
     assert set(summary["tests"]) == {"pytest-kernels", "pytest-runtime"}
     assert summary["tests"]["pytest-kernels"]["skipped"] > 0  # the GPU tests, on a CPU
+
+
+def test_the_moe_figures_travel_in_the_archive(
+    dry_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    out, _ = dry_run
+    assert not (out / "moe.json").exists()  # packed: the tool's 8 files are taken
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        member = archive.extractfile("moe.json")
+        assert member is not None
+        moe = json.loads(member.read())
+    assert [r["batch"] for r in moe["rows"]] == [1, 4]
+    systems = {"fused", "loop", "transformers", "transformers-loop"}
+    assert all(set(r["decode_tok_s"]) == systems for r in moe["rows"])
+    assert moe["moe_blocks"] == 2  # the per-expert loop went into both layers' blocks
+    assert moe["fused_equals_loop"] is True  # greedy float32: the same token ids
 
 
 def test_what_comes_back_fits_the_device_tool(

@@ -6,7 +6,7 @@ summary.json beside them, and the steps table printed.
 
 STEPS.tsv has one line per step run: name, seconds, status, exit code, time limit. The figures
 are read from what the steps left in DIR: env.json, pytest-*.xml, kernels.json,
-engine-graphs.json, engine-eager.json and tp.json. Only the standard library is used.
+engine-graphs.json, engine-eager.json, tp.json and moe.json. Only the standard library is used.
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ def build(folder: Path, steps: list[dict[str, Any]], args: argparse.Namespace) -
         "kernels": read_json(folder / "kernels.json") or [],
         "engine": {k: v for k, v in engine.items() if v},
         "tp": read_json(folder / "tp.json") or {},
+        "moe": read_json(folder / "moe.json") or {},
     }
 
 
@@ -189,6 +190,21 @@ def tp_lines(tp: dict[str, Any]) -> list[str]:
         "",
         *table(["TP", "rank", "weights MiB", "KV pool MiB", "resident MiB"], memory),
     ]
+
+
+def moe_lines(moe: dict[str, Any]) -> list[str]:
+    """moe_bench's decode rates per batch: the fused path beside the per-expert loop."""
+    rows = moe.get("rows") or []
+    if not rows:
+        return []
+    systems = list(rows[0]["decode_tok_s"])
+    head = ["batch", *(f"{name} tok/s" for name in systems), "fused / loop"]
+    body = []
+    for row in rows:
+        rates = row["decode_tok_s"]
+        ratio = rates["fused"] / rates["loop"] if rates.get("loop") else None
+        body.append([str(row["batch"]), *(fmt(rates[n]) for n in systems), fmt(ratio, 2)])
+    return table(head, body, right=range(1, len(head)))
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -240,6 +256,8 @@ def markdown(summary: dict[str, Any]) -> str:
         out += ["", *engine_lines(summary["engine"])]
     if summary.get("tp"):
         out += ["", "## Tensor parallelism (tp_bench)", "", *tp_lines(summary["tp"])]
+    if summary.get("moe"):
+        out += ["", "## Mixture of experts (moe_bench)", "", *moe_lines(summary["moe"])]
     return "\n".join(out) + "\n"
 
 

@@ -128,8 +128,15 @@ class ModelRunner:
         self.stats = RunnerStats()
         self.graph_runner: CudaGraphRunner | None = None
         # gloo's collectives cannot be captured in a CUDA graph (NCCL's can); the LoRA path
-        # reads per-step segment tensors that a captured graph would not see.
-        graphs = config.attention.cuda_graph and tp.backend != "gloo" and self.lora is None
+        # reads per-step segment tensors that a captured graph would not see; the experts of
+        # a mixture of experts are grouped with a host read (`moe_align`), which a capture
+        # forbids.
+        graphs = (
+            config.attention.cuda_graph
+            and tp.backend != "gloo"
+            and self.lora is None
+            and info.arch.moe is None
+        )
         if cuda_graphs_usable(self.device, graphs, self.attention):
             sizes = [
                 s for s in config.attention.graph_batch_sizes() if s <= memory.max_running_requests
