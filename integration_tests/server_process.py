@@ -22,11 +22,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def served(args: Sequence[str], log: Path, port: int, timeout: float = 90) -> Iterator[str]:
-    """Run `python -m radixlm.server ARGS --port PORT` (output to `log`) until `/health`
-    answers; yields its base URL and stops it with SIGINT afterwards. `args` are the flags."""
+def served(
+    args: Sequence[str],
+    log: Path,
+    port: int,
+    timeout: float = 90,
+    command: Sequence[str] | None = None,
+) -> Iterator[str]:
+    """Run `COMMAND ARGS --port PORT` (output to `log`; the command defaults to
+    `python -m radixlm.server`) until `/health` answers; yields its base URL and stops it with
+    SIGINT afterwards."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "radixlm.server", *args, "--port", str(port)]
+    program = list(command) if command is not None else [sys.executable, "-m", "radixlm.server"]
+    command = [*program, *args, "--port", str(port)]
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -34,14 +42,14 @@ def served(args: Sequence[str], log: Path, port: int, timeout: float = 90) -> It
         deadline = time.monotonic() + timeout
         while True:
             if process.poll() is not None:
-                raise AssertionError(f"radixlm serve exited:\n{log.read_text()}")
+                raise AssertionError(f"the server exited:\n{log.read_text()}")
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise AssertionError(f"radixlm serve did not start:\n{log.read_text()}")
+                raise AssertionError(f"the server did not start:\n{log.read_text()}")
             time.sleep(0.2)
         yield url
     finally:

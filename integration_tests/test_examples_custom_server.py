@@ -3,64 +3,25 @@ of its own, started as a script on a free port (the built-in demo model)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from server_process import free_port, served  # this folder is not a package
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "custom_server.py"
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
     log = tmp_path_factory.mktemp("custom-server") / "server.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [sys.executable, str(SCRIPT), "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"the example exited:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the example did not start:\n{log.read_text()}")
-            time.sleep(0.2)
+    with served([], log, free_port(), command=[sys.executable, str(SCRIPT)]) as base:
         yield base
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def test_the_custom_route_asks_the_engine_for_the_capital(url: str) -> None:

@@ -3,12 +3,8 @@ to call it, the official client works against it, and each request is logged."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -18,14 +14,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from server_process import free_port, served  # this folder is not a package
 
 from radixlm.runtime.fixtures import ForceTokenProcessor
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _command() -> list[str]:
@@ -35,12 +26,9 @@ def _command() -> list[str]:
 
 @pytest.fixture(scope="module")
 def cli_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve-log") / "serve.log"
     args = [
-        *_command(),
         "--model-path", str(tiny_llama),
-        "--port", str(port),
         "--served-model-name", "tiny",
         "--api-key", "k3y",
         "--dtype", "float32",
@@ -62,31 +50,8 @@ def cli_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "--enable-custom-logit-processor",
         "--log-level", "info",
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log.open("w") as out:
-        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    try:
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"radixlm serve exited:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"radixlm serve did not start:\n{log.read_text()}")
-            time.sleep(0.2)
+    with served(args, log, free_port(), command=_command()) as url:
         yield url, log
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def test_serve_prints_how_to_call_it(cli_server: Any) -> None:
