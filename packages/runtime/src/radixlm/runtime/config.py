@@ -285,6 +285,10 @@ class LoraConfig:
         return self.enabled or bool(self.paths)
 
 
+#: The decoder projections a LoRA adapter may target (Hugging Face names).
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def _lora_paths(value: Any) -> tuple[tuple[str, str], ...]:
     """SGLang's `lora_paths`: a {name: path} mapping, or a list of `name=path` strings,
     bare paths (named after themselves) and {"lora_name", "lora_path"} objects."""
@@ -313,7 +317,7 @@ def _target_modules(value: Any) -> tuple[str, ...] | None:
         return None
     items = [value] if isinstance(value, str) else list(value)
     if items == ["all"]:
-        return ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        return LORA_TARGET_MODULES
     return tuple(str(item) for item in items)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from radixlm.runtime.config import LORA_TARGET_MODULES
 from radixlm.sampling import CustomLogitProcessor
 
 EOS_TOKEN = "<|endoftext|>"
@@ -195,15 +196,12 @@ def build_tiny_model(
     return path
 
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def build_random_lora(
     model_dir: str | Path,
     path: str | Path,
     rank: int = 8,
     alpha: float = 16.0,
-    target_modules: tuple[str, ...] = LORA_TARGETS,
+    target_modules: tuple[str, ...] = LORA_TARGET_MODULES,
     seed: int = 0,
     scale: float = 0.1,
 ) -> Path:

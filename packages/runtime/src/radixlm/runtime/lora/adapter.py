@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
+from radixlm.runtime.config import LORA_TARGET_MODULES
 from radixlm.runtime.models.arch import ArchConfig
 
 #: The linear layers of the decoder an adapter may target (Hugging Face names).
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = LORA_TARGET_MODULES
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
