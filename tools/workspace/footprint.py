@@ -24,8 +24,19 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10 (pytest brings tomli there)
+    import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parents[2]
-PYDANTIC = {"pydantic", "pydantic-core", "typing-extensions", "annotated-types", "typing-inspection"}
+PYDANTIC = {
+    "pydantic",
+    "pydantic-core",
+    "typing-extensions",
+    "annotated-types",
+    "typing-inspection",
+}
 # What installing the package alone may bring, beyond itself and its radixlm dependencies.
 FOOTPRINT: dict[str, set[str]] = {
     "sampling": PYDANTIC,
@@ -62,10 +73,28 @@ def closure(name: str, extras: set[str]) -> set[str]:
     return found
 
 
+def requirement_key(line: str) -> str:
+    """A requirement without its marker, spelled one way (extras sorted, name canonical)."""
+    req = Requirement(line)
+    extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+    return f"{canonical(req.name)}{extras}{req.specifier}"
+
+
 def differences(dist_name: str) -> list[str]:
-    """How the installed radixlm-X's files differ from src/radixlm/X in the checkout."""
+    """How the installed radixlm-X differs from the checkout: its files and its requirements."""
     short = dist_name.removeprefix("radixlm-")
     folder = ROOT / "kernels" if short == "kernels" else ROOT / "packages" / short
+    project = tomllib.loads((folder / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    lines = list(project.get("dependencies", []))
+    for extra in project.get("optional-dependencies", {}).values():
+        lines += extra
+    declared = {requirement_key(line) for line in lines}
+    recorded = {requirement_key(line) for line in metadata.requires(dist_name) or []}
+    found = [
+        f"requirement not in the checkout's pyproject.toml: {r}"
+        for r in sorted(recorded - declared)
+    ]
+    found += [f"requirement the install lacks: {r}" for r in sorted(declared - recorded)]
     source = folder / "src" / "radixlm" / short
     wanted = {
         p.relative_to(source).as_posix(): p
@@ -79,7 +108,9 @@ def differences(dist_name: str) -> list[str]:
         for f in dist.files or []
         if f.as_posix().startswith(prefix) and "__pycache__" not in f.parts
     }
-    found = [f"missing from the install: {name}" for name in sorted(wanted.keys() - installed.keys())]
+    found += [
+        f"missing from the install: {name}" for name in sorted(wanted.keys() - installed.keys())
+    ]
     found += [f"not in the checkout: {name}" for name in sorted(installed.keys() - wanted.keys())]
     found += [
         f"differs from the checkout: {name}"
@@ -91,17 +122,7 @@ def differences(dist_name: str) -> list[str]:
 
 def main(package: str) -> int:
     dist = f"radixlm-{package}"
-    module = importlib.import_module(f"radixlm.{package}")
-    where = Path(list(module.__path__)[0]).resolve()
-    if ROOT / "packages" in where.parents or ROOT / "kernels" in where.parents:
-        print(f"[{package}] FAILED: radixlm.{package} imports from the checkout ({where})")
-        return 1
-    with_tests = closure(dist, {"test"})
     installed = {canonical(d.metadata["Name"]) for d in metadata.distributions()}
-    stray = sorted(d for d in installed if d.startswith("radixlm") and d not in with_tests)
-    if stray:
-        print(f"[{package}] FAILED: installed but not required by {dist}[test]: {stray}")
-        return 1
     for name in sorted(d for d in installed if d.startswith("radixlm-")):
         found = differences(name)
         if found:
@@ -109,11 +130,23 @@ def main(package: str) -> int:
             print("\n".join(f"  {line}" for line in found[:10]))
             print(f"  (after a change: `hatch env remove alone.{package}`, then run again)")
             return 1
+    module = importlib.import_module(f"radixlm.{package}")
+    where = Path(next(iter(module.__path__))).resolve()
+    if ROOT / "packages" in where.parents or ROOT / "kernels" in where.parents:
+        print(f"[{package}] FAILED: radixlm.{package} imports from the checkout ({where})")
+        return 1
+    with_tests = closure(dist, {"test"})
+    stray = sorted(d for d in installed if d.startswith("radixlm") and d not in with_tests)
+    if stray:
+        print(f"[{package}] FAILED: installed but not required by {dist}[test]: {stray}")
+        return 1
     brought = sorted(d for d in closure(dist, set()) if not d.startswith("radixlm"))
     ours = sorted(d for d in closure(dist, set()) if d.startswith("radixlm") and d != dist)
     print(f"[{package}] {dist} alone brings: {', '.join(ours + brought) or 'nothing else'}")
     if package in FOOTPRINT and not set(brought) <= FOOTPRINT[package]:
-        print(f"[{package}] FAILED: beyond its promised footprint: {sorted(set(brought) - FOOTPRINT[package])}")
+        print(
+            f"[{package}] FAILED: beyond its promised footprint: {sorted(set(brought) - FOOTPRINT[package])}"
+        )
         return 1
     return 0
 

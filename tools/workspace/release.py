@@ -36,7 +36,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_tests import PACKAGES, ROOT  # noqa: E402
+from run_tests import PACKAGES, ROOT
 
 META = "radixlm"  # the root: the meta-distribution that depends on every package
 
@@ -88,7 +88,9 @@ def internal_requirements() -> list[InternalRequirement]:
             name = requirement.name.lower().replace("_", "-")
             if name.startswith("radixlm-") and name.removeprefix("radixlm-") in PACKAGES:
                 found.append(
-                    InternalRequirement(dependant, pyproject, name.removeprefix("radixlm-"), requirement)
+                    InternalRequirement(
+                        dependant, pyproject, name.removeprefix("radixlm-"), requirement
+                    )
                 )
     return found
 
@@ -130,7 +132,10 @@ def release_changelog(text: str, version: Version, date: str) -> str:
 def bump(package: str, how: str, date: str, dry_run: bool) -> int:
     vfile = version_file(package)
     changelog = PACKAGES[package] / "CHANGELOG.md"
-    saved_version, saved_changelog = vfile.read_text(encoding="utf-8"), changelog.read_text(encoding="utf-8")
+    saved_version, saved_changelog = (
+        vfile.read_text(encoding="utf-8"),
+        changelog.read_text(encoding="utf-8"),
+    )
     old = hatch_version(package)
     new = old if how == "current" else hatch_version(package, how)
     try:
@@ -182,7 +187,12 @@ def build(packages: list[str]) -> int:
     failed = []
     for folder in folders:
         cmd = [hatch_executable(), "build", str(out)]
-        print("+", " ".join(cmd), f"(in {folder.relative_to(ROOT) if folder != ROOT else '.'})", flush=True)
+        print(
+            "+",
+            " ".join(cmd),
+            f"(in {folder.relative_to(ROOT) if folder != ROOT else '.'})",
+            flush=True,
+        )
         if subprocess.call(cmd, cwd=folder) != 0:
             failed.append(folder.name)
     if failed:
@@ -191,11 +201,15 @@ def build(packages: list[str]) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bump", help="bump one package's version and date its changelog")
     b.add_argument("package", choices=list(PACKAGES))
-    b.add_argument("bump", help="major, minor, patch, X.Y.Z (what `hatch version` takes) or current")
+    b.add_argument(
+        "bump", help="major, minor, patch, X.Y.Z (what `hatch version` takes) or current"
+    )
     b.add_argument("--date", default=datetime.date.today().isoformat())
     b.add_argument("--dry-run", action="store_true", help="show what would change; write nothing")
     sub.add_parser("check", help="every internal range admits the current versions")
