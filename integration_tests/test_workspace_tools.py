@@ -16,6 +16,7 @@ except ImportError:  # Python 3.10
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools" / "workspace"))
 
+import members  # noqa: E402
 import release  # noqa: E402
 import run_tests  # noqa: E402
 
@@ -23,12 +24,12 @@ HATCH = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["to
 
 
 def test_every_package_is_a_workspace_member_and_has_its_own_environment() -> None:
-    folders = {name: path.relative_to(ROOT).as_posix() for name, path in run_tests.PACKAGES.items()}
-    members = HATCH["envs"]["default"]["workspace"]["members"]
-    paths = [m["path"] if isinstance(m, dict) else m for m in members]
+    folders = {name: path.relative_to(ROOT).as_posix() for name, path in members.PACKAGES.items()}
+    listed = HATCH["envs"]["default"]["workspace"]["members"]
+    paths = [m["path"] if isinstance(m, dict) else m for m in listed]
     assert sorted(paths) == sorted(folders.values())
     (matrix,) = HATCH["envs"]["alone"]["matrix"]
-    assert matrix["package"] == list(run_tests.PACKAGES)
+    assert matrix["package"] == list(members.PACKAGES)
     for folder in folders.values():
         assert (ROOT / folder / "pyproject.toml").is_file()
         # `radixlm-PKG[test]` must name an extra the package declares.
@@ -45,7 +46,7 @@ def test_sources_point_every_package_at_its_folder() -> None:
     sources = {name: url for name, url in lines}
     assert sources == {
         f"radixlm-{name}": f"file://${{RADIXLM_ROOT}}/{path.relative_to(ROOT).as_posix()}"
-        for name, path in run_tests.PACKAGES.items()
+        for name, path in members.PACKAGES.items()
     }
 
 

@@ -17,19 +17,15 @@ It prints what the package brought either way.
 from __future__ import annotations
 
 import importlib
-import re
 import sys
 from importlib import metadata
 from pathlib import Path
 
 from packaging.requirements import Requirement
 
-try:
-    import tomllib
-except ImportError:  # Python 3.10 (pytest brings tomli there)
-    import tomli as tomllib
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from members import PACKAGES, canonical, declared_requirements
 
-ROOT = Path(__file__).resolve().parents[2]
 PYDANTIC = {
     "pydantic",
     "pydantic-core",
@@ -44,10 +40,6 @@ FOOTPRINT: dict[str, set[str]] = {
     # Torch-free: the cache and the request types (pydantic), nothing else.
     "router": PYDANTIC,
 }
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def closure(name: str, extras: set[str]) -> set[str]:
@@ -83,12 +75,8 @@ def requirement_key(line: str) -> str:
 def differences(dist_name: str) -> list[str]:
     """How the installed radixlm-X differs from the checkout: its files and its requirements."""
     short = dist_name.removeprefix("radixlm-")
-    folder = ROOT / "kernels" if short == "kernels" else ROOT / "packages" / short
-    project = tomllib.loads((folder / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    lines = list(project.get("dependencies", []))
-    for extra in project.get("optional-dependencies", {}).values():
-        lines += extra
-    declared = {requirement_key(line) for line in lines}
+    folder = PACKAGES[short]
+    declared = {requirement_key(line) for line in declared_requirements(folder)}
     recorded = {requirement_key(line) for line in metadata.requires(dist_name) or []}
     found = [
         f"requirement not in the checkout's pyproject.toml: {r}"
@@ -132,7 +120,7 @@ def main(package: str) -> int:
             return 1
     module = importlib.import_module(f"radixlm.{package}")
     where = Path(next(iter(module.__path__))).resolve()
-    if ROOT / "packages" in where.parents or ROOT / "kernels" in where.parents:
+    if PACKAGES[package] in where.parents:
         print(f"[{package}] FAILED: radixlm.{package} imports from the checkout ({where})")
         return 1
     with_tests = closure(dist, {"test"})

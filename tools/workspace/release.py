@@ -30,13 +30,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_tests import PACKAGES, ROOT
+from members import PACKAGES, ROOT, canonical, declared_requirements, pyproject
 
 META = "radixlm"  # the root: the meta-distribution that depends on every package
 
@@ -70,27 +65,28 @@ def hatch_version(package: str, bump: str | None = None) -> Version:
 
 
 def version_file(package: str) -> Path:
-    config = tomllib.loads((PACKAGES[package] / "pyproject.toml").read_text(encoding="utf-8"))
-    return PACKAGES[package] / config["tool"]["hatch"]["version"]["path"]
+    return PACKAGES[package] / pyproject(PACKAGES[package])["tool"]["hatch"]["version"]["path"]
+
+
+def current_version(package: str) -> Version:
+    """The version `_version.py` holds (what `hatch version` reports, without hatch)."""
+    text = version_file(package).read_text(encoding="utf-8")
+    match = re.search(r"""__version__\s*=\s*["'](.+?)["']""", text)
+    if match is None:
+        sys.exit(f'{version_file(package)}: no __version__ = "X.Y.Z" line')
+    return Version(match.group(1))
 
 
 def internal_requirements() -> list[InternalRequirement]:
     """Every requirement of one radixlm package on another, extras' requirements included."""
     found = []
     for dependant, folder in [*PACKAGES.items(), (META, ROOT)]:
-        pyproject = folder / "pyproject.toml"
-        project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
-        lines = list(project.get("dependencies", []))
-        for extra in project.get("optional-dependencies", {}).values():
-            lines += extra
-        for line in lines:
+        for line in declared_requirements(folder):
             requirement = Requirement(line)
-            name = requirement.name.lower().replace("_", "-")
-            if name.startswith("radixlm-") and name.removeprefix("radixlm-") in PACKAGES:
+            target = canonical(requirement.name).removeprefix("radixlm-")
+            if canonical(requirement.name).startswith("radixlm-") and target in PACKAGES:
                 found.append(
-                    InternalRequirement(
-                        dependant, pyproject, name.removeprefix("radixlm-"), requirement
-                    )
+                    InternalRequirement(dependant, folder / "pyproject.toml", target, requirement)
                 )
     return found
 
@@ -132,49 +128,36 @@ def release_changelog(text: str, version: Version, date: str) -> str:
 def bump(package: str, how: str, date: str, dry_run: bool) -> int:
     vfile = version_file(package)
     changelog = PACKAGES[package] / "CHANGELOG.md"
-    saved_version, saved_changelog = (
-        vfile.read_text(encoding="utf-8"),
-        changelog.read_text(encoding="utf-8"),
-    )
+    saved = vfile.read_text(encoding="utf-8")
     old = hatch_version(package)
     new = old if how == "current" else hatch_version(package, how)
+    problems = refusals(package, new)
     try:
-        problems = refusals(package, new)
-        if problems:
-            print(f"radixlm-{package} {new} is not admitted by its dependants; widen these first:")
-            print("\n".join(f"  {p}" for p in problems))
-            raise SystemExit(1)
-        updated = release_changelog(saved_changelog, new, date)
-    except (SystemExit, ValueError) as exc:
-        vfile.write_text(saved_version, encoding="utf-8")
-        if isinstance(exc, ValueError):
-            print(f"{changelog.relative_to(ROOT)}: {exc}")
+        updated = release_changelog(changelog.read_text(encoding="utf-8"), new, date)
+    except ValueError as exc:
+        problems.append(f"{changelog.relative_to(ROOT)}: {exc}")
+    if problems or dry_run:
+        vfile.write_text(saved, encoding="utf-8")
+    if problems:
+        print(f"radixlm-{package} {new} cannot be released; mend these first:")
+        print("\n".join(f"  {p}" for p in problems))
         print(f"radixlm-{package} left at {old}")
         return 1
     if dry_run:
-        vfile.write_text(saved_version, encoding="utf-8")
         print(f"radixlm-{package}: {old} -> {new} would be released (dry run; nothing written)")
         print(updated[:1500])
         return 0
     changelog.write_text(updated, encoding="utf-8")
     print(f"radixlm-{package}: {old} -> {new}; {changelog.relative_to(ROOT)} has its {new} section")
-    print(
-        "next: `hatch run alone."
-        + package
-        + ":test`, `hatch run release build "
-        + package
-        + f"`, tag radixlm-{package}-v{new}"
-    )
+    print(f"next: `hatch env remove alone.{package}`, `hatch run alone.{package}:test`,")
+    print(f"`hatch run release build {package}`, tag radixlm-{package}-v{new}")
     return 0
 
 
 def check() -> int:
-    problems = []
-    for package in PACKAGES:
-        version = Version(
-            re.search(r'"(.+?)"', version_file(package).read_text(encoding="utf-8")).group(1)  # type: ignore[union-attr]
-        )
-        problems += refusals(package, version)
+    problems = [
+        line for package in PACKAGES for line in refusals(package, current_version(package))
+    ]
     for problem in problems:
         print(problem)
     print(f"internal dependency ranges: {'FAILED' if problems else 'ok'}")

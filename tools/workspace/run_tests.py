@@ -5,7 +5,7 @@ in each package's own environment (with `--installed`):
 
     python tools/workspace/run_tests.py [--engine-mode process] [--installed] [PKG ...] [PYTEST ARGS]
 
-The leading package names (some of the `PACKAGES` below, or `integration`) choose what runs,
+The leading package names (some of `members.PACKAGES`, or `integration`) choose what runs,
 every package and the integration tests by default; what follows them goes to pytest.
 `--engine-mode process` runs every engine a test builds with its core in its own process
 (tools/testing/pytest_engine_process.py). `--installed` runs against the installed package
@@ -19,18 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-# Package name -> folder, in dependency order (leaves first).
-PACKAGES: dict[str, Path] = {
-    "sampling": ROOT / "packages" / "sampling",
-    "cache": ROOT / "packages" / "cache",
-    "kernels": ROOT / "kernels",
-    "constrained": ROOT / "packages" / "constrained",
-    "runtime": ROOT / "packages" / "runtime",
-    "server": ROOT / "packages" / "server",
-    "lang": ROOT / "packages" / "lang",
-    "router": ROOT / "packages" / "router",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from members import PACKAGES, ROOT
+
 INTEGRATION = ROOT / "integration_tests"
 PYTEST_NO_TESTS = 5
 
