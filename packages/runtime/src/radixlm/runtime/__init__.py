@@ -4,8 +4,10 @@ from radixlm.runtime._version import __version__
 from radixlm.runtime.builtin import (
     BUILTIN_MODEL_NAME,
     BUILTIN_VISION_MODEL_NAME,
+    SMOLLM2_MODEL_NAME,
     builtin_model_path,
     builtin_vision_model_path,
+    smollm2_gguf_path,
 )
 from radixlm.runtime.config import (
     AttentionConfig,
@@ -28,6 +30,7 @@ from radixlm.runtime.loader import (
     load_model,
     read_model_info,
 )
+from radixlm.runtime.model_files import resolve_model_path
 from radixlm.runtime.logprobs import TokenLogprob
 from radixlm.runtime.memory import KVPool, ReqToTokenPool
 from radixlm.runtime.model_runner import LogitsOutput, ModelRunner, RunnerStats
@@ -38,6 +41,7 @@ from radixlm.runtime.sampling_batch import SamplingBatch, SamplingRequest
 __all__ = [
     "BUILTIN_MODEL_NAME",
     "BUILTIN_VISION_MODEL_NAME",
+    "SMOLLM2_MODEL_NAME",
     "AttentionConfig",
     "BatchEntry",
     "CacheConfig",
@@ -72,5 +76,7 @@ __all__ = [
     "builtin_vision_model_path",
     "load_model",
     "read_model_info",
+    "resolve_model_path",
+    "smollm2_gguf_path",
     "supported_architectures",
 ]

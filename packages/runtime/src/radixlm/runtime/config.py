@@ -20,10 +20,10 @@ from typing import Any, Literal, get_args
 DtypeName = Literal["auto", "bfloat16", "float16", "float32"]
 #: The KV pool's dtypes: the compute dtype ("auto"), a float dtype, or float8 (SGLang's names).
 KvCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"]
-LoadFormat = Literal["auto", "safetensors", "dummy"]
+LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 #: `quantization`: computed at load time (int8, w8a8_int8, int4, fp8) or a pre-quantized
 #: checkpoint's method (gptq, awq, fp8); `radixlm.runtime.quant` takes the names from here.
-QuantizationMethod = Literal["int8", "w8a8_int8", "int4", "fp8", "gptq", "awq"]
+QuantizationMethod = Literal["int8", "w8a8_int8", "int4", "fp8", "gptq", "awq", "gguf", "none"]
 AttentionBackendName = Literal["auto", "torch_native", "triton"]
 LogprobsMode = Literal["raw", "processed"]
 SchedulePolicy = Literal["lpm", "dfs-weight", "fcfs", "random"]
@@ -58,8 +58,10 @@ def _choice(field_name: str, value: object, allowed: Any) -> None:
 class ModelConfig:
     """What to load and where.
 
-    `model_path` is a local Hugging Face model directory (or a hub id that is already in the
-    local Hugging Face cache; nothing is ever downloaded). `dtype="auto"` keeps the checkpoint's
+    `model_path` is a Hugging Face model directory, a GGUF file (or a directory holding one),
+    a hub id (downloaded through `huggingface_hub` at `revision` into `download_dir`, or the
+    Hugging Face cache; with `HF_HUB_OFFLINE=1` only a copy already there is used), or the
+    name of a built-in model (see `radixlm.runtime.model_files`). `dtype="auto"` keeps the checkpoint's
     dtype on GPUs and on CPUs that multiply it fast; on other CPUs a half-precision checkpoint
     computes in float32 (see `loader.choose_dtype`). `device="auto"` picks CUDA when available.
     `load_format="dummy"` builds random weights with the real shapes (benchmarks).
@@ -67,8 +69,9 @@ class ModelConfig:
     (packed at the first forward; 1.3-2x faster GEMV/GEMM than F.linear there).
     `quantization` quantizes a full-precision checkpoint's linear layers as it loads (int8,
     w8a8_int8, int4 in groups of `quantization_group_size`, fp8) or names the method of a
-    pre-quantized one (gptq, awq, fp8; read from its config.json when not given). See
-    `radixlm.runtime.quant`. `ep_size`: expert parallelism for a mixture-of-experts model
+    pre-quantized one (gptq, awq, fp8; read from its config.json when not given; gguf: a GGUF
+    file's own 4-bit weights, its default). `none` runs every layer in the compute dtype (a
+    GGUF file's weights dequantized). See `radixlm.runtime.quant`. `ep_size`: expert parallelism for a mixture-of-experts model
     (its experts placed on `ep_size` groups of the tensor-parallel ranks; must divide
     `tp_size` and the number of experts).
     """
@@ -84,6 +87,8 @@ class ModelConfig:
     quantization: QuantizationMethod | None = None
     quantization_group_size: int = 128
     ep_size: int = 1
+    revision: str | None = None
+    download_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.ep_size < 1:
@@ -632,6 +637,8 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "quantization_group_size": ("model", "quantization_group_size", int),
     "ep_size": ("model", "ep_size", int),
     "expert_parallel_size": ("model", "ep_size", int),
+    "revision": ("model", "revision", None),
+    "download_dir": ("model", "download_dir", None),
     # memory
     "mem_fraction_static": ("memory", "kv_cache_fraction", None),
     "kv_cache_fraction": ("memory", "kv_cache_fraction", None),

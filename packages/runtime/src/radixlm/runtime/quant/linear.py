@@ -7,7 +7,14 @@ with the checkpoint's leaf names. What those leaves are depends on where the val
 - quantized at load time: `weight` (full precision, staged until `finalize` quantizes it);
 - GPTQ / AWQ: `qweight`, `qzeros`, `scales` (and GPTQ's `g_idx`), unpacked as they arrive;
 - FP8: `weight` (float8 e4m3) and `weight_scale` (per tensor or per channel), `input_scale`
-  accepted and unused (activations are not quantized).
+  accepted and unused (activations are not quantized);
+- GGUF: `weight`, either `Int4Rows` (a Q4_0 / Q4_1 / Q4_K tensor converted exactly into the
+  int4 layout, groups of 32) or a float tensor (a type with no kernel here, dequantized): a
+  layer all of whose rows arrive as int4 runs the int4 kernels, any other runs a float copy.
+
+Load-time int4 picks, per layer, the largest group size not above the one asked for that
+divides the layer's input (576 = 9 x 64 takes groups of 64 when 128 is asked); an input no
+group size divides is padded with zero columns to a multiple of 32.
 
 `finalize()` runs once after loading: it quantizes staged weights and builds the device's
 matmul (`compute.py`). Biases, norms, embeddings and the LM head stay in the compute dtype.
@@ -16,6 +23,7 @@ matmul (`compute.py`). Biases, norms, embeddings and the LM head stay in the com
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -25,7 +33,34 @@ from radixlm import kernels
 from radixlm.runtime.distributed import SINGLE
 from radixlm.runtime.models.linear import Part, whole_sizes
 from radixlm.runtime.quant import checkpoint, compute
-from radixlm.runtime.quant.config import QuantConfig
+from radixlm.runtime.quant.config import GROUP_SIZES, QuantConfig
+
+logger = logging.getLogger("radixlm.runtime.quant")
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Rows:
+    """Rows of a weight already in the int4 layout: `qweight` [rows, K / 2] packed codes
+    (`radixlm.kernels.pack_int4`), `scales` and `zeros` [rows, K / group_size] float32, the
+    value of code q being (q - zero) * scale."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.qweight.shape[0], self.qweight.shape[1] * 2)
+
+
+def layer_group_size(in_features: int, asked: int) -> int:
+    """The int4 group of a layer quantized at load time: the largest of `GROUP_SIZES` not
+    above `asked` that divides `in_features`, else the smallest (the input is then padded)."""
+    for group in sorted(GROUP_SIZES, reverse=True):
+        if group <= asked and in_features % group == 0:
+            return group
+    return min(GROUP_SIZES)
 
 
 def _shard_ranges(shards: Mapping[str, int]) -> tuple[dict[str, tuple[int, int]], int]:
@@ -61,11 +96,17 @@ class QuantizedLinear(nn.Module):
         self.quant = quant
         self.dtype = dtype
         out, k = self.out_features, in_features
-        if quant.format == "int4" and k % quant.group_size:
+        #: This layer's int4 group, and its input width padded to whole groups.
+        self.group_size = quant.group_size
+        if quant.format == "int4" and quant.source == "load_time":
+            self.group_size = layer_group_size(k, quant.group_size)
+        elif quant.format == "int4" and k % quant.group_size:
             raise ValueError(
-                f"int4 groups of {quant.group_size} need in_features divisible by it; this "
-                f"layer has {k}"
+                f"this {quant.method} checkpoint's int4 groups of {quant.group_size} need "
+                f"in_features divisible by it; this layer has {k}"
             )
+        self.padded_in = -(-k // self.group_size) * self.group_size
+        kp = self.padded_in if quant.format == "int4" else k
         self.bias = (
             nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         )
@@ -74,8 +115,8 @@ class QuantizedLinear(nn.Module):
         if quant.source == "load_time":
             self.weight = nn.Parameter(torch.empty(out, k, dtype=dtype), requires_grad=False)
         if quant.format == "int4":
-            groups = k // quant.group_size
-            self.register_buffer("qweight", torch.zeros(out, k // 2, dtype=torch.uint8))
+            groups = kp // self.group_size
+            self.register_buffer("qweight", torch.zeros(out, kp // 2, dtype=torch.uint8))
             self.register_buffer("scales", torch.ones(out, groups, dtype=torch.float32))
             self.register_buffer("zeros", torch.full((out, groups), 8.0, dtype=torch.float32))
         else:
@@ -83,6 +124,9 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", torch.zeros(out, k, dtype=storage))
             self.register_buffer("scale", torch.ones(out, dtype=torch.float32))
         self._matmul: compute.Matmul | None = None
+        # GGUF: which rows arrived as float, and how many as int4 (see the module docstring).
+        self._float_rows: torch.Tensor | None = None
+        self._int4_rows = 0
 
     # Loading ---------------------------------------------------------------------------------
 
@@ -94,6 +138,7 @@ class QuantizedLinear(nn.Module):
             "gptq": ("qweight", "qzeros", "scales"),
             "awq": ("qweight", "qzeros", "scales"),
             "fp8": ("weight", "weight_scale"),
+            "gguf": ("weight",),
         }[source]
         return leaves + (("bias",) if self.bias is not None else ())
 
@@ -129,6 +174,8 @@ class QuantizedLinear(nn.Module):
                 self._load_int4(begin, end, name, tensor, what)
             elif self.quant.source == "fp8" and name in ("weight", "weight_scale", "input_scale"):
                 self._load_fp8(begin, rows, name, tensor, what)
+            elif self.quant.source == "gguf" and name == "weight":
+                self._load_gguf(begin, end, tensor, what)
             else:
                 raise ValueError(
                     f"{what}: a {self.quant.method} checkpoint has no such tensor for this layer "
@@ -136,7 +183,7 @@ class QuantizedLinear(nn.Module):
                 )
 
     def _load_int4(self, begin: int, end: int, name: str, tensor: torch.Tensor, what: str) -> None:
-        rows, k, group = end - begin, self.in_features, self.quant.group_size
+        rows, k, group = end - begin, self.in_features, self.group_size
         awq = self.quant.source == "awq"
         try:
             if name == "qweight":
@@ -185,6 +232,37 @@ class QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"{what}: expected float8_e4m3fn weights, got {tensor.dtype}")
 
+    def _load_gguf(
+        self, begin: int, end: int, tensor: Int4Rows | torch.Tensor, what: str
+    ) -> None:
+        rows = end - begin
+        if tuple(tensor.shape) != (rows, self.in_features):
+            raise ValueError(
+                f"{what}: the GGUF tensor has shape {tuple(tensor.shape)}, the model expects "
+                f"{(rows, self.in_features)}"
+            )
+        if isinstance(tensor, Int4Rows) and tensor.group_size == self.group_size:
+            device = self.qweight.device
+            self.qweight[begin:end] = tensor.qweight.to(device)
+            self.scales[begin:end] = tensor.scales.to(device)
+            self.zeros[begin:end] = tensor.zeros.to(device)
+            self._int4_rows += rows
+            return
+        if isinstance(tensor, Int4Rows):
+            tensor = kernels.dequantize_int4(
+                tensor.qweight, tensor.scales, tensor.zeros, tensor.group_size
+            )
+        if self.weight is None or self._float_rows is None:
+            # The first float rows: the layer will run a float copy.
+            shape = (self.out_features, self.in_features)
+            device = self.qweight.device
+            self.weight = nn.Parameter(
+                torch.zeros(shape, dtype=self.dtype, device=device), requires_grad=False
+            )
+            self._float_rows = torch.zeros(self.out_features, dtype=torch.bool, device=device)
+        self.weight[begin:end] = tensor.to(device=self.weight.device, dtype=self.dtype)
+        self._float_rows[begin:end] = True
+
     # After loading ---------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -192,13 +270,18 @@ class QuantizedLinear(nn.Module):
         """Quantize staged weights, free them, and build this device's matmul (once)."""
         if self._matmul is not None:
             return
+        if self.quant.source == "gguf" and self._float_rows is not None:
+            self._matmul = self._gguf_float_matmul()
+            return
         if self.weight is not None:
             self._quantize_staged(self.weight.data.to(torch.float32))
             self.weight = None
         fmt = self.quant.format
         if fmt == "int4":
-            self._matmul = compute.int4_grouped(
-                self.qweight, self.scales, self.zeros, self.quant.group_size
+            matmul = compute.int4_grouped(self.qweight, self.scales, self.zeros, self.group_size)
+            pad = self.padded_in - self.in_features
+            self._matmul = (
+                matmul if not pad else lambda x: matmul(torch.nn.functional.pad(x, (0, pad)))
             )
         elif fmt == "int8":
             build = compute.w8a8_int8 if self.quant.activations_int8 else compute.int8_weight_only
@@ -206,15 +289,31 @@ class QuantizedLinear(nn.Module):
         else:
             self._matmul = self._fp8_matmul()
 
+    def _gguf_float_matmul(self) -> compute.Matmul:
+        """A GGUF layer with rows of a type that has no kernel: every row in a float copy."""
+        assert self.weight is not None and self._float_rows is not None
+        dense = self.weight.data
+        if self._int4_rows:  # the rest of a merged layer arrived as int4: dequantize it too
+            quantized = kernels.dequantize_int4(
+                self.qweight, self.scales, self.zeros, self.group_size
+            ).to(self.dtype)
+            dense = torch.where(self._float_rows[:, None], dense, quantized)
+        self.weight = None
+        self.qweight = torch.empty(0, dtype=self.qweight.dtype)
+        return lambda x: torch.nn.functional.linear(x, dense.to(x.dtype))
+
     def _quantize_staged(self, weight: torch.Tensor) -> None:
         fmt = self.quant.format
+        pad = self.padded_in - self.in_features if fmt == "int4" else 0
+        if pad:
+            weight = torch.nn.functional.pad(weight, (0, pad))
         if fmt == "int8":
             qweight, scale = kernels.quantize_int8(weight)
             self.qweight.copy_(qweight)
             self.scale.copy_(scale)
         elif fmt == "int4":
             qweight, scales, zeros = kernels.quantize_int4(
-                weight, self.quant.group_size, symmetric=self.quant.symmetric
+                weight, self.group_size, symmetric=self.quant.symmetric
             )
             self.qweight.copy_(qweight)
             self.scales.copy_(scales)

