@@ -18,7 +18,12 @@ from torch import nn
 from radixlm import kernels
 from radixlm.runtime import ModelRunner
 from radixlm.runtime.loader import ModelLoadError
-from radixlm.runtime.quant import QuantizationError, checkpoint_quantization, resolve_quantization
+from radixlm.runtime.quant import (
+    QuantizationError,
+    QuantizedLinear,
+    checkpoint_quantization,
+    resolve_quantization,
+)
 from radixlm.runtime.quant.checkpoint import (
     AWQ_ORDER,
     pack_int32_columns,
@@ -26,6 +31,7 @@ from radixlm.runtime.quant.checkpoint import (
     unpack_int32_columns,
     unpack_int32_rows,
 )
+from radixlm.runtime.quant.linear import layer_group_size
 
 _DRIVER: Any = None  # the conftest's Driver class, set by the autouse fixture below
 PROMPTS = ([5, 17, 33, 2, 90, 41], [200, 3, 3, 150, 8], [11] * 9)
@@ -408,12 +414,43 @@ def test_quantization_flag_conflicting_with_the_checkpoint_is_refused() -> None:
         resolve_quantization("gptq", {})
 
 
-def test_int4_group_larger_than_a_layer_is_refused(
+def test_int4_takes_the_largest_group_a_layer_allows(
     hf_checkpoints: dict[str, tuple[Path, Any]],
 ) -> None:
-    path, _ = hf_checkpoints["qwen2"]  # hidden size 64
-    with pytest.raises(ValueError, match="in_features divisible"):
-        ModelRunner(runner_config(path, quantization="int4", quantization_group_size=128))
+    path, hf_model = hf_checkpoints["qwen2"]  # hidden size 64, intermediate 128
+    runner = ModelRunner(runner_config(path, quantization="int4", quantization_group_size=128))
+    groups = {
+        name: module.group_size
+        for name, module in runner.model.named_modules()
+        if isinstance(module, QuantizedLinear) and name.startswith("model.")
+    }
+    assert groups["model.layers.0.self_attn.qkv_proj"] == 64
+    assert groups["model.layers.0.mlp.down_proj"] == 128
+
+    def per_layer(w: torch.Tensor) -> torch.Tensor:
+        return _int4(layer_group_size(w.shape[1], 128))(w)
+
+    reference = dequantized_reference(hf_model, per_layer)
+    for prompt in PROMPTS:
+        got = runner_last_logits(runner, list(prompt))
+        assert relative_error(got, hf_last_logits(reference, list(prompt))) <= 0.03
+
+
+def test_int4_pads_an_input_no_group_divides() -> None:
+    from radixlm.runtime.quant import QuantConfig
+
+    quant = QuantConfig(method="int4", format="int4", source="load_time", group_size=128)
+    layer = QuantizedLinear(72, {"out": 16}, False, quant, torch.float32)  # 72 = 2 x 32 + 8
+    assert (layer.group_size, layer.padded_in) == (32, 96)
+    weight = torch.randn(16, 72)
+    assert layer.weight is not None
+    layer.weight.data.copy_(weight)
+    layer.finalize()
+    x = torch.randn(3, 72)
+    padded = torch.nn.functional.pad(weight, (0, 24))
+    qweight, scales, zeros = kernels.quantize_int4(padded, 32)
+    want = x @ kernels.dequantize_int4(qweight, scales, zeros, 32)[:, :72].t()
+    assert relative_error(layer(x), want) <= 0.03
 
 
 def test_unknown_quantization_names_the_choices(

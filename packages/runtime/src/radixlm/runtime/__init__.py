@@ -30,9 +30,9 @@ from radixlm.runtime.loader import (
     load_model,
     read_model_info,
 )
-from radixlm.runtime.model_files import resolve_model_path
 from radixlm.runtime.logprobs import TokenLogprob
 from radixlm.runtime.memory import KVPool, ReqToTokenPool
+from radixlm.runtime.model_files import resolve_model_path
 from radixlm.runtime.model_runner import LogitsOutput, ModelRunner, RunnerStats
 from radixlm.runtime.models import supported_architectures
 from radixlm.runtime.sampler import CustomProcessorsDisabled, SampleOutput, Sampler

@@ -32,7 +32,6 @@ from radixlm.runtime.beam_search import (
 )
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import TextDecoder, load_tokenizer
-from radixlm.runtime.model_files import resolve_model_path
 from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.engine_process import ProcessConnection, ThreadConnection
 from radixlm.runtime.messages import (
@@ -52,6 +51,7 @@ from radixlm.runtime.messages import (
     StopSequence,
     UnloadLoraAdapter,
 )
+from radixlm.runtime.model_files import resolve_model_path
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.multimodal.preparer import multimodal_preparer
 from radixlm.runtime.output_processor import RequestOutput
@@ -142,9 +142,7 @@ def with_local_model(config: EngineConfig) -> EngineConfig:
         tokenizer_path = str(resolve_model_path(tokenizer_path, model.revision, model.download_dir))
     if local == model.model_path and tokenizer_path == config.tokenizer_path:
         return config
-    runner = dataclasses.replace(
-        config.runner, model=dataclasses.replace(model, model_path=local)
-    )
+    runner = dataclasses.replace(config.runner, model=dataclasses.replace(model, model_path=local))
     return dataclasses.replace(
         config,
         runner=runner,

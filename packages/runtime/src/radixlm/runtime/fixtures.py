@@ -287,3 +287,90 @@ class ForceTokenProcessor(CustomLogitProcessor):
                 logits[row, :] = float("-inf")
                 logits[row, token] = 0.0
         return logits
+
+
+def build_tiny_gguf(
+    model_dir: str | Path, gguf_file: str | Path, linear_type: str = "Q4_0"
+) -> Path:
+    """Write the tiny model of `model_dir` (`build_tiny_model`) as a GGUF file, the way
+    llama.cpp's converter does: its metadata and tokenizer (byte-level BPE, `gpt2`), q/k rows
+    permuted for llama-family files, the linear weights in `linear_type` (Q4_0, Q4_1, Q8_0,
+    F16 or F32), the embeddings in Q8_0 and the norms in F32."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir, gguf_file = Path(model_dir), Path(gguf_file)
+    config = AutoConfig.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[
+        config.model_type
+    ]
+    writer = gguf.GGUFWriter(str(gguf_file), arch)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_name(f"tiny-{config.model_type}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = getattr(config, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 1e4))))
+    writer.add_vocab_size(config.vocab_size)
+    vocab = tokenizer.get_vocab()
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    special = set(tokenizer.all_special_tokens)
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    )
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(int(config.bos_token_id))
+    writer.add_eos_token_id(int(config.eos_token_id))
+    writer.add_pad_token_id(int(config.pad_token_id))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    tensor_map = gguf.get_tensor_name_map(
+        {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], config.num_hidden_layers
+    )
+    weights: dict[str, np.ndarray] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    qtype = gguf.GGMLQuantizationType[linear_type]
+    for name, array in weights.items():
+        stem, _, leaf = name.rpartition(".")
+        target = f"{tensor_map.get_name(stem)}.{leaf}"
+        array = array.astype(np.float32)
+        if arch == "llama" and stem.endswith(("q_proj", "k_proj")):
+            heads = config.num_attention_heads if "q_proj" in stem else config.num_key_value_heads
+            rows = array.shape[0]
+            array = (
+                array.reshape(heads, 2, rows // heads // 2, *array.shape[1:])
+                .swapaxes(1, 2)
+                .reshape(array.shape)
+            )
+        if array.ndim == 1:
+            writer.add_tensor(target, array)
+            continue
+        kind = gguf.GGMLQuantizationType.Q8_0 if "embed" in stem or "lm_head" in stem else qtype
+        if kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(target, array)
+        elif kind == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(target, array.astype(np.float16))
+        else:
+            writer.add_tensor(target, gguf.quants.quantize(array, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf_file

@@ -283,8 +283,8 @@ def iter_gguf_weights(
             value = int4_rows(tensor.data, type_name, shape[0], shape[1])
             kept[type_name] += 1
         else:
-            array = gguf.dequantize(tensor.data, tensor.tensor_type)
-            value = torch.from_numpy(np.ascontiguousarray(array).reshape(shape)).to(dtype)
+            array = np.array(gguf.dequantize(tensor.data, tensor.tensor_type), copy=True)
+            value = torch.from_numpy(array.reshape(shape)).to(dtype)
             if type_name not in ("F32", "F16", "BF16", "F64"):
                 dequantized[type_name] += 1
         if arch in _PERMUTED_QK and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -299,9 +299,11 @@ def iter_gguf_weights(
             ", ".join(f"{n} {t}" for t, n in sorted(kept.items())),
         )
     if dequantized:
+        why = "no 4-bit kernel for their type" if int4_names else "as asked"
         logger.warning(
-            "GGUF: %s tensor(s) dequantized to %s (no kernel for their type here: %s)",
+            "GGUF: %s tensor(s) dequantized to %s (%s: %s)",
             sum(dequantized.values()),
             str(dtype).removeprefix("torch."),
+            why,
             ", ".join(f"{n} {t}" for t, n in sorted(dequantized.items())),
         )

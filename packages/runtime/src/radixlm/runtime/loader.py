@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field

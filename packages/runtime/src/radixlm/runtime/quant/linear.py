@@ -232,9 +232,7 @@ class QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"{what}: expected float8_e4m3fn weights, got {tensor.dtype}")
 
-    def _load_gguf(
-        self, begin: int, end: int, tensor: Int4Rows | torch.Tensor, what: str
-    ) -> None:
+    def _load_gguf(self, begin: int, end: int, tensor: Int4Rows | torch.Tensor, what: str) -> None:
         rows = end - begin
         if tuple(tensor.shape) != (rows, self.in_features):
             raise ValueError(

@@ -1,0 +1,170 @@
+"""GGUF files: metadata, tokenizer and weights read back as transformers reads them; the 4-bit
+block types converted exactly into the int4 layout; files and directories found."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from radixlm import kernels
+from radixlm.runtime import Engine, ModelRunner
+from radixlm.runtime.fixtures import build_tiny_gguf, build_tiny_model
+from radixlm.runtime.gguf_checkpoint import find_gguf, gguf_sidecar, int4_rows
+from radixlm.runtime.loader import ModelLoadError
+from radixlm.runtime.model_files import resolve_model_path
+from radixlm.runtime.quant import QuantizedLinear
+
+gguf = pytest.importorskip("gguf")
+TEXT = "the radix tree of the model is a cache of Paris"
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """(architecture, linear type) -> a GGUF file of a tiny random model."""
+    root = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for arch, family in (("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")):
+        model_dir = build_tiny_model(root / arch, family, init_std=0.3)
+        for kind in ("Q4_0", "Q4_1", "Q8_0"):
+            out[f"{arch}-{kind}"] = build_tiny_gguf(model_dir, root / f"{arch}-{kind}.gguf", kind)
+    return out
+
+
+def _transformers(gguf_file: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_file.parent), gguf_file.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def _runner_logits(runner: ModelRunner, driver: Any, ids: list[int]) -> torch.Tensor:
+    return driver(runner).prefill_logits(ids).float()
+
+
+@pytest.mark.parametrize("name", ["llama-Q4_0", "llama-Q4_1", "llama-Q8_0", "qwen2-Q4_1"])
+def test_dequantized_gguf_logits_equal_transformers(
+    tiny_ggufs: dict[str, Path], name: str, driver_for: Any, runner_config_for: Any
+) -> None:
+    model, tokenizer = _transformers(tiny_ggufs[name])
+    ids = tokenizer(TEXT).input_ids
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].float()
+    runner = ModelRunner(runner_config_for(str(tiny_ggufs[name]), quantization="none"))
+    got = _runner_logits(runner, driver_for, ids)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("name", ["llama-Q4_0", "qwen2-Q4_1"])
+def test_gguf_4bit_weights_stay_int4_and_match_the_dequantized_model(
+    tiny_ggufs: dict[str, Path], name: str, driver_for: Any, runner_config_for: Any
+) -> None:
+    exact = ModelRunner(runner_config_for(str(tiny_ggufs[name]), quantization="none"))
+    packed = ModelRunner(runner_config_for(str(tiny_ggufs[name])))
+    layers = [m for m in packed.model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.qweight.dtype == torch.uint8 and m.qweight.numel() for m in layers)
+    assert all(m.group_size == 32 for m in layers)
+    # Every int4 layer holds exactly the file's values (the kernels then multiply them with
+    # bfloat16 activations on CPU).
+    exact_weights = dict(exact.model.named_modules())
+    for path, layer in packed.model.named_modules():
+        if isinstance(layer, QuantizedLinear):
+            values = kernels.dequantize_int4(
+                layer.qweight, layer.scales, layer.zeros, layer.group_size
+            )
+            assert torch.allclose(values, exact_weights[path].weight, atol=1e-6), path
+    ids = list(range(5, 40))
+    want = _runner_logits(exact, driver_for, ids)
+    got = _runner_logits(packed, driver_for, ids)
+    # The CPU int4 kernel multiplies in bfloat16 (activations, scales): a few percent of the
+    # largest logit over every position of these random models.
+    assert float((got - want).abs().max() / want.abs().max()) < 0.05
+
+
+def test_q8_0_and_float_tensors_are_dequantized(
+    tiny_ggufs: dict[str, Path], runner_config_for: Any
+) -> None:
+    runner = ModelRunner(runner_config_for(str(tiny_ggufs["llama-Q8_0"])))
+    layers = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.qweight.numel() == 0 for m in layers)  # float copies run
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_4bit_blocks_convert_exactly_into_the_int4_layout(type_name: str) -> None:
+    qtype = gguf.GGMLQuantizationType[type_name]
+    rows, cols = 8, 512
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
+    # Scales as finite float16 values (random bytes would hold NaNs and infinities).
+    per_row = raw.reshape(rows, -1, size)
+    halves = 4 if type_name != "Q4_0" else 2
+    per_row[..., :halves] = (
+        rng.uniform(-0.1, 0.1, size=(rows, per_row.shape[1], halves // 2))
+        .astype(np.float16)
+        .view(np.uint8)
+    )
+    per_row[0, 0, :2] = 0  # a block whose scale is zero (a constant block)
+    raw = per_row.reshape(rows, -1)
+    want = gguf.dequantize(raw, qtype).reshape(rows, cols)
+    converted = int4_rows(raw, type_name, rows, cols)
+    got = kernels.dequantize_int4(
+        converted.qweight, converted.scales, converted.zeros, converted.group_size
+    )
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_gguf_engine_reads_tokenizer_chat_template_and_eos_from_the_file(
+    tiny_ggufs: dict[str, Path],
+) -> None:
+    path = tiny_ggufs["llama-Q4_1"]
+    with Engine(str(path), max_total_tokens=256) as engine:
+        reply = engine.generate(TEXT, {"max_new_tokens": 4, "temperature": 0})
+        assert len(reply["output_ids"]) == 4
+        assert engine.config.served_model_name == str(path)
+        info = engine.server_info()
+        assert info["quantization"].startswith("gguf")
+        template = engine._tokenizer.chat_template
+        assert template and "<|im_start|>" in template
+        assert engine.eos_token_ids
+
+
+def test_a_directory_holding_one_gguf_file_is_a_model(
+    tiny_ggufs: dict[str, Path], tmp_path: Path
+) -> None:
+    (tmp_path / "model.gguf").write_bytes(tiny_ggufs["qwen2-Q4_0"].read_bytes())
+    assert find_gguf(tmp_path) == tmp_path / "model.gguf"
+    (tmp_path / "other.gguf").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="several GGUF files"):
+        resolve_model_path(tmp_path)
+
+
+def test_the_sidecar_is_written_once_per_file(tiny_ggufs: dict[str, Path]) -> None:
+    first = gguf_sidecar(tiny_ggufs["llama-Q4_0"])
+    stamp = (first / "config.json").stat().st_mtime_ns
+    assert gguf_sidecar(tiny_ggufs["llama-Q4_0"]) == first
+    assert (first / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_a_hub_quantization_method_on_a_gguf_file_is_refused(
+    tiny_ggufs: dict[str, Path], runner_config_for: Any
+) -> None:
+    with pytest.raises(ModelLoadError, match="reads a GPTQ checkpoint; this is a GGUF file"):
+        ModelRunner(runner_config_for(str(tiny_ggufs["llama-Q4_0"]), quantization="gptq"))
+
+
+def test_requantizing_a_gguf_file_at_load_time(
+    tiny_ggufs: dict[str, Path], runner_config_for: Any
+) -> None:
+    runner = ModelRunner(runner_config_for(str(tiny_ggufs["llama-Q8_0"]), quantization="int8"))
+    layers = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.qweight.dtype == torch.int8 for m in layers)
