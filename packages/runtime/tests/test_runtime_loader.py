@@ -147,8 +147,9 @@ def test_hub_id_without_local_copy_says_how_to_get_one(
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ModelNotFoundError, match=r"never downloads.*hf download some-org/tiny"):
+    with pytest.raises(ModelNotFoundError, match=r"HF_HUB_OFFLINE.*hf download some-org/tiny"):
         read_model_info(ModelConfig("some-org/tiny"))
 
 

@@ -116,6 +116,18 @@ def test_grammar_flags_reach_the_engine() -> None:
     }
 
 
+def test_hub_revision_and_download_dir_reach_the_engine() -> None:
+    args = build_parser().parse_args(
+        ["--model-path", "org/name", "--revision", "r", "--download-dir", "d"]
+    )
+    assert engine_kwargs(args) == {
+        "revision": "r",
+        "download_dir": "d",
+        "engine_process": True,
+        "engine_restarts": 3,
+    }
+
+
 def test_media_flags_reach_the_engine() -> None:
     args = build_parser().parse_args(
         ["--allow-media-urls", "--media-url-allowlist", "images.internal", "10.0.0.0/8",

