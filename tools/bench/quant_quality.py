@@ -160,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     summary = {}
     for label, result in results.items():
-        agree = sum(a == b for a, b in zip(result["top1"], ref["top1"])) / len(ref["top1"])
-        same = sum(a == b for a, b in zip(result["greedy"], ref["greedy"]))
+        agree = sum(a == b for a, b in zip(result["top1"], ref["top1"], strict=True)) / len(
+            ref["top1"]
+        )
+        same = sum(a == b for a, b in zip(result["greedy"], ref["greedy"], strict=True))
         delta = result["ppl"] / ref["ppl"] - 1
         print(
             f"{label:36} {result['ppl']:10.3f} {delta:+8.2%} {agree:11.1%} {same:>4}/{len(PROMPTS)}"

@@ -181,7 +181,8 @@ def _qk_row_order(rows: int, heads: int) -> np.ndarray:
     """The row order that undoes llama.cpp's q/k permutation (rows[i] of the HF tensor is
     row order[i] of the GGUF one)."""
     half = rows // heads // 2
-    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
+    order: np.ndarray = np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
+    return order
 
 
 def _int4_codes(packed: np.ndarray) -> np.ndarray:

@@ -358,7 +358,8 @@ def _load_gguf_weights(model: DecoderForCausalLM, info: ModelInfo, show: bool) -
         if quant is not None and quant.source == "gguf"
         else set()
     )
-    weights = gguf_checkpoint.iter_gguf_weights(
+    # Int4Rows travel where tensors do; QuantizedLinear.load_weight takes them.
+    weights: Iterator[tuple[str, Any]] = gguf_checkpoint.iter_gguf_weights(
         info.gguf_file, names, info.hf_config, info.dtype, keep_int4, show
     )
     try:
