@@ -10,7 +10,7 @@ this CPU; llama.cpp's formats are read from their files, so they measure the for
 llama.cpp's arithmetic.
 
 - perplexity: of a fixed text (the first 3,000 characters of docs/architecture.md and of
-  README.md, about 1,300 tokens), from prompt logprobs;
+  README.md, about 1,900 tokens), from prompt logprobs;
 - greedy agreement: the share of positions of the text where the format's argmax equals the
   reference's (teacher-forced), and how many of the prompts' 48-token greedy continuations
   are identical to the reference's.
