@@ -187,6 +187,38 @@ def test_quantize_int4_is_within_half_a_step_per_group(
     assert (rk.dequantize_int4(qweight, scales, zeros, group_size)[0] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fitted_int4_has_less_squared_error_than_the_range_holding_zero(
+    dtype: torch.dtype,
+) -> None:
+    w = _rows_of_mixed_scale(6, 256).to(dtype)
+    plain = rk.dequantize_int4(*rk.quantize_int4(w, 32), 32)
+    qweight, scales, zeros = rk.quantize_int4(w, 32, fit=True)
+    assert scales.dtype == zeros.dtype == torch.float32
+    fitted = rk.dequantize_int4(qweight, scales, zeros, 32)
+    error = lambda d: float(((d - w.float()) ** 2).sum())  # noqa: E731
+    assert error(fitted) < error(plain)
+
+
+def test_fitted_int4_reproduces_values_already_on_a_4bit_grid() -> None:
+    # Each group holds 16 evenly spaced levels between its own min and max (as Q4_1 blocks).
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (4, 128), generator=generator).float()
+    codes[:, ::32], codes[:, 1::32] = 0, 15  # every group spans the whole grid
+    low = torch.randn(4, 4, generator=generator).repeat_interleave(32, dim=1)
+    step = torch.rand(4, 4, generator=generator).add(0.01).repeat_interleave(32, dim=1)
+    w = low + codes * step
+    got = rk.dequantize_int4(*rk.quantize_int4(w, 32, fit=True), 32)
+    assert torch.allclose(got, w, atol=1e-5)
+
+
+def test_fitted_int4_keeps_constant_groups() -> None:
+    w = torch.zeros(3, 64)
+    w[1, :32] = 2.5
+    got = rk.dequantize_int4(*rk.quantize_int4(w, 32, fit=True), 32)
+    assert torch.equal(got, w)
+
+
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_quantize_fp8_is_within_e4m3_rounding(per_channel: bool) -> None:
     w = _rows_of_mixed_scale(6, 80)

@@ -212,9 +212,15 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int4(
-    w: torch.Tensor, group_size: int, symmetric: bool = False
+    w: torch.Tensor, group_size: int, symmetric: bool = False, fit: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """4-bit quantization per group of ``group_size`` columns, round to nearest.
+
+    Fitted (``fit=True``, as llama.cpp's Q4_1 / Q4_K): the zero point is a float, the range is
+    the group's own ``[min, max]`` (not widened to hold 0), and scale and offset are the
+    least-squares fit of the codes over 21 code spreads, the one of least squared error kept
+    (so it is never worse than plain min/max). Scales and zeros come back in float32 whatever
+    w's dtype. A constant group gets code 0, zero -1 and its value as the scale.
 
     Asymmetric (default): the group's range ``[min(w, 0), max(w, 0)]`` (widened to hold 0, as
     GPTQ's) maps onto 0..15, ``scale = range / 15``, ``zero = round(-min / scale)``.
@@ -232,7 +238,9 @@ def quantize_int4(
     op = "quantize_int4"
     _float_matrix(op, w)
     _group_size(op, group_size, w.shape[1], "w.shape[1]")
-    return reference.quantize_int4(w, group_size, symmetric)
+    if fit and symmetric:
+        _fail(op, "fit and symmetric exclude each other (a fitted zero point is a float)")
+    return reference.quantize_int4(w, group_size, symmetric, fit)
 
 
 def quantize_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -107,12 +107,53 @@ def _round_up_to(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(stored.float() < scale, up, stored)
 
 
+#: The code ranges tried per group by the fitted int4 quantizer: 15 + d for each d, spread
+#: over the group's [min, max] before the least-squares fit (as llama.cpp's Q4_K search).
+_FIT_STEPS = tuple(-1.0 + 0.1 * i for i in range(21))
+
+
+def _fit_int4(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per group of `groups` [n, g, G] (float32): codes, scale and float offset m with
+    x ~ scale * code + m, the least-squares fit over several code spreads, the best kept."""
+    low, high = groups.amin(dim=2, keepdim=True), groups.amax(dim=2, keepdim=True)
+    spread = (high - low).clamp_min(1e-30)
+    size = groups.shape[2]
+    best_err = torch.full(low.shape, float("inf"))
+    best_s, best_m = spread / INT4_MAX, low.clone()
+    for step in _FIT_STEPS:
+        codes = torch.round((groups - low) * ((INT4_MAX + step) / spread)).clamp_(0, INT4_MAX)
+        sum_c, sum_cc = codes.sum(2, keepdim=True), (codes * codes).sum(2, keepdim=True)
+        sum_x, sum_cx = groups.sum(2, keepdim=True), (codes * groups).sum(2, keepdim=True)
+        det = size * sum_cc - sum_c * sum_c
+        ok = det > 0
+        safe = torch.where(ok, det, torch.ones_like(det))
+        scale = torch.where(ok, (size * sum_cx - sum_c * sum_x) / safe, best_s)
+        offset = torch.where(ok, (sum_cc * sum_x - sum_c * sum_cx) / safe, best_m)
+        ok &= scale > 0
+        scale, offset = torch.where(ok, scale, spread / INT4_MAX), torch.where(ok, offset, low)
+        codes = torch.round((groups - offset) / scale).clamp_(0, INT4_MAX)
+        err = ((codes * scale + offset - groups) ** 2).sum(2, keepdim=True)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s, best_m = torch.where(better, scale, best_s), torch.where(better, offset, best_m)
+    return best_s.squeeze(2), best_m.squeeze(2), (high == low).squeeze(2)
+
+
 def quantize_int4(
-    w: torch.Tensor, group_size: int, symmetric: bool = False
+    w: torch.Tensor, group_size: int, symmetric: bool = False, fit: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of :func:`radixlm.kernels.quantize_int4`."""
     n, k = w.shape
     groups = w.float().reshape(n, k // group_size, group_size)
+    if fit:
+        scale, offset, constant = _fit_int4(groups)
+        # A constant group: code 0 with zero -1 and the value as its scale.
+        scales = torch.where(constant, offset, scale)
+        zeros = torch.where(constant, -1.0, -offset / scale)
+        s, z = scales[:, :, None], zeros[:, :, None]
+        q = torch.round(groups / s + z).clamp(0, INT4_MAX)
+        q = torch.where(constant[:, :, None], torch.zeros_like(q), q)
+        return pack_int4(q.to(torch.uint8).reshape(n, k)), scales, zeros
     if symmetric:
         absmax = groups.abs().amax(dim=2)
         scales = _round_up_to(_safe_scale(absmax / (INT4_MAX - INT4_SYMMETRIC_ZERO)), w.dtype)

@@ -23,7 +23,6 @@ matmul (`compute.py`). Biases, norms, embeddings and the LM head stay in the com
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 
 import torch
@@ -34,8 +33,6 @@ from radixlm.runtime.distributed import SINGLE
 from radixlm.runtime.models.linear import Part, whole_sizes
 from radixlm.runtime.quant import checkpoint, compute
 from radixlm.runtime.quant.config import GROUP_SIZES, QuantConfig
-
-logger = logging.getLogger("radixlm.runtime.quant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,8 +307,10 @@ class QuantizedLinear(nn.Module):
             self.qweight.copy_(qweight)
             self.scale.copy_(scale)
         elif fmt == "int4":
+            # Asymmetric groups are fitted (float zero points, llama.cpp's Q4_1 / Q4_K way).
+            symmetric = self.quant.symmetric
             qweight, scales, zeros = kernels.quantize_int4(
-                weight, self.group_size, symmetric=self.quant.symmetric
+                weight, self.group_size, symmetric=symmetric, fit=not symmetric
             )
             self.qweight.copy_(qweight)
             self.scales.copy_(scales)
