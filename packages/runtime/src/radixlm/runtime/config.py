@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args
 DtypeName = Literal["auto", "bfloat16", "float16", "float32"]
 #: The KV pool's dtypes: the compute dtype ("auto"), a float dtype, or float8 (SGLang's names).
 KvCacheDtype = Literal["auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"]
-LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
+LoadFormat = Literal["auto", "safetensors", "dummy"]
 #: `quantization`: computed at load time (int8, w8a8_int8, int4, fp8) or a pre-quantized
 #: checkpoint's method (gptq, awq, fp8); `radixlm.runtime.quant` takes the names from here.
 QuantizationMethod = Literal["int8", "w8a8_int8", "int4", "fp8", "gptq", "awq", "gguf", "none"]

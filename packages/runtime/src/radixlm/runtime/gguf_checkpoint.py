@@ -20,7 +20,6 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -139,26 +138,6 @@ def gguf_sidecar(gguf_file: Path) -> Path:
 
 
 # Reading the weights ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GGUFTensorInfo:
-    """One tensor of the file: its GGUF name, type name and shape (Hugging Face order)."""
-
-    name: str
-    type_name: str
-    shape: tuple[int, ...]
-
-
-def tensor_infos(gguf_file: Path) -> list[GGUFTensorInfo]:
-    """The file's tensors (no data read)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_file))
-    return [
-        GGUFTensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)))
-        for t in reader.tensors
-    ]
 
 
 def _name_map(arch: str, num_layers: int, hf_names: Iterable[str]) -> dict[str, str]:

@@ -34,6 +34,7 @@ from radixlm.runtime.quant import (
     QuantizationError,
     QuantizedLinears,
     finalize_quantized,
+    gguf_file_quantization,
     resolve_quantization,
 )
 
@@ -168,7 +169,9 @@ def read_model_info(config: ModelConfig) -> ModelInfo:
         generation = _read_json(generation_file)
     try:
         if gguf_file is not None:
-            quantization = gguf_quantization(config.quantization, config.quantization_group_size)
+            quantization = gguf_file_quantization(
+                config.quantization, config.quantization_group_size
+            )
         else:
             quantization = resolve_quantization(
                 config.quantization, raw, config.quantization_group_size
@@ -192,22 +195,6 @@ def read_model_info(config: ModelConfig) -> ModelInfo:
         quantization=quantization,
         gguf_file=gguf_file,
     )
-
-
-def gguf_quantization(asked: str | None, group_size: int) -> QuantConfig | None:
-    """A GGUF file's layers: its 4-bit tensors kept as int4 (None or "gguf" asked), or every
-    tensor dequantized and quantized again at load time by the method asked for."""
-    if asked in (None, "gguf"):
-        return QuantConfig(method="gguf", format="int4", source="gguf", group_size=32)
-    if asked == "none":
-        return None
-    if asked in ("gptq", "awq"):
-        raise QuantizationError(
-            f"quantization {asked!r} reads a {asked.upper()} checkpoint; this is a GGUF file "
-            "(drop --quantization to keep its own 4-bit weights, or pass int8, w8a8_int8, "
-            "int4 or fp8 to quantize it again)"
-        )
-    return resolve_quantization(asked, {}, group_size)
 
 
 def safetensors_files(path: Path) -> list[Path]:

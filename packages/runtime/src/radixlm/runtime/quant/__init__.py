@@ -8,6 +8,7 @@ from radixlm.runtime.quant.config import (
     QuantConfig,
     QuantizationError,
     checkpoint_quantization,
+    gguf_file_quantization,
     resolve_quantization,
 )
 from radixlm.runtime.quant.linear import QuantizedLinear, QuantizedLinears, finalize_quantized
@@ -21,5 +22,6 @@ __all__ = [
     "QuantizedLinears",
     "checkpoint_quantization",
     "finalize_quantized",
+    "gguf_file_quantization",
     "resolve_quantization",
 ]

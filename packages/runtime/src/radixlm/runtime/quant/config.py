@@ -202,3 +202,19 @@ def resolve_quantization(
     if asked is None:
         return None
     return _load_time(asked, group_size, symmetric)
+
+
+def gguf_file_quantization(asked: str | None, group_size: int) -> QuantConfig | None:
+    """A GGUF file's layers: its 4-bit tensors kept as int4 (None or "gguf" asked), or every
+    tensor dequantized and quantized again at load time by the method asked for."""
+    if asked in (None, "gguf"):
+        return QuantConfig(method="gguf", format="int4", source="gguf", group_size=32)
+    if asked == "none":
+        return None
+    if asked in ("gptq", "awq"):
+        raise QuantizationError(
+            f"quantization {asked!r} reads a {asked.upper()} checkpoint; this is a GGUF file "
+            "(drop --quantization to keep its own 4-bit weights, or pass int8, w8a8_int8, "
+            "int4 or fp8 to quantize it again)"
+        )
+    return resolve_quantization(asked, {}, group_size)
