@@ -224,14 +224,15 @@ def _int4_dequantized(values: torch.Tensor, zeros: torch.Tensor, scales: torch.T
 
 def _gptq_tensors(group: int, v1: bool) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:
     def convert(_name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        values, zeros, scales = _int4_parts(weight, group)
+        group_of = weight.shape[1] if group == -1 else group  # -1: one group per row
+        values, zeros, scales = _int4_parts(weight, group_of)
         stored_zeros = zeros - 1 if v1 else zeros
         in_features = weight.shape[1]
         return {
             "qweight": pack_int32_rows(values.t().to(torch.int32)),
             "qzeros": pack_int32_columns(stored_zeros.t().to(torch.int32)),
             "scales": scales.t().contiguous(),
-            "g_idx": torch.arange(in_features, dtype=torch.int32) // group,
+            "g_idx": torch.arange(in_features, dtype=torch.int32) // group_of,
         }
 
     return convert
@@ -251,7 +252,8 @@ def _awq_tensors(group: int) -> Callable[[str, torch.Tensor], dict[str, torch.Te
 
 def _int4_reference(group: int) -> Dequantize:
     def dequantize(weight: torch.Tensor) -> torch.Tensor:
-        return _int4_dequantized(*_int4_parts(weight, group), group)
+        group_of = weight.shape[1] if group == -1 else group
+        return _int4_dequantized(*_int4_parts(weight, group_of), group_of)
 
     return dequantize
 
@@ -285,6 +287,12 @@ def test_int32_packing_round_trips() -> None:
             },
             _gptq_tensors(64, v1=False),
             _int4_reference(64),
+        ),
+        (
+            "gptq_one_group_per_row",
+            {"quant_method": "gptq", "bits": 4, "group_size": -1, "sym": False, "desc_act": False},
+            _gptq_tensors(-1, v1=True),
+            _int4_reference(-1),
         ),
         (
             "awq",
@@ -392,7 +400,7 @@ def test_fp8_kv_cache_stores_float8_and_stays_close(
     ("quantization_config", "match"),
     [
         ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8-bit"),
-        ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "group_size -1"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size 0"),
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "'gemv'"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
         ({"quant_method": "bitsandbytes"}, "'bitsandbytes'.*GPTQ and AWQ"),
@@ -468,3 +476,26 @@ def test_weights_of_a_quantized_model_cannot_be_replaced_in_place(
     runner = ModelRunner(runner_config(path, quantization="int8"))
     with pytest.raises(RuntimeError, match="restart the engine"):
         runner.load_weights(hf_model.state_dict().items())
+
+
+def test_gptq_one_group_per_row_runs_as_repeated_smaller_groups() -> None:
+    from radixlm.runtime.quant import QuantConfig
+
+    quant = QuantConfig(method="gptq", format="int4", source="gptq", group_size=-1, zero_offset=1)
+    layer = QuantizedLinear(192, {"out": 16}, False, quant, torch.float32)  # 192 = 3 x 64
+    assert (layer.checkpoint_group, layer.group_size) == (192, 64)
+    weight = torch.randn(16, 192)
+    # The reference quantizer takes any group size (the public one only the kernels' sizes).
+    qweight, scales, zeros = kernels.reference.quantize_int4(weight, 192)
+    values = kernels.unpack_int4(qweight)
+    tensors = {
+        "qweight": pack_int32_rows(values.t().to(torch.int32)),
+        "qzeros": pack_int32_columns((zeros.round() - 1).t().to(torch.int32)),
+        "scales": scales.to(torch.float16).t().contiguous(),
+    }
+    for leaf, tensor in tensors.items():
+        layer.load_weight(None, leaf, tensor)
+    layer.finalize()
+    x = torch.randn(3, 192)
+    want = x @ _int4_dequantized(values, zeros.round(), scales.to(torch.float16), 192).t()
+    assert relative_error(layer(x), want) <= 0.03

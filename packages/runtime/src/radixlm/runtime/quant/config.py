@@ -36,7 +36,7 @@ class QuantizationError(ValueError):
 class QuantConfig:
     """A model's quantized weights: their layout, where they come from, their parameters.
 
-    `group_size` matters for int4 only; `symmetric` for int4 quantized at load time (the zero
+    `group_size` matters for int4 only (-1, from a checkpoint: one group per row); `symmetric` for int4 quantized at load time (the zero
     point is then 8). `zero_offset` is added to the zero points a GPTQ checkpoint stores (1 for
     its original format, which stores `zero - 1`). `activations_int8` quantizes activations per
     token at each call (w8a8_int8).
@@ -96,10 +96,10 @@ def _int4_checkpoint(method: str, raw: Mapping[str, Any]) -> QuantConfig:
             f"{method.upper()} checkpoints only"
         )
     group = raw.get("group_size", raw.get("q_group_size", 128))
-    if group not in GROUP_SIZES:
+    if not isinstance(group, int) or (group < 1 and group != -1):
         raise QuantizationError(
-            f"this {method.upper()} checkpoint has group_size {group}; radixlm reads groups of "
-            f"{', '.join(map(str, GROUP_SIZES))} (group_size -1, one group per row, is not read)"
+            f"this {method.upper()} checkpoint has group_size {group}; a group size is a "
+            "positive number of input columns, or -1 (one group per row)"
         )
     if method == "awq":
         version = str(raw.get("version", "gemm")).lower()

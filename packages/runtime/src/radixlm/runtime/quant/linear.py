@@ -94,13 +94,22 @@ class QuantizedLinear(nn.Module):
         self.dtype = dtype
         out, k = self.out_features, in_features
         #: This layer's int4 group, and its input width padded to whole groups.
-        self.group_size = quant.group_size
+        # A checkpoint's groups (`checkpoint_group`, -1: the whole row) are read as they are
+        # stored and run as the largest of GROUP_SIZES that divides them, each group's scale
+        # and zero repeated (exact): the kernels' fast paths take those sizes.
+        self.group_size = self.checkpoint_group = quant.group_size
         if quant.format == "int4" and quant.source == "load_time":
-            self.group_size = layer_group_size(k, quant.group_size)
-        elif quant.format == "int4" and k % quant.group_size:
-            raise ValueError(
-                f"this {quant.method} checkpoint's int4 groups of {quant.group_size} need "
-                f"in_features divisible by it; this layer has {k}"
+            self.group_size = self.checkpoint_group = layer_group_size(k, quant.group_size)
+        elif quant.format == "int4":
+            self.checkpoint_group = k if quant.group_size == -1 else quant.group_size
+            if k % self.checkpoint_group:
+                raise ValueError(
+                    f"this {quant.method} checkpoint's int4 groups of {quant.group_size} need "
+                    f"in_features divisible by it; this layer has {k}"
+                )
+            self.group_size = next(
+                (g for g in sorted(GROUP_SIZES, reverse=True) if self.checkpoint_group % g == 0),
+                self.checkpoint_group,
             )
         self.padded_in = -(-k // self.group_size) * self.group_size
         kp = self.padded_in if quant.format == "int4" else k
@@ -180,7 +189,8 @@ class QuantizedLinear(nn.Module):
                 )
 
     def _load_int4(self, begin: int, end: int, name: str, tensor: torch.Tensor, what: str) -> None:
-        rows, k, group = end - begin, self.in_features, self.group_size
+        rows, k, group = end - begin, self.in_features, self.checkpoint_group
+        repeat = group // self.group_size  # stored groups -> the groups the kernels run
         awq = self.quant.source == "awq"
         try:
             if name == "qweight":
@@ -188,9 +198,10 @@ class QuantizedLinear(nn.Module):
                 self.qweight[begin:end] = kernels.pack_int4(values.to(self.qweight.device))
             elif name == "qzeros":
                 zeros = checkpoint.int4_zeros(tensor, k // group, rows, awq, self.quant.zero_offset)
-                self.zeros[begin:end] = zeros
+                self.zeros[begin:end] = zeros.repeat_interleave(repeat, dim=1)
             elif name == "scales":
-                self.scales[begin:end] = checkpoint.int4_scales(tensor, k // group, rows)
+                scales = checkpoint.int4_scales(tensor, k // group, rows)
+                self.scales[begin:end] = scales.repeat_interleave(repeat, dim=1)
             elif name == "g_idx" and not awq:
                 checkpoint.check_trivial_g_idx(tensor, k, group)
             else:
