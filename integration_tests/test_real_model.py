@@ -58,7 +58,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _run(path: str, **kwargs: Any) -> tuple[list[list[int]], float]:
-    with Engine(path, max_total_tokens=4096, **kwargs) as engine:
+    # float32 as transformers computes (auto would take bfloat16 on a CPU that is fast at it).
+    with Engine(path, max_total_tokens=4096, dtype="float32", **kwargs) as engine:
         greedy = [
             engine.generate(p, {"max_new_tokens": NEW_TOKENS, "temperature": 0})["output_ids"]
             for p in PROMPTS

@@ -68,7 +68,9 @@ def evaluate(path: str, text: str, **kwargs: Any) -> dict[str, Any]:
     from radixlm.runtime import Engine
 
     start = time.perf_counter()
-    with Engine(path, max_total_tokens=8192, show_progress=False, **kwargs) as engine:
+    with Engine(
+        path, max_total_tokens=8192, show_progress=False, dtype="float32", **kwargs
+    ) as engine:
         load_s = time.perf_counter() - start
         out = engine.generate(
             text,

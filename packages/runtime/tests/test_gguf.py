@@ -59,7 +59,9 @@ def test_dequantized_gguf_logits_equal_transformers(
     ids = tokenizer(TEXT).input_ids
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].float()
-    runner = ModelRunner(runner_config_for(str(tiny_ggufs[name]), quantization="none"))
+    runner = ModelRunner(
+        runner_config_for(str(tiny_ggufs[name]), quantization="none", dtype="float32")
+    )
     got = _runner_logits(runner, driver_for, ids)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 
@@ -68,8 +70,10 @@ def test_dequantized_gguf_logits_equal_transformers(
 def test_gguf_4bit_weights_stay_int4_and_match_the_dequantized_model(
     tiny_ggufs: dict[str, Path], name: str, driver_for: Any, runner_config_for: Any
 ) -> None:
-    exact = ModelRunner(runner_config_for(str(tiny_ggufs[name]), quantization="none"))
-    packed = ModelRunner(runner_config_for(str(tiny_ggufs[name])))
+    exact = ModelRunner(
+        runner_config_for(str(tiny_ggufs[name]), quantization="none", dtype="float32")
+    )
+    packed = ModelRunner(runner_config_for(str(tiny_ggufs[name]), dtype="float32"))
     layers = [m for m in packed.model.modules() if isinstance(m, QuantizedLinear)]
     assert layers and all(m.qweight.dtype == torch.uint8 and m.qweight.numel() for m in layers)
     assert all(m.group_size == 32 for m in layers)
@@ -146,6 +150,17 @@ def test_a_directory_holding_one_gguf_file_is_a_model(
     (tmp_path / "other.gguf").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="several GGUF files"):
         resolve_model_path(tmp_path)
+
+
+def test_gguf_models_default_to_bfloat16_where_it_is_fast(
+    tiny_ggufs: dict[str, Path], runner_config_for: Any
+) -> None:
+    from radixlm.runtime.loader import read_model_info
+    from radixlm.runtime.models.linear import cpu_packing_available
+
+    info = read_model_info(runner_config_for(str(tiny_ggufs["qwen2-Q4_0"]), device="cpu").model)
+    fast = cpu_packing_available(torch.bfloat16)
+    assert info.dtype == (torch.bfloat16 if fast else torch.float32), info.dtype_reason
 
 
 def test_the_sidecar_is_written_once_per_file(tiny_ggufs: dict[str, Path]) -> None:

@@ -31,6 +31,8 @@ from radixlm.runtime.quant.linear import Int4Rows
 logger = logging.getLogger("radixlm.runtime.gguf")
 
 SIDECAR_MARKER = "radixlm_gguf.json"
+#: Part of a sidecar's cache key: a new layout of the sidecar writes new ones.
+_SIDECAR_VERSION = 2
 #: llama.cpp's architecture names -> the Hugging Face class radixlm serves them with.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -100,7 +102,8 @@ def gguf_sidecar(gguf_file: Path) -> Path:
     transformers the first time and reused while the file is unchanged."""
     gguf_file = gguf_file.resolve()
     stat = gguf_file.stat()
-    key = hashlib.sha256(f"{gguf_file}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    stamp = f"{_SIDECAR_VERSION}|{gguf_file}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()
     directory = cache_root() / "gguf" / f"{gguf_file.stem}-{key[:16]}"
     if (directory / SIDECAR_MARKER).is_file():
         return directory
@@ -122,6 +125,9 @@ def gguf_sidecar(gguf_file: Path) -> Path:
     except (ValueError, KeyError, OSError) as error:
         raise GGUFError(f"{gguf_file.name}: transformers cannot read it: {error}") from None
     config.architectures = [ARCHITECTURES[arch]]
+    # The dtype the dequantized tensors compute in by default: bfloat16 on GPUs and on CPUs
+    # that multiply it fast, float32 on other CPUs (`loader.choose_dtype`).
+    config.dtype = "bfloat16"
     staging = directory.with_name(directory.name + f".tmp{os.getpid()}")
     staging.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(staging)
