@@ -163,6 +163,13 @@ def test_gguf_models_default_to_bfloat16_where_it_is_fast(
     assert info.dtype == (torch.bfloat16 if fast else torch.float32), info.dtype_reason
 
 
+def test_a_file_that_is_not_gguf_is_named(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="broken.gguf is not a readable GGUF file"):
+        resolve_model_path(broken)
+
+
 def test_the_sidecar_is_written_once_per_file(tiny_ggufs: dict[str, Path]) -> None:
     first = gguf_sidecar(tiny_ggufs["llama-Q4_0"])
     stamp = (first / "config.json").stat().st_mtime_ns

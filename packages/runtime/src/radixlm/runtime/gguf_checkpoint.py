@@ -110,7 +110,11 @@ def gguf_sidecar(gguf_file: Path) -> Path:
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    arch = _architecture(GGUFReader(str(gguf_file)))
+    try:
+        reader = GGUFReader(str(gguf_file))
+    except (ValueError, OSError) as error:
+        raise GGUFError(f"{gguf_file.name} is not a readable GGUF file: {error}") from None
+    arch = _architecture(reader)
     if arch not in ARCHITECTURES:
         raise GGUFError(
             f"{gguf_file.name}: GGUF architecture {arch!r} is not served; radixlm reads "
