@@ -166,7 +166,7 @@ def test_gguf_models_default_to_bfloat16_where_it_is_fast(
 def test_a_file_that_is_not_gguf_is_named(tmp_path: Path) -> None:
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"not a gguf file at all")
-    with pytest.raises(ModelLoadError, match="broken.gguf is not a readable GGUF file"):
+    with pytest.raises(ModelLoadError, match=r"broken\.gguf is not a readable GGUF file"):
         resolve_model_path(broken)
 
 

@@ -259,6 +259,7 @@ def iter_gguf_weights(
     mapping = _name_map(arch, int(hf_config.num_hidden_layers), hf_names)
     int4_names = set(keep_int4)
     dequantized: Counter[str] = Counter()
+    embeddings: Counter[str] = Counter()
     kept: Counter[str] = Counter()
     for tensor in tqdm(
         reader.tensors, desc="Loading GGUF tensors", unit="tensor", disable=not show_progress
@@ -276,7 +277,11 @@ def iter_gguf_weights(
             array = np.array(gguf.dequantize(tensor.data, tensor.tensor_type), copy=True)
             value = torch.from_numpy(array.reshape(shape)).to(dtype)
             if type_name not in ("F32", "F16", "BF16", "F64"):
-                dequantized[type_name] += 1
+                # Linear weights the kernels could not take, or embeddings (always looked up
+                # in the compute dtype).
+                (dequantized if name in int4_names or not int4_names else embeddings)[
+                    type_name
+                ] += 1
         if arch in _PERMUTED_QK and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = hf_config.num_attention_heads
             if ".attn_k." in tensor.name:
@@ -287,6 +292,12 @@ def iter_gguf_weights(
         logger.info(
             "GGUF: %s kept 4-bit (int4 kernels, groups of 32)",
             ", ".join(f"{n} {t}" for t, n in sorted(kept.items())),
+        )
+    if embeddings:
+        logger.info(
+            "GGUF: the embeddings (%s) dequantized to %s",
+            ", ".join(f"{n} {t}" for t, n in sorted(embeddings.items())),
+            str(dtype).removeprefix("torch."),
         )
     if dequantized:
         why = "no 4-bit kernel for their type" if int4_names else "as asked"
