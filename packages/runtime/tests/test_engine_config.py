@@ -69,7 +69,7 @@ def test_every_grammar_backend_choice_is_accepted() -> None:
     ("kwargs", "field"),
     [
         ({"chunked_prefill_size": 0}, "chunked_prefill_size"),
-        ({"quantization": "none"}, "quantization"),
+        ({"quantization": "int3"}, "quantization"),
         ({"schedule_policy": "longest"}, "schedule_policy"),
         ({"radix_eviction_policy": "mru"}, "radix_eviction_policy"),
         ({"dtype": "float64"}, "dtype"),
