@@ -219,6 +219,27 @@ def test_fitted_int4_keeps_constant_groups() -> None:
     assert torch.equal(got, w)
 
 
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_quantize_int8_grouped_is_within_half_a_step_per_group(group_size: int) -> None:
+    w = _rows_of_mixed_scale(5, 256)
+    weight, scales = rk.quantize_int8_grouped(w, group_size)
+    assert weight.dtype == torch.int8 and scales.shape == (5, 256 // group_size)
+    step = scales.repeat_interleave(group_size, dim=1)
+    error = (w - rk.dequantize_int8_grouped(weight, scales, group_size)).abs()
+    assert (error <= step / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_grouped_reference_is_f_linear_with_the_dequantized_weight(
+    dtype: torch.dtype,
+) -> None:
+    weight = torch.randint(-127, 128, (9, 96), dtype=torch.int8)
+    scales = torch.rand(9, 3) * 0.01
+    w = weight.double() * scales.double().repeat_interleave(32, dim=1)
+    x, bias = _x((2, 3), 96, dtype), _bias(9, True)
+    _close(rk.int8_grouped_linear(x, weight, scales, 32, bias), _oracle(x, w, bias))
+
+
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_quantize_fp8_is_within_e4m3_rounding(per_channel: bool) -> None:
     w = _rows_of_mixed_scale(6, 80)
@@ -299,6 +320,18 @@ def test_int4_triton_matches_reference(
     )
     x, bias = _x((2, 9), k, dtype, device), _bias(n, symmetric, device)
     _close(*both_backends(rk.int4_linear, x, qweight, scales, zeros, group_size, bias))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int8_grouped_triton_matches_reference(
+    device: torch.device, dtype: torch.dtype, group_size: int
+) -> None:
+    n, k = 35, 128
+    weight, scales = rk.quantize_int8_grouped(torch.randn(n, k, device=device), group_size)
+    x, bias = _x((2, 9), k, dtype, device), _bias(n, group_size == 32, device)
+    _close(*both_backends(rk.int8_grouped_linear, x, weight, scales, group_size, bias))
 
 
 @needs_triton

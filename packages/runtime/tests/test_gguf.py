@@ -13,10 +13,11 @@ import torch
 from radixlm import kernels
 from radixlm.runtime import Engine, ModelRunner
 from radixlm.runtime.fixtures import build_tiny_gguf, build_tiny_model
-from radixlm.runtime.gguf_checkpoint import find_gguf, gguf_sidecar, int4_rows
+from radixlm.runtime.gguf_checkpoint import find_gguf, gguf_sidecar, int4_rows, iter_gguf_weights
 from radixlm.runtime.loader import ModelLoadError
 from radixlm.runtime.model_files import resolve_model_path
 from radixlm.runtime.quant import QuantizedLinear
+from radixlm.runtime.quant.gguf_linear import GGUFLinear, Int4Rows, Int8GroupRows
 
 gguf = pytest.importorskip("gguf")
 TEXT = "the radix tree of the model is a cache of Paris"
@@ -127,6 +128,54 @@ def test_4bit_blocks_convert_exactly_into_the_int4_layout(type_name: str) -> Non
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
 
 
+def test_q8_0_rows_are_read_exactly_for_the_grouped_int8_kernel(
+    tiny_ggufs: dict[str, Path],
+) -> None:
+    from transformers import AutoConfig
+
+    path = tiny_ggufs["llama-Q8_0"]
+    config = AutoConfig.from_pretrained(str(gguf_sidecar(path)))
+    names = {
+        f"model.layers.{i}.self_attn.{p}.weight"
+        for i in range(2)
+        for p in ("q_proj", "k_proj", "o_proj")
+    }
+    kw = {"show_progress": False}
+    dense = dict(iter_gguf_weights(path, names, config, torch.float32, names, **kw))
+    packed = dict(
+        iter_gguf_weights(path, names, config, torch.float32, names, keep_int8=True, **kw)
+    )
+    assert set(dense) == set(packed) == names
+    for name in names:
+        rows = packed[name]
+        assert isinstance(rows, Int8GroupRows) and rows.values.dtype == torch.int8
+        values = kernels.dequantize_int8_grouped(rows.values, rows.scales, rows.group_size)
+        assert torch.equal(values, dense[name]), name  # q/k rows un-permuted alike
+
+
+def test_a_gguf_layer_with_rows_of_several_kinds_runs_a_float_copy() -> None:
+    from radixlm.runtime.quant import QuantConfig
+
+    quant = QuantConfig(method="gguf", format="int4", source="gguf", group_size=32)
+    layer = GGUFLinear(64, {"q": 8, "k": 4, "v": 4}, False, quant, torch.float32)
+    q = torch.randn(8, 64)
+    k_values, k_scales = kernels.quantize_int8_grouped(torch.randn(4, 64), 32)
+    v_int4 = kernels.quantize_int4(torch.randn(4, 64), 32, fit=True)
+    layer.load_weight("q", "weight", q)
+    layer.load_weight("k", "weight", Int8GroupRows(k_values, k_scales, 32))
+    layer.load_weight("v", "weight", Int4Rows(*v_int4, group_size=32))
+    layer.finalize()
+    want = torch.cat(
+        [
+            q,
+            kernels.dequantize_int8_grouped(k_values, k_scales, 32),
+            kernels.dequantize_int4(*v_int4, 32),
+        ]
+    )
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), x @ want.t())
+
+
 def test_gguf_engine_reads_tokenizer_chat_template_and_eos_from_the_file(
     tiny_ggufs: dict[str, Path],
 ) -> None:
@@ -190,3 +239,20 @@ def test_requantizing_a_gguf_file_at_load_time(
     runner = ModelRunner(runner_config_for(str(tiny_ggufs["llama-Q8_0"]), quantization="int8"))
     layers = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert layers and all(m.qweight.dtype == torch.int8 for m in layers)
+
+
+@pytest.mark.gpu
+def test_q8_0_layers_run_the_grouped_int8_kernel_on_cuda(
+    tiny_ggufs: dict[str, Path], driver_for: Any, runner_config_for: Any
+) -> None:
+    path = str(tiny_ggufs["llama-Q8_0"])
+    exact = ModelRunner(
+        runner_config_for(path, quantization="none", dtype="float32", device="cuda")
+    )
+    packed = ModelRunner(runner_config_for(path, dtype="float32", device="cuda"))
+    layers = [m for m in packed.model.modules() if isinstance(m, GGUFLinear)]
+    assert layers and all(m._int8 is not None for m in layers)
+    ids = list(range(5, 40))
+    want = _runner_logits(exact, driver_for, ids)
+    got = _runner_logits(packed, driver_for, ids)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-3

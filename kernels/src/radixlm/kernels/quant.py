@@ -118,6 +118,57 @@ def int8_linear(
     return reference.int8_linear(x, weight, scale, bias)
 
 
+def _int8_grouped_weight(
+    op: str, weight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> None:
+    _checks.rank(op, "weight", weight, 2, "[N, K]")
+    _dtype(op, "weight", weight, torch.int8, "[N, K]")
+    _group_size(op, group_size, weight.shape[1], "weight.shape[1]")
+    _checks.floating(op, "scales", scales)
+    _shape(
+        op,
+        "scales",
+        scales,
+        (weight.shape[0], weight.shape[1] // group_size),
+        "[N, K // group_size]",
+    )
+
+
+def int8_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` with an int8 weight scaled per group of ``group_size`` along K:
+    ``w[n, k] = weight[n, k] * scales[n, k // group_size]`` (llama.cpp's Q8_0 at 32).
+
+    Weight-only: x is not quantized. The Triton kernel scales each weight tile in registers
+    (a K tile lies inside one group) and accumulates in fp32.
+
+    Args:
+        x: ``[..., K]`` float32 / float16 / bfloat16.
+        weight: ``[N, K]`` torch.int8.
+        scales: ``[N, K // group_size]`` float.
+        group_size: 32, 64 or 128; K must be a multiple of it.
+        bias: ``[N]`` float, or None.
+
+    Returns:
+        A new ``[..., N]`` tensor in x's dtype, accumulated in fp32.
+    """
+    op = "int8_grouped_linear"
+    _int8_grouped_weight(op, weight, scales, group_size)
+    _x_width(op, x, weight.shape[1], "weight.shape[1]")
+    _bias(op, bias, weight.shape[0])
+    _checks.same_device(op, {"x": x, "weight": weight, "scales": scales, "bias": bias})
+    if use_triton(x):
+        from radixlm.kernels import triton_ops
+
+        return triton_ops.int8_grouped_linear(x, weight, scales, group_size, bias)
+    return reference.int8_grouped_linear(x, weight, scales, group_size, bias)
+
+
 def int4_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -294,6 +345,30 @@ def dequantize_int4(
     _int4_weight(op, qweight, scales, zeros, group_size)
     _checks.same_device(op, {"qweight": qweight, "scales": scales, "zeros": zeros})
     return reference.dequantize_int4(qweight, scales, zeros, group_size)
+
+
+def quantize_int8_grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 per group of ``group_size`` columns (llama.cpp's Q8_0 at 32): ``scale =
+    absmax(group) / 127`` (1 for an all-zero group), round to nearest.
+
+    Returns:
+        ``(weight, scales)``: ``[N, K]`` int8 in -127..127 and ``[N, K // group_size]``
+        float32. Elementwise ``|w - weight * scale| <= scale / 2``.
+    """
+    op = "quantize_int8_grouped"
+    _float_matrix(op, w)
+    _group_size(op, group_size, w.shape[1], "w.shape[1]")
+    return reference.quantize_int8_grouped(w, group_size)
+
+
+def dequantize_int8_grouped(
+    weight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``weight * scales`` per group: float32 ``[N, K]`` (see :func:`int8_grouped_linear`)."""
+    op = "dequantize_int8_grouped"
+    _int8_grouped_weight(op, weight, scales, group_size)
+    _checks.same_device(op, {"weight": weight, "scales": scales})
+    return reference.dequantize_int8_grouped(weight, scales, group_size)
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,33 @@ def int4_linear(
     return _linear(x, dequantize_int4(qweight, scales, zeros, group_size), bias)
 
 
+def dequantize_int8_grouped(
+    weight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Reference of :func:`radixlm.kernels.dequantize_int8_grouped`."""
+    return weight.float() * scales.float().repeat_interleave(group_size, dim=1)
+
+
+def int8_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of :func:`radixlm.kernels.int8_grouped_linear`."""
+    return _linear(x, dequantize_int8_grouped(weight, scales, group_size), bias)
+
+
+def quantize_int8_grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`radixlm.kernels.quantize_int8_grouped`."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group_size, group_size)
+    scales = _safe_scale(groups.abs().amax(dim=2) / INT8_MAX)
+    q = torch.round(groups / scales[:, :, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.reshape(n, k), scales
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,

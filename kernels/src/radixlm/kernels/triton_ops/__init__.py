@@ -19,7 +19,12 @@ from radixlm.kernels.triton_ops.extend import extend_attention
 from radixlm.kernels.triton_ops.logits import apply_token_bitmask_inplace, sample_from_probs
 from radixlm.kernels.triton_ops.lora import lora_expand, lora_shrink
 from radixlm.kernels.triton_ops.moe import fused_moe, grouped_matmul
-from radixlm.kernels.triton_ops.quant import fp8_linear, int4_linear, int8_linear
+from radixlm.kernels.triton_ops.quant import (
+    fp8_linear,
+    int4_linear,
+    int8_grouped_linear,
+    int8_linear,
+)
 
 __all__ = [
     "INTERPRETED",
@@ -32,6 +37,7 @@ __all__ = [
     "fused_moe",
     "grouped_matmul",
     "int4_linear",
+    "int8_grouped_linear",
     "int8_linear",
     "lora_expand",
     "lora_shrink",

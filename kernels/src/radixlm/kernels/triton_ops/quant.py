@@ -228,6 +228,54 @@ def _int4_linear_kernel(
     _epilogue(acc, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
 
 
+@triton.jit
+def _int8_grouped_linear_kernel(
+    X,
+    W,
+    Scales,
+    Bias,
+    Out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``out = x @ (w * scales).T (+ bias)`` with one scale per output column and group of
+    ``GROUP`` along K. A K tile lies inside one group (``GROUP % BLOCK_K == 0``, so no K mask
+    either): the int8 tile is scaled in fp32 in registers, then one dot."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    x_ptrs = X + rows[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = W + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    s_ptrs = Scales + cols * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        s = tl.load(s_ptrs + k0 // GROUP).to(tl.float32)[None, :]
+        w = tl.load(w_ptrs).to(tl.float32) * s
+        x = tl.load(x_ptrs)
+        if UPCAST:
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(X.dtype.element_ty))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    _epilogue(acc, Bias, Out, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``[M, K]`` with a unit stride on K."""
     if x.stride(-1) != 1:
@@ -341,6 +389,48 @@ def int4_linear(
         k,
         x2.stride(0),
         qweight.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        GROUP=group_size,
+        BLOCK_M=blocks.m,
+        BLOCK_N=blocks.n,
+        BLOCK_K=blocks.k,
+        GROUP_M=blocks.group_m,
+        HAS_BIAS=bias is not None,
+        UPCAST=upcast_dots(x.dtype),
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
+    )
+    return out.view(*x.shape[:-1], n)
+
+
+def int8_grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`radixlm.kernels.int8_grouped_linear`."""
+    n, k = weight.shape
+    x2 = _rows(x)
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    weight, scales = _dense(weight), _dense(scales)
+    blocks = choose_blocks(m, n, x, max_k=group_size)
+    _int8_grouped_linear_kernel[_grid(m, n, blocks)](
+        x2,
+        weight,
+        scales,
+        _dense(bias) if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
         scales.stride(0),
         out.stride(0),
         GROUP=group_size,

@@ -9,7 +9,8 @@ that one, and `radixlm_gguf.json` in it names the file the weights come from.
 
 Weights are read by `gguf.GGUFReader` (memory-mapped). Q4_0, Q4_1 and Q4_K linear weights are
 converted exactly into the runtime's int4 layout (groups of 32, a float scale and zero point
-each) and stay 4-bit; every other type is dequantized by `gguf` into the compute dtype.
+each) and stay 4-bit; Q8_0 ones stay int8 with their block scales where the device has the
+grouped int8 kernel (CUDA); every other type is dequantized by `gguf` into the compute dtype.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixlm.runtime.quant.linear import Int4Rows
+from radixlm.runtime.quant.gguf_linear import Int4Rows, Int8GroupRows
 
 logger = logging.getLogger("radixlm.runtime.gguf")
 
@@ -44,6 +45,8 @@ ARCHITECTURES = {
 _PERMUTED_QK = ("llama", "mistral")
 #: GGUF types kept 4-bit (converted exactly into the int4 layout, groups of 32).
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+#: GGUF types kept 8-bit (int8 values with a scale per block of 32), where a kernel runs them.
+INT8_TYPES = ("Q8_0",)
 _GROUP = 32
 
 
@@ -231,8 +234,22 @@ def int4_rows(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Int4Rows
     )
 
 
-def _reorder(tensor: torch.Tensor | Int4Rows, order: np.ndarray) -> torch.Tensor | Int4Rows:
+def int8_rows(raw: np.ndarray, rows: int, cols: int) -> Int8GroupRows:
+    """A Q8_0 tensor's bytes ([rows, bytes per row]: blocks of a float16 scale and 32 int8
+    values) as int8 values and float32 scales, exact."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // _GROUP, 2 + _GROUP)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    values = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    return Int8GroupRows(torch.from_numpy(values), torch.from_numpy(scales), _GROUP)
+
+
+Packed = Int4Rows | Int8GroupRows
+
+
+def _reorder(tensor: torch.Tensor | Packed, order: np.ndarray) -> torch.Tensor | Packed:
     index = torch.from_numpy(order)
+    if isinstance(tensor, Int8GroupRows):
+        return Int8GroupRows(tensor.values[index], tensor.scales[index], tensor.group_size)
     if isinstance(tensor, Int4Rows):
         return Int4Rows(
             tensor.qweight[index], tensor.scales[index], tensor.zeros[index], tensor.group_size
@@ -247,10 +264,12 @@ def iter_gguf_weights(
     dtype: torch.dtype,
     keep_int4: Iterable[str] = (),
     show_progress: bool = True,
-) -> Iterator[tuple[str, torch.Tensor | Int4Rows]]:
+    keep_int8: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | Packed]]:
     """(Hugging Face name, tensor) of every tensor of the file the model expects: the names
-    in `keep_int4` (linear weights) as `Int4Rows` where their type allows, everything else
-    dequantized into `dtype`. Logs how many tensors of each type were dequantized."""
+    in `keep_int4` (linear weights) as `Int4Rows` where their type allows (and as
+    `Int8GroupRows` for Q8_0 when `keep_int8`), everything else dequantized into `dtype`.
+    Logs how many tensors of each type were kept and dequantized."""
     import gguf
     from tqdm.auto import tqdm
 
@@ -269,9 +288,13 @@ def iter_gguf_weights(
             continue  # rope frequency tables and other tensors the model computes itself
         type_name = tensor.tensor_type.name
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        value: torch.Tensor | Int4Rows
-        if name in int4_names and type_name in INT4_TYPES and len(shape) == 2:
+        value: torch.Tensor | Packed
+        packable = name in int4_names and len(shape) == 2
+        if packable and type_name in INT4_TYPES:
             value = int4_rows(tensor.data, type_name, shape[0], shape[1])
+            kept[type_name] += 1
+        elif packable and keep_int8 and type_name in INT8_TYPES:
+            value = int8_rows(tensor.data, shape[0], shape[1])
             kept[type_name] += 1
         else:
             array = np.array(gguf.dequantize(tensor.data, tensor.tensor_type), copy=True)
@@ -290,7 +313,7 @@ def iter_gguf_weights(
         yield name, value
     if kept:
         logger.info(
-            "GGUF: %s kept 4-bit (int4 kernels, groups of 32)",
+            "GGUF: %s kept packed (int4 / grouped int8 kernels, groups of 32)",
             ", ".join(f"{n} {t}" for t, n in sorted(kept.items())),
         )
     if embeddings:
@@ -300,7 +323,7 @@ def iter_gguf_weights(
             str(dtype).removeprefix("torch."),
         )
     if dequantized:
-        why = "no 4-bit kernel for their type" if int4_names else "as asked"
+        why = "no kernel for their type on this device" if int4_names else "as asked"
         logger.warning(
             "GGUF: %s tensor(s) dequantized to %s (%s: %s)",
             sum(dequantized.values()),

@@ -345,9 +345,16 @@ def _load_gguf_weights(model: DecoderForCausalLM, info: ModelInfo, show: bool) -
         if quant is not None and quant.source == "gguf"
         else set()
     )
-    # Int4Rows travel where tensors do; QuantizedLinear.load_weight takes them.
+    # Packed rows travel where tensors do; GGUFLinear.load_weight takes them. Q8_0 stays
+    # packed on CUDA only: CPUs have no grouped int8 kernel, and a float copy is faster there.
     weights: Iterator[tuple[str, Any]] = gguf_checkpoint.iter_gguf_weights(
-        info.gguf_file, names, info.hf_config, info.dtype, keep_int4, show
+        info.gguf_file,
+        names,
+        info.hf_config,
+        info.dtype,
+        keep_int4,
+        show,
+        keep_int8=info.device.type == "cuda",
     )
     try:
         loaded = model.load_weights(weights)

@@ -8,9 +8,7 @@ with the checkpoint's leaf names. What those leaves are depends on where the val
 - GPTQ / AWQ: `qweight`, `qzeros`, `scales` (and GPTQ's `g_idx`), unpacked as they arrive;
 - FP8: `weight` (float8 e4m3) and `weight_scale` (per tensor or per channel), `input_scale`
   accepted and unused (activations are not quantized);
-- GGUF: `weight`, either `Int4Rows` (a Q4_0 / Q4_1 / Q4_K tensor converted exactly into the
-  int4 layout, groups of 32) or a float tensor (a type with no kernel here, dequantized): a
-  layer all of whose rows arrive as int4 runs the int4 kernels, any other runs a float copy.
+- GGUF: `weight` only, in the layouts of `gguf_linear.GGUFLinear` (a subclass).
 
 Load-time int4 picks, per layer, the largest group size not above the one asked for that
 divides the layer's input (576 = 9 x 64 takes groups of 64 when 128 is asked); an input no
@@ -33,22 +31,6 @@ from radixlm.runtime.distributed import SINGLE
 from radixlm.runtime.models.linear import Part, whole_sizes
 from radixlm.runtime.quant import checkpoint, compute
 from radixlm.runtime.quant.config import GROUP_SIZES, QuantConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class Int4Rows:
-    """Rows of a weight already in the int4 layout: `qweight` [rows, K / 2] packed codes
-    (`radixlm.kernels.pack_int4`), `scales` and `zeros` [rows, K / group_size] float32, the
-    value of code q being (q - zero) * scale."""
-
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
-    group_size: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.qweight.shape[0], self.qweight.shape[1] * 2)
 
 
 def layer_group_size(in_features: int, asked: int) -> int:
@@ -130,9 +112,6 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", torch.zeros(out, k, dtype=storage))
             self.register_buffer("scale", torch.ones(out, dtype=torch.float32))
         self._matmul: compute.Matmul | None = None
-        # GGUF: which rows arrived as float, and how many as int4 (see the module docstring).
-        self._float_rows: torch.Tensor | None = None
-        self._int4_rows = 0
 
     # Loading ---------------------------------------------------------------------------------
 
@@ -180,8 +159,6 @@ class QuantizedLinear(nn.Module):
                 self._load_int4(begin, end, name, tensor, what)
             elif self.quant.source == "fp8" and name in ("weight", "weight_scale", "input_scale"):
                 self._load_fp8(begin, rows, name, tensor, what)
-            elif self.quant.source == "gguf" and name == "weight":
-                self._load_gguf(begin, end, tensor, what)
             else:
                 raise ValueError(
                     f"{what}: a {self.quant.method} checkpoint has no such tensor for this layer "
@@ -240,44 +217,12 @@ class QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"{what}: expected float8_e4m3fn weights, got {tensor.dtype}")
 
-    def _load_gguf(self, begin: int, end: int, tensor: Int4Rows | torch.Tensor, what: str) -> None:
-        rows = end - begin
-        if tuple(tensor.shape) != (rows, self.in_features):
-            raise ValueError(
-                f"{what}: the GGUF tensor has shape {tuple(tensor.shape)}, the model expects "
-                f"{(rows, self.in_features)}"
-            )
-        if isinstance(tensor, Int4Rows) and tensor.group_size == self.group_size:
-            device = self.qweight.device
-            self.qweight[begin:end] = tensor.qweight.to(device)
-            self.scales[begin:end] = tensor.scales.to(device)
-            self.zeros[begin:end] = tensor.zeros.to(device)
-            self._int4_rows += rows
-            return
-        if isinstance(tensor, Int4Rows):
-            tensor = kernels.dequantize_int4(
-                tensor.qweight, tensor.scales, tensor.zeros, tensor.group_size
-            )
-        if self.weight is None or self._float_rows is None:
-            # The first float rows: the layer will run a float copy.
-            shape = (self.out_features, self.in_features)
-            device = self.qweight.device
-            self.weight = nn.Parameter(
-                torch.zeros(shape, dtype=self.dtype, device=device), requires_grad=False
-            )
-            self._float_rows = torch.zeros(self.out_features, dtype=torch.bool, device=device)
-        self.weight[begin:end] = tensor.to(device=self.weight.device, dtype=self.dtype)
-        self._float_rows[begin:end] = True
-
     # After loading ---------------------------------------------------------------------------
 
     @torch.no_grad()
     def finalize(self) -> None:
         """Quantize staged weights, free them, and build this device's matmul (once)."""
         if self._matmul is not None:
-            return
-        if self.quant.source == "gguf" and self._float_rows is not None:
-            self._matmul = self._gguf_float_matmul()
             return
         if self.weight is not None:
             self._quantize_staged(self.weight.data.to(torch.float32))
@@ -294,19 +239,6 @@ class QuantizedLinear(nn.Module):
             self._matmul = build(self.qweight, self.scale)
         else:
             self._matmul = self._fp8_matmul()
-
-    def _gguf_float_matmul(self) -> compute.Matmul:
-        """A GGUF layer with rows of a type that has no kernel: every row in a float copy."""
-        assert self.weight is not None and self._float_rows is not None
-        dense = self.weight.data
-        if self._int4_rows:  # the rest of a merged layer arrived as int4: dequantize it too
-            quantized = kernels.dequantize_int4(
-                self.qweight, self.scales, self.zeros, self.group_size
-            ).to(self.dtype)
-            dense = torch.where(self._float_rows[:, None], dense, quantized)
-        self.weight = None
-        self.qweight = torch.empty(0, dtype=self.qweight.dtype)
-        return lambda x: torch.nn.functional.linear(x, dense.to(x.dtype))
 
     def _quantize_staged(self, weight: torch.Tensor) -> None:
         fmt = self.quant.format
@@ -374,10 +306,17 @@ class QuantizedLinears:
         self, in_features: int, shards: Mapping[str, int | Part], bias: bool
     ) -> QuantizedLinear:
         sizes = whole_sizes(shards, "a quantized layer")
-        return QuantizedLinear(in_features, sizes, bias, self.quant, self.dtype)
+        return self._layer(in_features, sizes, bias)
 
     def row(self, in_features: int, out_features: int, bias: bool) -> QuantizedLinear:
-        return QuantizedLinear(in_features, {"out": out_features}, bias, self.quant, self.dtype)
+        return self._layer(in_features, {"out": out_features}, bias)
+
+    def _layer(self, in_features: int, sizes: Mapping[str, int], bias: bool) -> QuantizedLinear:
+        if self.quant.source == "gguf":
+            from radixlm.runtime.quant.gguf_linear import GGUFLinear
+
+            return GGUFLinear(in_features, sizes, bias, self.quant, self.dtype)
+        return QuantizedLinear(in_features, sizes, bias, self.quant, self.dtype)
 
 
 def finalize_quantized(model: nn.Module) -> int:
