@@ -33,9 +33,15 @@ def tiny_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """(architecture, linear type) -> a GGUF file of a tiny random model."""
     root = tmp_path_factory.mktemp("gguf")
     out = {}
-    for arch, family in (("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")):
+    families = {
+        "llama": ("LlamaForCausalLM", ("Q4_0", "Q4_1", "Q8_0")),
+        "qwen2": ("Qwen2ForCausalLM", ("Q4_0", "Q4_1", "Q8_0")),
+        "qwen3": ("Qwen3ForCausalLM", ("Q4_0",)),
+        "mistral": ("MistralForCausalLM", ("Q4_1",)),
+    }
+    for arch, (family, kinds) in families.items():
         model_dir = build_tiny_model(root / arch, family, init_std=0.3)
-        for kind in ("Q4_0", "Q4_1", "Q8_0"):
+        for kind in kinds:
             out[f"{arch}-{kind}"] = build_tiny_gguf(model_dir, root / f"{arch}-{kind}.gguf", kind)
     return out
 
@@ -52,7 +58,9 @@ def _runner_logits(runner: ModelRunner, driver: Any, ids: list[int]) -> torch.Te
     return driver(runner).prefill_logits(ids).float()
 
 
-@pytest.mark.parametrize("name", ["llama-Q4_0", "llama-Q4_1", "llama-Q8_0", "qwen2-Q4_1"])
+@pytest.mark.parametrize(
+    "name", ["llama-Q4_0", "llama-Q4_1", "llama-Q8_0", "qwen2-Q4_1", "qwen3-Q4_0", "mistral-Q4_1"]
+)
 def test_dequantized_gguf_logits_equal_transformers(
     tiny_ggufs: dict[str, Path], name: str, driver_for: Any, runner_config_for: Any
 ) -> None:
@@ -64,7 +72,9 @@ def test_dequantized_gguf_logits_equal_transformers(
         runner_config_for(str(tiny_ggufs[name]), quantization="none", dtype="float32")
     )
     got = _runner_logits(runner, driver_for, ids)
-    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    # float32 throughout: only the order of summation differs (Qwen3's 128-wide heads reach
+    # about 1.4e-5).
+    assert torch.allclose(got, want, atol=5e-5, rtol=1e-5), (got - want).abs().max()
 
 
 @pytest.mark.parametrize("name", ["llama-Q4_0", "qwen2-Q4_1"])
