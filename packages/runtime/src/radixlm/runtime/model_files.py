@@ -158,7 +158,12 @@ def resolve_model_path(
     if text == SMOLLM2_MODEL_NAME:
         return _local_model(Path(smollm2_gguf_path()))
     if looks_like_hub_id(text):
-        return _local_model(download_from_hub(text, revision, download_dir))
+        try:
+            snapshot = download_from_hub(text, revision, download_dir)
+        except ModelNotFoundError as error:
+            # `data/llama` reads as a hub id too: say that it is no local path either.
+            raise ModelNotFoundError(f"{error} (nor is {text!r} a local path)") from None
+        return _local_model(snapshot)
     reference = gguf_reference(text)
     if reference is not None:
         return _local_model(download_gguf_from_hub(*reference, revision, download_dir))
