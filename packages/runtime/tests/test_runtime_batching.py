@@ -145,3 +145,28 @@ def test_decode_of_very_different_lengths_equals_each_alone(
         driver.release(seq)
     for row, prompt in enumerate(prompts):
         assert torch.allclose(batched[row], alone_next_logits(driver, prompt), atol=ATOL), row
+
+
+def test_a_decode_batch_holds_the_same_arrays_as_the_general_build() -> None:
+    """The one-token-per-request fast path of ForwardBatch.build against the general path
+    (which the same entries take when a two-token entry follows them)."""
+    from radixlm.runtime.forward_batch import BatchEntry, ForwardBatch
+
+    decodes = [
+        BatchEntry(2, [11], 5, [40]),
+        BatchEntry(0, [12], 9, [41]),
+        BatchEntry(3, [13], 0, [42]),
+    ]
+    table = torch.zeros(4, 16, dtype=torch.int32)
+    fast = ForwardBatch.build(decodes, table)
+    general = ForwardBatch.build([*decodes, BatchEntry(1, [14, 15], 0, [43, 44])], table)
+    for name in ("input_ids", "positions", "out_cache_loc"):
+        assert getattr(fast, name).tolist() == getattr(general, name).tolist()[:3], name
+    for name in ("req_pool_indices", "prefix_lens", "extend_lens", "seq_lens"):
+        assert getattr(fast, name).tolist() == getattr(general, name).tolist()[:3], name
+    assert fast.prefix_lens_cpu == (5, 9, 0) and fast.extend_lens_cpu == (1, 1, 1)
+    assert fast.req_pool_indices_cpu == (2, 0, 3) and fast.is_decode
+    fast.write_req_to_token()
+    expected = torch.zeros(4, 16, dtype=torch.int32)
+    expected[2, 5], expected[0, 9], expected[3, 0] = 40, 41, 42
+    assert torch.equal(table, expected)

@@ -345,3 +345,56 @@ def test_custom_logit_processor_is_refused_when_disabled(force_token: str) -> No
     )
     with pytest.raises(CustomProcessorsDisabled, match="enable_custom_logit_processor"):
         Sampler()(torch.zeros(1, 10), batch)
+
+
+def _fields(batch: SamplingBatch) -> dict[str, Any]:
+    names: tuple[str, ...] = ("temperatures", "top_ks", "top_ps", "min_ps", "greedy")
+    names += ("logit_bias", "allowed")
+    names += ("banned", "output_counts", "repetition_mask", "forced_rows", "forced_ids")
+    return {name: getattr(batch, name) for name in names}
+
+
+def test_a_batch_reused_from_the_last_step_equals_one_built_afresh() -> None:
+    """A decode step over the same request objects reuses the last step's per-request
+    tensors; what depends on progress (seeded uniforms, bans before min_new_tokens, bad words,
+    penalties) is rebuilt, so the result equals a fresh build at every step."""
+    outputs: list[list[int]] = [[], [], []]
+    requests = [
+        request(seed=7, temperature=0.8, top_k=5, logit_bias={"3": 2.0}, output_ids=outputs[0]),
+        request(
+            min_new_tokens=2,
+            stop_token_ids=[4],
+            frequency_penalty=0.5,
+            bad_words_ids=((1, 2),),
+            output_ids=outputs[1],
+        ),
+        request(temperature=0.0, allowed_token_ids=[1, 2, 3, 5], output_ids=outputs[2]),
+    ]
+    previous = None
+    for step in range(4):
+        reused = SamplingBatch.build(requests, 16, previous=previous)
+        fresh = SamplingBatch.build(requests, 16)
+        if previous is not None:
+            assert reused.temperatures is previous.temperatures  # really reused
+        for name, value in _fields(fresh).items():
+            got = _fields(reused)[name]
+            assert (value is None) == (got is None), name
+            if value is not None:
+                torch.testing.assert_close(got, value, msg=name)
+        assert reused.uniforms[0] == seeded_uniform(7, step)
+        previous = reused
+        for ids in outputs:
+            ids.append(1)  # every request generated token 1: bad word (1, 2) is now armed
+    assert reused.banned is not None and bool(reused.banned[1, 2])
+    assert not bool(reused.banned[1, 4])  # min_new_tokens reached: the stop id is allowed
+
+
+def test_a_batch_of_other_request_objects_is_built_afresh() -> None:
+    first = [request(temperature=0.5), request(temperature=0.0)]
+    batch = SamplingBatch.build(first, 16)
+    other = [request(temperature=0.5), request(temperature=1.0)]
+    again = SamplingBatch.build(other, 16, previous=batch)
+    assert again.temperatures is not batch.temperatures
+    torch.testing.assert_close(again.temperatures, torch.tensor([0.5, 1.0]))
+    shorter = SamplingBatch.build(first[:1], 16, previous=batch)
+    assert shorter.size == 1 and shorter.temperatures.shape == (1,)

@@ -335,9 +335,9 @@ class EngineCore:
             options = seq.handle.logprobs
             inputs.append(_entry_inputs(seq.handle))
             asks.append(
-                InputLogprobAsk(options.top, options.token_ids)
-                if entry.logprob_targets is not None
-                else None
+                None
+                if entry.logprob_targets is None
+                else InputLogprobAsk(options.top, options.token_ids)
             )
             if entry.sample:
                 sampling.append(self._sampling_request(seq))
@@ -397,8 +397,19 @@ class EngineCore:
                 seq.record_output_logprob(logprob)
 
     def _sampling_request(self, seq: SequenceState) -> SamplingRequest:
+        """The sequence's sampling inputs: the same object every step (which lets the
+        executor reuse the last step's sampling tensors) unless the thinking budget forces a
+        token."""
+        cached = seq.sampling
+        if (
+            cached is not None
+            and seq.thinking is None
+            and cached.output_ids is seq.req.output_ids
+            and cached.prompt_ids is seq.req.prompt_ids
+        ):
+            return cached
         handle = seq.handle
-        return SamplingRequest(
+        seq.sampling = SamplingRequest(
             params=handle.params,
             prompt_ids=seq.req.prompt_ids,
             output_ids=seq.req.output_ids,
@@ -413,6 +424,7 @@ class EngineCore:
                 None if seq.thinking is None else seq.thinking.forced_token(seq.req.output_ids)
             ),
         )
+        return seq.sampling
 
     # ------------------------------------------------------------------------------ grammar
 

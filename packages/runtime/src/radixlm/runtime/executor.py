@@ -83,6 +83,10 @@ class EntryInputs:
     multimodal: MultimodalInputs | None = None
 
 
+_NO_ASK = InputLogprobAsk()
+_NO_INPUTS = EntryInputs()
+
+
 class ModelExecutor:
     """Turns a `ScheduledBatch` into a `ForwardBatch`, runs it, samples the entries that
     sample. The only engine module that touches tensors."""
@@ -105,6 +109,9 @@ class ModelExecutor:
         self.sender = sender
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
+        #: The last step's sampling batch: the next step reuses its per-request tensors when
+        #: it samples the same requests.
+        self._last_sampling: SamplingBatch | None = None
 
     def run(
         self,
@@ -126,8 +133,21 @@ class ModelExecutor:
             if entry.row_write is not None:
                 start, slots = entry.row_write
                 writes.append((entry.row, start, slots))
-            ask = ask or InputLogprobAsk()
-            extra = extra or EntryInputs()
+            if ask is None and extra is None:  # a plain token entry (most of a decode step)
+                entries.append(
+                    BatchEntry(
+                        entry.row,
+                        entry.input_ids,
+                        entry.prefix_len,
+                        entry.out_slots,
+                        entry.logprob_start,
+                        entry.logprob_targets,
+                        lora_slot=entry.lora_slot,
+                    )
+                )
+                continue
+            ask = ask or _NO_ASK
+            extra = extra or _NO_INPUTS
             embeds = extra.prompt_embeds
             if embeds is not None:
                 # The new tokens that are prompt positions take the given embeddings.
@@ -183,12 +203,19 @@ class ModelExecutor:
                 runner.device,
                 grammar_bitmask=bitmask,
                 generator=self.generator,
+                previous=self._last_sampling,
             )
+            self._last_sampling = sampling_batch
             sampled = runner.sample(logits, sampling_batch)
-            for k, row in enumerate(rows):
-                tokens[row] = sampled.token_ids[k]
+            if len(rows) == len(entries):
+                tokens = list(sampled.token_ids)
                 if sampled.logprobs is not None:
-                    logprobs[row] = sampled.logprobs[k]
+                    logprobs = list(sampled.logprobs)
+            else:
+                for k, row in enumerate(rows):
+                    tokens[row] = sampled.token_ids[k]
+                    if sampled.logprobs is not None:
+                        logprobs[row] = sampled.logprobs[k]
         input_logprobs = out.input_logprobs or [None] * len(entries)
         return StepResult(tokens, logprobs, list(input_logprobs), out.hidden_states)
 

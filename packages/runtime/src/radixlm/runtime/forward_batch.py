@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass(frozen=True)
+# Built per request each step: slots and no frozen-setattr cost (a frozen dataclass of this
+# many fields takes several µs to construct; the step builds one per running request).
+@dataclass(slots=True)
 class BatchEntry:
     """One request's part of a step, as the scheduler knows it.
 
@@ -126,6 +128,17 @@ class ForwardBatch:
         if not entries:
             raise ValueError("a forward batch needs at least one request")
         device = torch.device(device) if device is not None else req_to_token.device
+        if all(
+            len(e.input_ids) == 1
+            and len(e.out_slots) == 1
+            and e.input_logprob_targets is None
+            and e.input_embeds is None
+            and not e.media_embeds
+            and e.mrope_positions is None
+            and not e.return_hidden_states
+            for e in entries
+        ):
+            return cls._decode(entries, req_to_token, device)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -219,8 +232,45 @@ class ForwardBatch:
             mrope_positions=mrope,
         )
 
+    @classmethod
+    def _decode(
+        cls, entries: Sequence[BatchEntry], req_to_token: torch.Tensor, device: torch.device
+    ) -> ForwardBatch:
+        """A batch in which every request adds one plain token: its arrays in one host
+        tensor (one transfer), the per-request ones as views of it."""
+        size = len(entries)
+        prefix = tuple(e.prefix_len for e in entries)
+        rows = tuple(e.req_pool_index for e in entries)
+        values = [e.input_ids[0] for e in entries]
+        values += prefix  # positions (and the prefix lengths)
+        values += [e.out_slots[0] for e in entries]
+        values += rows
+        values += [1] * size  # extend lengths
+        values += [p + 1 for p in prefix]  # sequence lengths
+        packed = torch.tensor(values, dtype=torch.int64)
+        if packed.device != device:
+            packed = packed.to(device, non_blocking=True)
+        ids, positions, slots, indices, extend, seq_lens = packed.view(6, size)
+        return cls(
+            input_ids=ids,
+            positions=positions,
+            out_cache_loc=slots,
+            req_pool_indices=indices,
+            prefix_lens=positions,
+            extend_lens=extend,
+            seq_lens=seq_lens,
+            req_to_token=req_to_token,
+            prefix_lens_cpu=prefix,
+            extend_lens_cpu=(1,) * size,
+            req_pool_indices_cpu=rows,
+        )
+
     def write_req_to_token(self) -> None:
         """Record the new tokens' slots in the request-to-token table (mutates that table)."""
+        if self.num_tokens == self.batch_size:  # one new token per request (a decode step)
+            slots = self.out_cache_loc.to(self.req_to_token.dtype)
+            self.req_to_token[self.req_pool_indices, self.prefix_lens] = slots
+            return
         rows = torch.repeat_interleave(
             self.req_pool_indices, self.extend_lens, output_size=self.num_tokens
         )

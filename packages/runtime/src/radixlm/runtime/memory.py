@@ -92,6 +92,8 @@ class KVPool:
         if pages is None:
             return None
         size = self.page_size
+        if size == 1:
+            return pages
         return [page * size + offset for page in pages for offset in range(size)]
 
     def reset(self) -> None:

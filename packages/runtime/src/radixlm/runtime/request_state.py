@@ -10,6 +10,7 @@ from radixlm.runtime.hidden_states import HiddenStates
 from radixlm.runtime.logprobs import TokenLogprob
 from radixlm.runtime.messages import EngineRequest, LogprobOptions, SeqDelta
 from radixlm.runtime.routed_experts import RoutedTape
+from radixlm.runtime.sampling_batch import SamplingRequest
 from radixlm.runtime.scheduler import Req
 from radixlm.runtime.stopping import TokenStops
 from radixlm.runtime.thinking import ThinkingBudget
@@ -158,6 +159,9 @@ class SequenceState:
     #: The front end ended it (a stop string): nothing more is sent for it.
     quiet: bool = False
     dirty: bool = False
+    #: Its sampling inputs, built once and reused every step while they hold (the output ids
+    #: are the request's own list, so the object stays current as tokens are appended).
+    sampling: SamplingRequest | None = None
 
     @property
     def finish(self) -> FinishReason | None:

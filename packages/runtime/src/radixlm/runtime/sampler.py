@@ -65,6 +65,20 @@ def apply_masks(logits: torch.Tensor, batch: SamplingBatch) -> None:
         logits[batch.forced_rows, batch.forced_ids] = 0.0
 
 
+def _processes(batch: SamplingBatch) -> bool:
+    """Whether any processing before temperature applies to the batch."""
+    return bool(
+        batch.custom_processors
+        or batch.repetition_mask is not None
+        or batch.output_counts is not None
+        or batch.logit_bias is not None
+        or batch.banned is not None
+        or batch.allowed is not None
+        or batch.grammar_bitmask is not None
+        or batch.forced_rows is not None
+    )
+
+
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """The first token (in id order) whose running mass exceeds u * total mass."""
     cumulative = probs.cumsum(dim=-1)
@@ -81,7 +95,10 @@ class Sampler:
         self._processors: dict[str, CustomLogitProcessor] = {}
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Everything before temperature, on a copy of the logits."""
+        """Everything before temperature, on a copy of the logits (the float32 logits
+        themselves when nothing applies: nothing is written to them then)."""
+        if not _processes(batch):
+            return logits.float()
         logits = logits.float().clone()
         self._apply_custom(logits, batch)
         apply_penalties(logits, batch)
@@ -121,7 +138,7 @@ class Sampler:
                 lp if wanted else None
                 for lp, wanted in zip(all_rows, batch.logprob_rows, strict=True)
             ]
-        return SampleOutput(next_ids, [int(t) for t in next_ids.tolist()], logprobs)
+        return SampleOutput(next_ids, next_ids.tolist(), logprobs)
 
     def _apply_custom(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
         if not batch.custom_processors:

@@ -32,7 +32,8 @@ def seeded_uniform(seed: int, step: int) -> float:
     return (x >> 40) / float(1 << 24)
 
 
-@dataclass(frozen=True)
+# Built per sampling request each step: slots, not frozen (see forward_batch.BatchEntry).
+@dataclass(slots=True)
 class SamplingRequest:
     """One request's sampling inputs at this step (plain data the scheduler owns).
 
@@ -101,6 +102,9 @@ class SamplingBatch:
     token_ids_logprob: list[Sequence[int] | None] = field(default_factory=list)
     custom_processors: list[CustomProcessorGroup] = field(default_factory=list)
 
+    #: What depends only on the requests (not on their progress), kept for the next step.
+    static: _Static | None = field(default=None, repr=False)
+
     @classmethod
     def build(
         cls,
@@ -109,56 +113,52 @@ class SamplingBatch:
         device: torch.device | str = "cpu",
         grammar_bitmask: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        previous: SamplingBatch | None = None,
     ) -> SamplingBatch:
         """Collect the requests' values into tensors on `device`.
 
         `grammar_bitmask` is `[B, ceil(vocab / 32)]` int32 in xgrammar's layout (all bits set on
         rows without a grammar). Unseeded rows draw their uniform from `generator` (or torch's
         default generator; a CPU generator); seeded rows from (seed, number of output tokens) alone, so they get
-        the same token whatever else is in the batch.
+        the same token whatever else is in the batch. `previous`: the last step's batch; when
+        it was built from the very same request objects in the same order (a decode step of
+        an unchanged batch), its per-request tensors are reused and only what depends on the
+        requests' progress (uniforms of seeded rows, penalties, bans) is built again.
         """
         device = torch.device(device)
+        static = previous.static if previous is not None else None
+        if static is None or not static.fits(requests, vocab_size, device):
+            static = _Static.build(requests, vocab_size, device)
         size = len(requests)
-        params = [r.params for r in requests]
-        greedy = [p.is_greedy for p in params]
-        temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-        top_ks = [0 if p.top_k < 0 or p.top_k >= vocab_size else p.top_k for p in params]
-        top_ps = [p.top_p for p in params]
-        min_ps = [p.min_p for p in params]
-        needs_filter = any(
-            not g and (k > 0 or tp < 1.0 or mp > 0.0)
-            for g, k, tp, mp in zip(greedy, top_ks, top_ps, min_ps, strict=True)
-        )
         uniforms = torch.rand(size, generator=generator)
-        for row, request in enumerate(requests):
-            seed = request.effective_seed
-            if seed is not None:
-                uniforms[row] = seeded_uniform(seed, len(request.output_ids))
-
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
+        for row, seed in static.seeded:
+            uniforms[row] = seeded_uniform(seed, len(requests[row].output_ids))
         batch = cls(
             size=size,
             vocab_size=vocab_size,
             device=device,
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy),
-            temperatures=floats(temperatures),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            top_ps=floats(top_ps),
-            min_ps=floats(min_ps),
-            needs_filter=needs_filter,
-            uniforms=uniforms.to(device=device, dtype=torch.float32),
+            greedy=static.greedy,
+            all_greedy=static.all_greedy,
+            temperatures=static.temperatures,
+            top_ks=static.top_ks,
+            top_ps=static.top_ps,
+            min_ps=static.min_ps,
+            needs_filter=static.needs_filter,
+            uniforms=uniforms if device.type == "cpu" else uniforms.to(device),
+            logit_bias=static.logit_bias,
+            allowed=static.allowed,
             grammar_bitmask=None if grammar_bitmask is None else grammar_bitmask.to(device),
-            return_logprob=any(r.return_logprob for r in requests),
-            logprob_rows=[r.return_logprob for r in requests],
-            top_logprobs_nums=[r.top_logprobs_num for r in requests],
-            token_ids_logprob=[r.token_ids_logprob for r in requests],
+            return_logprob=static.return_logprob,
+            logprob_rows=static.logprob_rows,
+            top_logprobs_nums=static.top_logprobs_nums,
+            token_ids_logprob=static.token_ids_logprob,
+            custom_processors=static.custom_processors,
+            static=static,
         )
-        batch._build_penalties(requests)
-        batch._build_masks(requests)
-        batch._build_custom(requests)
+        if static.penalised:
+            batch._build_penalties(requests)
+        if static.may_ban or static.may_force:
+            batch._build_bans(requests)
         return batch
 
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
@@ -203,16 +203,10 @@ class SamplingBatch:
                 [p.presence_penalty for p in params], dtype=torch.float32, device=self.device
             )
 
-    def _build_masks(self, requests: Sequence[SamplingRequest]) -> None:
+    def _build_bans(self, requests: Sequence[SamplingRequest]) -> None:
+        """The masks that change as requests progress: forced tokens, the stop and EOS ids
+        banned before `min_new_tokens`, bad words that the next token would complete."""
         vocab = self.vocab_size
-        bias_rows: list[int] = []
-        bias_cols: list[int] = []
-        bias_values: list[float] = []
-        ban_rows: list[int] = []
-        ban_cols: list[int] = []
-        allow_rows: list[int] = []
-        allow_cols: list[int] = []
-        restricted: list[int] = []
         forced = [
             (row, r.forced_token_id)
             for row, r in enumerate(requests)
@@ -221,13 +215,10 @@ class SamplingBatch:
         if forced:
             self.forced_rows = self._index([row for row, _ in forced])
             self.forced_ids = self._index([token for _, token in forced])
+        ban_rows: list[int] = []
+        ban_cols: list[int] = []
         for row, request in enumerate(requests):
             p = request.params
-            for token, bias in (p.logit_bias or {}).items():
-                if 0 <= int(token) < vocab:
-                    bias_rows.append(row)
-                    bias_cols.append(int(token))
-                    bias_values.append(float(bias))
             banned: set[int] = set()
             if len(request.output_ids) < p.min_new_tokens:
                 banned.update(p.stop_token_ids or ())
@@ -238,37 +229,141 @@ class SamplingBatch:
             banned = {t for t in banned if 0 <= t < vocab}
             ban_rows.extend([row] * len(banned))
             ban_cols.extend(banned)
-            if p.allowed_token_ids is not None:
-                restricted.append(row)
-                ids = [t for t in p.allowed_token_ids if 0 <= t < vocab]
-                allow_rows.extend([row] * len(ids))
-                allow_cols.extend(ids)
-        if bias_rows:
-            dense_bias = self._dense(torch.float32)
-            values = torch.tensor(bias_values, dtype=torch.float32, device=self.device)
-            dense_bias[self._index(bias_rows), self._index(bias_cols)] = values
-            self.logit_bias = dense_bias
         if ban_rows:
             mask = self._dense(torch.bool)
             mask[self._index(ban_rows), self._index(ban_cols)] = True
             self.banned = mask
-        if restricted:
-            allowed = self._dense(torch.bool)
-            unrestricted = sorted(set(range(self.size)) - set(restricted))
-            if unrestricted:
-                allowed[self._index(unrestricted)] = True
-            allowed[self._index(allow_rows), self._index(allow_cols)] = True
-            self.allowed = allowed
 
-    def _build_custom(self, requests: Sequence[SamplingRequest]) -> None:
+
+@dataclass
+class _Static:
+    """The part of a SamplingBatch that depends only on its requests' settings, built once
+    for a run of steps over the same request objects."""
+
+    requests: tuple[SamplingRequest, ...]
+    vocab_size: int
+    device: torch.device
+    greedy: torch.Tensor
+    all_greedy: bool
+    temperatures: torch.Tensor
+    top_ks: torch.Tensor
+    top_ps: torch.Tensor
+    min_ps: torch.Tensor
+    needs_filter: bool
+    seeded: list[tuple[int, int]]  # (row, seed) of the rows with a seed
+    penalised: bool  # some row has a repetition, frequency or presence penalty
+    may_ban: bool  # some row has min_new_tokens or bad words
+    may_force: bool  # some row has a forced token
+    logit_bias: torch.Tensor | None
+    allowed: torch.Tensor | None
+    return_logprob: bool
+    logprob_rows: list[bool]
+    top_logprobs_nums: list[int]
+    token_ids_logprob: list[Sequence[int] | None]
+    custom_processors: list[CustomProcessorGroup]
+
+    def fits(
+        self, requests: Sequence[SamplingRequest], vocab_size: int, device: torch.device
+    ) -> bool:
+        """Whether these are the same request objects, in the same order, for the same vocab."""
+        mine = self.requests
+        return (
+            len(mine) == len(requests)
+            and vocab_size == self.vocab_size
+            and device == self.device
+            and all(a is b for a, b in zip(mine, requests, strict=True))
+        )
+
+    @classmethod
+    def build(
+        cls, requests: Sequence[SamplingRequest], vocab_size: int, device: torch.device
+    ) -> _Static:
+        params = [r.params for r in requests]
+        greedy = [p.is_greedy for p in params]
+        temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        top_ks = [0 if p.top_k < 0 or p.top_k >= vocab_size else p.top_k for p in params]
+        top_ps = [p.top_p for p in params]
+        min_ps = [p.min_p for p in params]
+        needs_filter = any(
+            not g and (k > 0 or tp < 1.0 or mp > 0.0)
+            for g, k, tp, mp in zip(greedy, top_ks, top_ps, min_ps, strict=True)
+        )
+        seeded = [
+            (row, seed) for row, r in enumerate(requests) if (seed := r.effective_seed) is not None
+        ]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        bias_rows: list[int] = []
+        bias_cols: list[int] = []
+        bias_values: list[float] = []
+        allow_rows: list[int] = []
+        allow_cols: list[int] = []
+        restricted: list[int] = []
         groups: dict[str, CustomProcessorGroup] = {}
         for row, request in enumerate(requests):
+            p = request.params
+            for token, bias in (p.logit_bias or {}).items():
+                if 0 <= int(token) < vocab_size:
+                    bias_rows.append(row)
+                    bias_cols.append(int(token))
+                    bias_values.append(float(bias))
+            if p.allowed_token_ids is not None:
+                restricted.append(row)
+                ids = [t for t in p.allowed_token_ids if 0 <= t < vocab_size]
+                allow_rows.extend([row] * len(ids))
+                allow_cols.extend(ids)
             name = request.custom_logit_processor
             if name:
                 group = groups.setdefault(name, CustomProcessorGroup(name, [], []))
                 group.rows.append(row)
-                group.params.append(request.params.processor_params)
-        self.custom_processors = list(groups.values())
+                group.params.append(p.processor_params)
+        size = len(requests)
+        logit_bias = allowed = None
+        if bias_rows:
+            logit_bias = torch.zeros(size, vocab_size, dtype=torch.float32, device=device)
+            logit_bias[index(bias_rows), index(bias_cols)] = floats(bias_values)
+        if restricted:
+            allowed = torch.zeros(size, vocab_size, dtype=torch.bool, device=device)
+            unrestricted = sorted(set(range(size)) - set(restricted))
+            if unrestricted:
+                allowed[index(unrestricted)] = True
+            allowed[index(allow_rows), index(allow_cols)] = True
+        return cls(
+            requests=tuple(requests),
+            vocab_size=vocab_size,
+            device=device,
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            temperatures=floats(temperatures),
+            top_ks=index(top_ks),
+            top_ps=floats(top_ps),
+            min_ps=floats(min_ps),
+            needs_filter=needs_filter,
+            seeded=seeded,
+            penalised=any(
+                p.repetition_penalty != 1.0
+                or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0
+                for p in params
+            ),
+            may_ban=any(
+                p.min_new_tokens > 0 or r.bad_words_ids
+                for p, r in zip(params, requests, strict=True)
+            ),
+            may_force=any(r.forced_token_id is not None for r in requests),
+            logit_bias=logit_bias,
+            allowed=allowed,
+            return_logprob=any(r.return_logprob for r in requests),
+            logprob_rows=[r.return_logprob for r in requests],
+            top_logprobs_nums=[r.top_logprobs_num for r in requests],
+            token_ids_logprob=[r.token_ids_logprob for r in requests],
+            custom_processors=list(groups.values()),
+        )
 
 
 def _bad_word_completions(request: SamplingRequest) -> set[int]:

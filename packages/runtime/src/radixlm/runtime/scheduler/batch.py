@@ -9,7 +9,8 @@ from radixlm.runtime.scheduler.request import Req
 from radixlm.sampling import FinishReason
 
 
-@dataclass(frozen=True)
+# Built per request each step: slots, not frozen (see forward_batch.BatchEntry).
+@dataclass(slots=True)
 class StepEntry:
     """One request's part of a step.
 

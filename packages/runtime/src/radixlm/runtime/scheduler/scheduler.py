@@ -336,8 +336,8 @@ class Scheduler:
         if not decoding:
             return []
         while True:
-            need = sum(self._tokens_to_alloc(r, r.pending) for r in decoding)
-            if self._make_room(need):
+            fresh = [self._tokens_to_alloc(r, r.pending) for r in decoding]
+            if self._make_room(sum(fresh)):
                 break
             oldest = min(decoding, key=_arrival)
             victims = [r for r in self.running if r is not oldest]
@@ -348,11 +348,18 @@ class Scheduler:
             retracted.append(self._retract(victim))
             if victim in decoding:
                 decoding.remove(victim)
+        # One allocation for all of them (room was made), shared out in order.
+        got = self.pool.alloc_pages(sum(fresh) // self.page)
+        assert got is not None, "room was made for every decode"
         entries = []
-        for req in decoding:
+        at = 0
+        for req, count in zip(decoding, fresh, strict=True):
             start = req.kv_len
-            slots = self._alloc(req, req.pending)
-            assert slots is not None, "room was made for every decode"
+            pending = req.pending
+            pool = req.spare_slots + got[at : at + count] if count else req.spare_slots
+            at += count
+            slots, req.spare_slots = pool[:pending], pool[pending:]
+            req.kv_slots.extend(slots)
             entries.append(self._entry(req, start, slots, is_prefill=False))
         return entries
 
