@@ -192,8 +192,11 @@ class ModelRunner:
             batch.input_embeds,
             batch.input_embeds_rows,
         )
-        last = torch.cumsum(batch.extend_lens, 0) - 1
-        logits = self.model.compute_logits(hidden.index_select(0, last))
+        if batch.num_tokens == batch.batch_size:  # one token per request: every row is last
+            logits = self.model.compute_logits(hidden)
+        else:
+            last = torch.cumsum(batch.extend_lens, 0) - 1
+            logits = self.model.compute_logits(hidden.index_select(0, last))
         input_logprobs = self._input_logprobs(hidden, batch) if batch.input_logprobs else None
         hidden_states = self._hidden_states(hidden, batch) if batch.hidden_state_requests else None
         return LogitsOutput(logits, input_logprobs, hidden_states)

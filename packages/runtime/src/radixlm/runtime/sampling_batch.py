@@ -130,9 +130,14 @@ class SamplingBatch:
         if static is None or not static.fits(requests, vocab_size, device):
             static = _Static.build(requests, vocab_size, device)
         size = len(requests)
-        uniforms = torch.rand(size, generator=generator)
-        for row, seed in static.seeded:
-            uniforms[row] = seeded_uniform(seed, len(requests[row].output_ids))
+        if static.all_greedy:
+            uniforms = static.no_draws  # an all-greedy batch draws nothing
+        else:
+            uniforms = torch.rand(size, generator=generator)
+            if static.seeded:
+                rows = [row for row, _ in static.seeded]
+                values = [seeded_uniform(s, len(requests[r].output_ids)) for r, s in static.seeded]
+                uniforms[rows] = torch.tensor(values, dtype=torch.float32)
         batch = cls(
             size=size,
             vocab_size=vocab_size,
@@ -251,6 +256,7 @@ class _Static:
     min_ps: torch.Tensor
     needs_filter: bool
     seeded: list[tuple[int, int]]  # (row, seed) of the rows with a seed
+    no_draws: torch.Tensor  # [B] zeros: the uniforms of an all-greedy batch
     penalised: bool  # some row has a repetition, frequency or presence penalty
     may_ban: bool  # some row has min_new_tokens or bad words
     may_force: bool  # some row has a forced token
@@ -345,6 +351,7 @@ class _Static:
             min_ps=floats(min_ps),
             needs_filter=needs_filter,
             seeded=seeded,
+            no_draws=torch.zeros(size, dtype=torch.float32, device=device),
             penalised=any(
                 p.repetition_penalty != 1.0
                 or p.frequency_penalty != 0.0

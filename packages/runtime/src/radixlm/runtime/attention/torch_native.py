@@ -30,6 +30,9 @@ class _DecodeGroup:
     slots: torch.Tensor  # [G, L] slots of the whole context of each request (padded on CPU)
     length: int  # L
     lengths: torch.Tensor | None = None  # [G] each request's own length, when padded
+    #: Additive masks [G, 1, L] of the padding (and window) by (window, dtype): built by the
+    #: first layer that needs one, reused by the others (None: nothing to mask).
+    biases: dict[tuple[int | None, torch.dtype], torch.Tensor | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -179,14 +182,11 @@ class TorchNativeBackend:
         keys = k_pool.index_select(0, flat).to(compute).view(count, width, kv_heads, head_dim)
         values = v_pool.index_select(0, flat).to(compute).view(count, width, kv_heads, head_dim)
         queries = q.index_select(0, group.tokens).to(compute).view(count, kv_heads, per_kv, -1)
-        positions = torch.arange(width)[None, :]
-        valid = positions < group.lengths[:, None]
-        if layer.sliding_window is not None:
-            valid &= positions >= group.lengths[:, None] - layer.sliding_window
-        bias = None
-        if not bool(valid.all()):
-            bias = torch.zeros(valid.shape, dtype=compute).masked_fill_(~valid, float("-inf"))
-            bias = bias[:, None, :]
+        key = (layer.sliding_window, compute)
+        if key in group.biases:
+            bias = group.biases[key]
+        else:
+            bias = group.biases[key] = _padding_bias(group, layer.sliding_window, compute)
         result = torch.empty(count, kv_heads, per_kv, head_dim, dtype=compute)
         for head in range(kv_heads):
             scores = torch.bmm(queries[:, head], keys[:, :, head].transpose(1, 2))
@@ -195,6 +195,21 @@ class TorchNativeBackend:
                 scores.add_(bias)
             result[:, head] = torch.bmm(torch.softmax(scores, dim=-1), values[:, :, head])
         out.index_copy_(0, group.tokens, result.view(count, layer.num_heads, head_dim))
+
+
+def _padding_bias(
+    group: _DecodeGroup, window: int | None, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """[G, 1, L]: -inf on a padded group's padding (and keys outside the window), else 0;
+    None when every key counts."""
+    assert group.lengths is not None
+    positions = torch.arange(group.slots.shape[1])[None, :]
+    valid = positions < group.lengths[:, None]
+    if window is not None:
+        valid &= positions >= group.lengths[:, None] - window
+    if bool(valid.all()):
+        return None
+    return torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))[:, None, :]
 
 
 # A padded CPU decode group holds at most this many key positions per real one.
