@@ -353,9 +353,33 @@ class Scheduler:
         assert got is not None, "room was made for every decode"
         entries = []
         at = 0
+        lora = self.adapters is not None
         for req, count in zip(decoding, fresh, strict=True):
-            start = req.kv_len
+            start = len(req.kv_slots)
             pending = req.pending
+            if pending == 1 and count == 1 and not req.spare_slots:
+                # The common decode: one fresh slot for the last token.
+                slots = [got[at]]
+                req.kv_slots.append(got[at])
+                at += 1
+                row_write = None
+                if req.row_synced < start:
+                    row_write = (req.row_synced, req.kv_slots[req.row_synced : start])
+                assert req.row is not None
+                entries.append(
+                    StepEntry(
+                        req,
+                        [req.output_ids[-1]] if req.output_ids else req.tokens(start, start + 1),
+                        start,
+                        slots,
+                        req.row,
+                        row_write,
+                        True,
+                        False,
+                        lora_slot=self._lora_slot(req) if lora else -1,
+                    )
+                )
+                continue
             pool = req.spare_slots + got[at : at + count] if count else req.spare_slots
             at += count
             slots, req.spare_slots = pool[:pending], pool[pending:]
