@@ -435,6 +435,17 @@ def test_check_invariants_detects_drifted_sizes() -> None:
         cache.check_invariants()
 
 
+def test_check_invariants_detects_a_node_that_misplaces_its_end() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3], [0, 1, 2])
+    cache.insert([1, 2, 9], [3, 4, 5])  # splits [1 2 3] after two tokens
+    cache.check_invariants()
+    lower = cache.match_prefix([1, 2, 3]).node
+    lower.end += 1
+    with pytest.raises(AssertionError, match="ends at token 4, not 3"):
+        cache.check_invariants()
+
+
 def test_format_tree_shows_edges_locks_and_namespaces() -> None:
     cache = RadixCache()
     cache.insert(list(range(20)), slots(0, 20))

@@ -28,7 +28,7 @@ def _walk(root: RadixNode) -> list[RadixNode]:
 def check_tree(cache: RadixCache) -> None:
     root = cache._root
     page = cache._page
-    if root.key or root.value or root.parent is not None or root.lock_ref != 0:
+    if root.key or root.value or root.parent is not None or root.lock_ref or root.end:
         _fail("the root must be empty, parentless and unlocked")
     nodes = _walk(root)
     evictable = protected = 0
@@ -51,6 +51,9 @@ def check_tree(cache: RadixCache) -> None:
         size = len(node.value)
         if size == 0 or size % page or len(node.key) != 8 * size:
             _fail(f"{node!r} holds {len(node.key)} key bytes and {size} slots (page {page})")
+        start = node.parent.end if node.parent is not None else 0
+        if node.end != start + size:
+            _fail(f"{node!r} ends at token {node.end}, not {start + size}")
         if node.lock_ref < 0:
             _fail(f"{node!r} has a negative lock count")
         if node.lock_ref < below:

@@ -122,7 +122,7 @@ class RadixCache:
         self._reset_state()
 
     def _reset_state(self) -> None:
-        self._root = RadixNode(None, b"", [], None, None, self._clock)
+        self._root = RadixNode(None, b"", [], None, None, self._clock, 0)
         self._evictable = 0
         self._protected = 0
         self._nodes = 0  # non-root nodes
@@ -246,39 +246,52 @@ class RadixCache:
         """
         page = self._page
         # Walk by first tokens (first pages) alone, then check the edges on the way with one
-        # comparison: one memcmp per lookup instead of a slice and a compare per edge.
+        # comparison: one memcmp per lookup instead of a slice and a compare per edge. One
+        # loop per child-key kind, so that the loop itself tests nothing but the walk.
         path: list[RadixNode] = []
-        inside: list[bytes] = []  # the keys of the edges that end inside key[:n]
-        first = key[0] if page == 1 and extra_key is None else child_key(key, 0, page, extra_key)
-        child = self._root.children.get(first)
         end = 0
-        while child is not None:
-            path.append(child)
-            end += len(child.value)
-            if end >= n:
-                break
-            inside.append(child.key)
-            child = child.children.get(key[end] if page == 1 else tuple(key[end : end + page]))
+        if page == 1:
+            first = key[0] if extra_key is None else child_key(key, 0, 1, extra_key)
+            child = self._root.children.get(first)
+            while child is not None:
+                path.append(child)
+                end = child.end
+                if end >= n:
+                    break
+                child = child.children.get(key[end])
+        else:
+            child = self._root.children.get(child_key(key, 0, page, extra_key))
+            while child is not None:
+                path.append(child)
+                end = child.end
+                if end >= n:
+                    break
+                child = child.children.get(tuple(key[end : end + page]))
         if not path:
             return path, 0, packed
-        if len(packed) < 8 * min(end, n):
-            packed = pack_prefix(key, min(end, n))  # only as far as the tree can match
-        last = path[-1]
-        start = end - len(last.value)
-        if packed.startswith(b"".join(inside)):
-            if len(inside) == len(path) or (end == n and packed[8 * start : 8 * end] == last.key):
+        if end <= n:
+            if len(packed) < 8 * end:
+                packed = pack_prefix(key, end)  # only as far as the tree can match
+            if packed.startswith(b"".join([node.key for node in path])):
                 return path, end, packed
+            i = 0  # an edge differs: the prefix ends inside the first one that does
         else:
-            # An edge differs: the prefix ends inside the first one that does.
-            i = start = 0
-            while packed[8 * start : 8 * start + len(path[i].key)] == path[i].key:
-                start += len(path[i].value)
+            # The last edge reaches past `n`: check the others whole, then how far it matches.
+            if len(packed) < 8 * n:
+                packed = pack_prefix(key, n)
+            i = len(path) - 1
+            if i and not packed.startswith(b"".join([node.key for node in path[:i]])):
+                i = 0
+        if i < len(path) - 1:
+            # Each edge's key starts at byte 8 * end - len(key) of the packed key.
+            while packed.startswith(path[i].key, 8 * path[i].end - len(path[i].key)):
                 i += 1
-            del path[i + 1 :]
-            last = path[i]
-        size = min(start + len(last.value), n) - start
-        same = common_prefix_length(packed, start, last.key, size)
-        # The edge was found by its first page, so at least one page is shared.
+        last = path[i]
+        del path[i + 1 :]
+        start = last.end - len(last.value)
+        same = common_prefix_length(packed, start, last.key, min(last.end, n) - start)
+        # The edge was found by its first page, so at least one page is shared; it differs
+        # (or reaches past `n`) before its end, so the split is strictly inside it.
         path[-1] = self._split(last, same - same % page)
         return path, start + same - same % page, packed
 
@@ -343,7 +356,7 @@ class RadixCache:
         else:
             ckey = tokens[length] if page == 1 else tuple(tokens[length : length + page])
         value = indices[length:n]
-        leaf = RadixNode(node, packed[8 * length : 8 * n], value, ckey, extra_key, tick)
+        leaf = RadixNode(node, packed[8 * length : 8 * n], value, ckey, extra_key, tick, n)
         node.children[ckey] = leaf
         self._nodes += 1
         self._evictable += n - length
@@ -360,7 +373,10 @@ class RadixCache:
         parent = child.parent
         assert parent is not None and 0 < at < len(child.value)
         cut = 8 * at
-        upper = RadixNode(parent, child.key[:cut], child.value[:at], child.ckey, child.namespace, 0)
+        end = child.end - len(child.value) + at
+        upper = RadixNode(
+            parent, child.key[:cut], child.value[:at], child.ckey, child.namespace, 0, end
+        )
         upper.tick = child.tick
         upper.hits = child.hits
         upper.lock_ref = child.lock_ref
