@@ -17,6 +17,7 @@ included; in process mode that runs in the front process). Modes: `plain` (block
     .venv/bin/python tools/bench/step_overhead.py                 # ~1 min on 2 cores
     .venv/bin/python tools/bench/step_overhead.py --quick         # a few seconds
     .venv/bin/python tools/bench/step_overhead.py --batch-sizes 1,64 --modes plain --json out.json
+    .venv/bin/python tools/bench/step_overhead.py --clock thread   # CPU time: steadier when shared
 """
 
 from __future__ import annotations
@@ -71,9 +72,12 @@ class StepClock:
     last: StepTime | None = None  # the step whose outputs the next emit delivers
 
 
-def install(core: Any) -> StepClock:
+def install(core: Any, now: Callable[[], float] = time.perf_counter) -> StepClock:
     """Wrap `core.step`, its runner's `forward` and `sample` and its executor's `run` on these
-    instances (run on the engine thread, between steps); the clock they write to."""
+    instances (run on the engine thread, between steps); the clock they write to. `now`:
+    wall time, or `time.thread_time` (the engine thread's CPU time: the time outside the
+    forward is that thread's alone, and the other load of a shared machine inflates it far
+    less; the forward's figure then leaves out torch's other threads)."""
     import torch
 
     clock = StepClock()
@@ -87,13 +91,13 @@ def install(core: Any) -> StepClock:
 
     def timed(method: Callable[..., Any], slot: str) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = now()
             try:
                 out = method(*args, **kwargs)
                 sync()  # on CUDA the forward returns before the device has finished
                 return out
             finally:
-                setattr(clock, slot, getattr(clock, slot) + time.perf_counter() - start)
+                setattr(clock, slot, getattr(clock, slot) + now() - start)
 
         return wrapper
 
@@ -105,9 +109,9 @@ def install(core: Any) -> StepClock:
     def timed_step() -> None:
         clock.forward_s = clock.sample_s = 0.0
         clock.entries = clock.tokens = 0
-        start = time.perf_counter()
+        start = now()
         step()
-        total = time.perf_counter() - start
+        total = now() - start
         clock.last = None
         if clock.entries:
             clock.last = StepTime(
@@ -116,12 +120,12 @@ def install(core: Any) -> StepClock:
             clock.steps.append(clock.last)
 
     def timed_emit(outputs: Any) -> Any:
-        start = time.perf_counter()
+        start = now()
         try:
             return emit(outputs)
         finally:
             if clock.last is not None:
-                clock.last.emit_s += time.perf_counter() - start
+                clock.last.emit_s += now() - start
 
     runner.forward = timed(forward, "forward_s")
     runner.sample = timed(sample, "sample_s")
@@ -260,6 +264,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-path", help="a model directory (default: the tiny model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="wall time, or the engine thread's CPU time (steadier on a shared machine)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     args.batch_sizes = args.batch_sizes or ("1,8" if quick else "1,8,32,64")
@@ -284,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     rows: list[dict[str, Any]] = []
     try:
-        clock = engine.run_in_loop(install)
+        now = time.thread_time if args.clock == "thread" else time.perf_counter
+        clock = engine.run_in_loop(lambda core: install(core, now))
         # Untimed: the first steps pay for lazy set-up (allocations, grammar compilation).
         for mode in modes:
             measure(engine, clock, 2, mode, 8, args.prompt_len, args.seed)
