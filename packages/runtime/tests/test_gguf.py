@@ -85,14 +85,18 @@ def test_gguf_4bit_weights_stay_int4_and_match_the_dequantized_model(
         runner_config_for(str(tiny_ggufs[name]), quantization="none", dtype="float32")
     )
     packed = ModelRunner(runner_config_for(str(tiny_ggufs[name]), dtype="float32"))
-    layers = [m for m in packed.model.modules() if isinstance(m, QuantizedLinear)]
+    head = packed.model.quantized_head
+    assert head is not None and head.qweight.dtype == torch.int8  # as llama.cpp's output
+    layers = [
+        m for m in packed.model.modules() if isinstance(m, QuantizedLinear) and m is not head
+    ]
     assert layers and all(m.qweight.dtype == torch.uint8 and m.qweight.numel() for m in layers)
     assert all(m.group_size == 32 for m in layers)
     # Every int4 layer holds exactly the file's values (the kernels then multiply them with
     # bfloat16 activations on CPU).
     exact_weights = dict(exact.model.named_modules())
     for path, layer in packed.model.named_modules():
-        if isinstance(layer, QuantizedLinear):
+        if isinstance(layer, QuantizedLinear) and layer is not head:
             values = kernels.dequantize_int4(
                 layer.qweight, layer.scales, layer.zeros, layer.group_size
             )
@@ -109,7 +113,10 @@ def test_q8_0_and_float_tensors_are_dequantized(
     tiny_ggufs: dict[str, Path], runner_config_for: Any
 ) -> None:
     runner = ModelRunner(runner_config_for(str(tiny_ggufs["llama-Q8_0"])))
-    layers = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
+    head = runner.model.quantized_head
+    layers = [
+        m for m in runner.model.modules() if isinstance(m, QuantizedLinear) and m is not head
+    ]
     assert layers and all(m.qweight.numel() == 0 for m in layers)  # float copies run
 
 

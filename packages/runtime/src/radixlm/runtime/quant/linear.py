@@ -333,15 +333,22 @@ def finalize_quantized(model: nn.Module) -> int:
 @torch.no_grad()
 def quantize_lm_head(model: nn.Module, quant: QuantConfig, dtype: torch.dtype) -> bool:
     """Give `model` an int8 copy of its LM head when its layers were quantized at load time
-    to int8, w8a8_int8 or int4 (as llama.cpp's 8- and 4-bit files quantize their output
-    matrix): on a CPU the head of a small model with a large vocabulary is a quarter of the
-    bytes each decode step reads. The head is int8 per vocabulary row; w8a8_int8 also
-    quantizes its input. fp8 and checkpoint quantizations keep the head as it is. Returns
-    whether the head was quantized. The embedding lookup keeps the full-precision matrix."""
-    if quant.source != "load_time" or quant.format == "fp8" or model.quantized_head is not None:
+    to int8, w8a8_int8 or int4, or come 4-bit from a GGUF file (as llama.cpp's 8- and 4-bit
+    files quantize their output matrix; a GGUF file's own is itself Q8_0 or Q6_K): on a CPU
+    the head of a small model with a large vocabulary is a quarter of the bytes each decode
+    step reads (SmolLM2-135M's tied 49,152 x 576 head: 113 MB in float32, more than its 4-bit
+    body). The head is int8 per vocabulary row; w8a8_int8 also quantizes its input. fp8 and
+    GPTQ/AWQ checkpoints keep the head as it is. Returns whether the head was quantized. The
+    embedding lookup keeps the full-precision matrix."""
+    if quant.source not in ("load_time", "gguf") or quant.format == "fp8":
+        return False
+    if model.quantized_head is not None:
         return False
     weight = model.lm_head_weight
-    head_quant = dataclasses.replace(quant, format="int8")
+    if quant.source == "gguf":
+        head_quant = QuantConfig(method="int8", format="int8", source="load_time")
+    else:
+        head_quant = dataclasses.replace(quant, format="int8")
     with weight.device:
         head = QuantizedLinear(weight.shape[1], {"out": weight.shape[0]}, False, head_quant, dtype)
     assert head.weight is not None
