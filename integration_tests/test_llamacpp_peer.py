@@ -1,8 +1,10 @@
 """llama.cpp as a benchmark peer and the machine-limit probe, without building llama.cpp: the
 GGUF pre-tokenizer mapping and the converter patch (on a stand-in converter), the GGUF cache
-key, the server's command line, the limit arithmetic, and the benchmarks' new arguments. The
-round trip through a real llama.cpp runs only where tools/bench/_llamacpp.py has built it
-(never in CI, which must not build it)."""
+key, the command lines of both servers (`llama_cpp.server`, the C++ `llama-server`), the
+request bodies and concurrency cap of engine_bench's HTTP systems, quant_decode_bench's decode
+rate, the limit arithmetic, and the benchmarks' new arguments. The round trips through a real
+llama.cpp run only where tools/bench/_llamacpp.py has built it (never in CI, which must not
+build it)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,11 @@ import json
 import math
 import sys
 import textwrap
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -172,6 +177,30 @@ def test_the_server_runs_with_the_threads_and_without_interrupting(
     assert cmd[-2:] == ["--flash_attn", "True"]
 
 
+def test_llama_server_batches_over_slots_that_split_the_context(
+    llamacpp: Any, tmp_path: Path
+) -> None:
+    options = llamacpp.LlamaServerOptions(threads=1, parallel=8, slot_ctx=2048, extra=("-fa", "on"))
+    cmd = llamacpp.llama_server_command(tmp_path / "m.gguf", 8123, "model", options, tmp_path)
+    assert cmd[0] == str(llamacpp.llama_server_binary(tmp_path))
+    assert "--cont-batching" in cmd
+    named = [i for i, arg in enumerate(cmd) if arg.startswith("-")]
+    pairs = {cmd[i]: cmd[i + 1] for i in named if i + 1 not in named and i + 1 < len(cmd)}
+    assert pairs["--model"] == str(tmp_path / "m.gguf") and pairs["--alias"] == "model"
+    assert pairs["--threads"] == pairs["--threads-batch"] == "1"
+    assert pairs["--parallel"] == "8" and pairs["--ctx-size"] == str(8 * 2048)
+    assert pairs["--cache-reuse"] == "256"
+    assert (pairs["--host"], pairs["--port"]) == ("127.0.0.1", "8123")
+    assert cmd[-2:] == ["-fa", "on"]
+
+
+def test_an_empty_cache_has_no_llama_server_to_start(llamacpp: Any, tmp_path: Path) -> None:
+    assert not llamacpp.is_server_built(tmp_path)
+    with pytest.raises(RuntimeError, match="install-server"):
+        llamacpp.start_llama_server(tmp_path / "m.gguf", 8123, tmp_path / "log",
+                                    cache_dir=tmp_path)  # fmt: skip
+
+
 # ------------------------------------------------------------------------- the limit
 
 
@@ -319,6 +348,102 @@ def test_llamacpp_bans_the_special_tokens_for_ignore_eos(engine_bench: Any, tmp_
     assert body["logit_bias"] == {"0": -1e9} and "ignore_eos" not in body
 
 
+def test_engine_bench_offers_llama_server_against_radixlm_serve(engine_bench: Any) -> None:
+    assert engine_bench.HttpSystem.SERVERS["llama-server"] == "llama-server"
+    assert engine_bench.base_of("llama-server") == "radixlm-serve"
+    assert engine_bench.base_of("radixlm-nocache") == "radixlm"
+    assert "llama-server" in engine_bench.ORDER
+
+
+def test_llama_server_bans_the_special_tokens_and_caches_prompts(
+    engine_bench: Any, tmp_path: Path
+) -> None:
+    tokenizer = _id_tokenizer(tmp_path, 400)
+    system = engine_bench.HttpSystem("llama-server", "m", tokenizer, client=None)
+    call = engine_bench.Call(
+        [300, 301], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    )
+    body = system._body(call, 7)
+    assert body["logit_bias"] == {"0": -1e9} and body["cache_prompt"] is True
+    assert (body["max_tokens"], body["seed"], body["model"]) == (4, 7, "m")
+
+
+class _CountingClient:
+    """A stand-in httpx client whose completions (each `text`) take a moment; it records the
+    most requests that were in flight at once."""
+
+    def __init__(self, text: str = "") -> None:
+        self.text = text
+        self.lock = threading.Lock()
+        self.in_flight = self.most = 0
+
+    def post(self, path: str, json: dict[str, Any]) -> Any:
+        with self.lock:
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+        time.sleep(0.02)
+        with self.lock:
+            self.in_flight -= 1
+        return _Reply({"choices": [{"text": self.text}], "usage": self.USAGE})
+
+    USAGE: ClassVar[dict[str, Any]] = {
+        "prompt_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
+
+
+@dataclass
+class _Reply:
+    body: dict[str, Any]
+    status_code: int = 200
+
+    def json(self) -> dict[str, Any]:
+        return self.body
+
+
+def test_concurrency_caps_the_requests_in_flight(engine_bench: Any, tmp_path: Path) -> None:
+    tokenizer = _id_tokenizer(tmp_path, 400)
+    client = _CountingClient(tokenizer.decode([300]))
+    system = engine_bench.HttpSystem("llama-server", "m", tokenizer, client, concurrency=3)
+    calls = [engine_bench.Call([300], {"max_new_tokens": 1, "temperature": 0}) for _ in range(12)]
+    system.generate(calls)
+    assert client.most == 3
+    assert all(c.outputs == [[300]] for c in calls)
+    assert system.hit_rate() == 0.5  # llama-server's usage counts its cached prompt tokens
+
+
+def test_a_llamacpp_server_that_answered_is_started_afresh_for_the_next_workload(
+    engine_bench: Any, tmp_path: Path
+) -> None:
+    class Process:
+        def terminate(self) -> None:
+            self.ended = True
+
+        def wait(self, timeout: float) -> int:
+            return 0
+
+    first, second = Process(), Process()
+    tokenizer = _id_tokenizer(tmp_path, 400)
+    system = engine_bench.HttpSystem("llama-server", "m", tokenizer, _CountingClient(), first,
+                                     restart=lambda: second)  # fmt: skip
+    system.reset()
+    assert system.process is first  # not used yet: nothing to drop
+    system.generate([engine_bench.Call([300], {"max_new_tokens": 1, "temperature": 0})])
+    system.reset()
+    assert first.ended and system.process is second
+
+
+def test_the_decode_rate_cancels_prefill_and_http_time(monkeypatch: Any) -> None:
+    bench = _bench_module("quant_decode_bench")
+    # Every run: 0.5 s of prefill and HTTP, then 0.01 s per decode step for the whole batch.
+    monkeypatch.setattr(bench, "complete_all", lambda url, model, prompts, n: 0.5 + 0.01 * n)
+    args = bench.parse_args(["--short", "16", "--long", "144"])
+    assert args.batches == [1, 8]
+    assert bench.decode_rate("url", "m", 8, args) == pytest.approx(800)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--short", "16", "--long", "16"])
+
+
 def test_engine_bench_demand_replays_the_workloads_stages(engine_bench: Any) -> None:
     args = argparse.Namespace(shape="quick", quick=True, seed=0, scale=1.0)
     few_shot = engine_bench.workload_demand("few_shot", args)
@@ -357,3 +482,36 @@ def test_a_tiny_checkpoint_is_served_by_llamacpp_and_streams_text(
         server.stop()
     assert all(r.ok and r.text for r in results)
     assert all(r.prompt_tokens == 0 for r in results)  # no usage in llama.cpp's streams
+
+
+def _llama_server_built() -> bool:
+    llamacpp = _bench_module("_llamacpp")
+    return bool(llamacpp.is_installed() and llamacpp.is_server_built())
+
+
+@pytest.mark.skipif(
+    not _llama_server_built(),
+    reason="llama-server is not built here (tools/bench/_llamacpp.py install, install-server); "
+    "CI never builds it",
+)
+def test_a_tiny_checkpoint_is_served_by_llama_server_which_reuses_the_prompt(
+    llamacpp: Any, serve_bench: Any, tmp_path: Path
+) -> None:
+    import httpx
+
+    model = serve_bench.build_dummy_model("tiny", tmp_path / "model", "bfloat16")
+    gguf = llamacpp.convert(model, tmp_path / "tiny.gguf")
+    port = serve_bench._free_port()
+    options = llamacpp.LlamaServerOptions(threads=1, parallel=2, slot_ctx=512)
+    server = llamacpp.start_llama_server(gguf, port, tmp_path / "log", "tiny", options, 120)
+    body = {"model": "tiny", "prompt": "hello world " * 8, "max_tokens": 4, "temperature": 0,
+            "cache_prompt": True, "logit_bias": {}}  # fmt: skip
+    try:
+        first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    finally:
+        server.stop()
+    assert first["choices"][0]["text"] and first["usage"]["completion_tokens"] == 4
+    prompt = first["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 0 < again["usage"]["prompt_tokens_details"]["cached_tokens"] < prompt

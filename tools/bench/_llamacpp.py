@@ -1,17 +1,24 @@
 """llama.cpp as a benchmark peer: build llama-cpp-python once into a cache folder, convert a
-checkpoint to GGUF with the converter its sdist ships, quantize it, and serve it over HTTP.
+checkpoint to GGUF with the converter its sdist ships, quantize it, and serve it over HTTP,
+with the Python `llama_cpp.server` or with llama.cpp's own C++ `llama-server`.
 
-    .venv/bin/python tools/bench/_llamacpp.py install      # the one-off build (8-10 min, 2 cores)
+    .venv/bin/python tools/bench/_llamacpp.py install         # the one-off build (8-10 min, 2 cores)
+    .venv/bin/python tools/bench/_llamacpp.py install-server  # then llama-server (~19 min)
 
 The build is a venv of its own under tools/bench/.cache/llamacpp/ (git-ignored) holding
 llama-cpp-python[server] at VERSION, compiled for this CPU (`-march=native`), beside the
 unpacked sdist. The converter runs in the calling interpreter (it needs torch, which the venv
-does not have) with the sdist's own gguf-py.
+does not have) with the sdist's own gguf-py. `llama-server` is compiled with cmake from the
+sdist's vendored llama.cpp into server-build/ there, offline.
 
-Facts about the peer that shape how it is measured: `llama_cpp.server` runs one request at a
-time (a lock around the one model; concurrent requests wait their turn), reuses the KV of the
+Facts about the peers that shape how they are measured: `llama_cpp.server` runs one request at
+a time (a lock around the one model; concurrent requests wait their turn), reuses the KV of the
 previous prompt's longest common prefix, must be started with `--interrupt_requests False`
 (otherwise a waiting request cuts the streaming one off), and sends no `usage` in streams.
+`llama-server` decodes its `--parallel` slots together (continuous batching), caches each
+slot's prompt (a request goes to the slot whose prompt it shares most with, else idle slots'
+prompts are kept in RAM, `--cache-ram`), and counts the reused prompt tokens in its usage
+(`prompt_tokens_details.cached_tokens`); no endpoint empties those caches.
 """
 
 from __future__ import annotations
@@ -53,6 +60,16 @@ _QWEN2_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _PRE_BY_SPLIT = {_GPT2_SPLIT: "gpt-2", _QWEN2_SPLIT: "qwen2"}
+
+# The C++ server alone, built from the sdist's vendored llama.cpp with nothing downloaded: no
+# web UI (its prebuilt assets would come from a Hugging Face bucket), no HTTPS, and one static
+# binary so it runs from its build folder.
+_SERVER_CMAKE_ARGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_COMMON=ON",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
+)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------- build
@@ -132,6 +149,56 @@ def ensure_installed(cache_dir: Path = DEFAULT_CACHE, jobs: int | None = None) -
         log.write(f"built in {seconds:.0f} s\n")
     (cache_dir / "installed").write_text(f"{VERSION} built in {seconds:.0f} s\n")
     return python
+
+
+def server_build_dir(cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """The cmake build folder of the C++ `llama-server`."""
+    return cache_dir / "server-build"
+
+
+def llama_server_binary(cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Where the built `llama-server` executable is (it may not be built yet)."""
+    return server_build_dir(cache_dir) / "bin" / "llama-server"
+
+
+def is_server_built(cache_dir: Path = DEFAULT_CACHE) -> bool:
+    """Whether a finished `llama-server` build of VERSION is in `cache_dir` (looks only)."""
+    stamp = server_build_dir(cache_dir) / "installed"
+    return (
+        stamp.exists()
+        and stamp.read_text().split()[:1] == [VERSION]
+        and llama_server_binary(cache_dir).exists()
+    )
+
+
+def ensure_llama_server(cache_dir: Path = DEFAULT_CACHE, jobs: int | None = None) -> Path:
+    """The `llama-server` executable, compiled first from the sdist's vendored llama.cpp (for
+    this CPU, Release) when no finished build of VERSION is in `cache_dir/server-build`.
+
+    Needs the unpacked sdist (`ensure_installed` makes it) and cmake; downloads nothing. Only
+    the `llama-server` target is built, with `jobs` compile jobs (default: the CPU count):
+    about 19 minutes on 2 busy cores; the log is `server-build/build.log`. A failed build raises
+    RuntimeError naming the log and leaves no stamp, so the next call tries again.
+    """
+    if is_server_built(cache_dir):
+        return llama_server_binary(cache_dir)
+    source = sdist_dir(cache_dir) / "vendor" / "llama.cpp"
+    if not (source / "CMakeLists.txt").exists():
+        ensure_installed(cache_dir)
+    build = server_build_dir(cache_dir)
+    build.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with (build / "build.log").open("w") as log:
+        _run(["cmake", "-S", str(source), "-B", str(build), *_SERVER_CMAKE_ARGS], log)
+        _run(
+            ["cmake", "--build", str(build), "--config", "Release", "--target", "llama-server",
+             "-j", str(jobs or os.cpu_count() or 2)],
+            log,
+        )  # fmt: skip
+        seconds = time.monotonic() - started
+        log.write(f"built in {seconds:.0f} s\n")
+    (build / "installed").write_text(f"{VERSION} built in {seconds:.0f} s\n")
+    return llama_server_binary(cache_dir)
 
 
 def _install_converter_deps(cache_dir: Path, log: IO[str]) -> None:
@@ -324,9 +391,46 @@ def server_command(
     ]  # fmt: skip
 
 
+@dataclass(frozen=True)
+class LlamaServerOptions:
+    """How the C++ `llama-server` is started: compute threads (prompt and decode alike), its
+    slots (requests decoded together by continuous batching), each slot's context, the
+    smallest chunk of a cached prompt it shifts into place to reuse (`--cache-reuse`), and
+    any further arguments of its own."""
+
+    threads: int = 1
+    parallel: int = 8
+    slot_ctx: int = 4096
+    cache_reuse: int = 256
+    extra: tuple[str, ...] = ()
+
+
+def llama_server_command(
+    gguf: Path, port: int, alias: str, options: LlamaServerOptions, cache_dir: Path = DEFAULT_CACHE
+) -> list[str]:
+    """The command line of a `llama-server` serving `gguf` as model `alias` on `port`.
+
+    The slots split the context (`--ctx-size` is parallel x slot_ctx; the KV is not unified
+    when --parallel is given); prompts are cached per slot, and a request goes to the slot
+    whose cached prompt it shares most with.
+    """
+    threads = str(options.threads) if options.threads > 0 else str(os.cpu_count() or 1)
+    return [
+        str(llama_server_binary(cache_dir)),
+        "--model", str(gguf), "--alias", alias,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--threads", threads, "--threads-batch", threads,
+        "--parallel", str(options.parallel), "--cont-batching",
+        "--ctx-size", str(options.parallel * options.slot_ctx),
+        "--cache-reuse", str(options.cache_reuse),
+        *options.extra,
+    ]  # fmt: skip
+
+
 @dataclass
 class Server:
-    """A running `llama_cpp.server`: its process, base URL and log file."""
+    """A running llama.cpp server (`llama_cpp.server` or `llama-server`): its process, base
+    URL and log file."""
 
     process: subprocess.Popen[bytes]
     url: str
@@ -353,10 +457,36 @@ def start_server(
 ) -> Server:
     """A `llama_cpp.server` on `gguf`, ready (its /v1/models answers); RuntimeError with the
     log's tail if it exits or is not ready within `timeout` seconds (the process is ended)."""
-    import httpx
-
     cmd = server_command(gguf, port, alias, options, cache_dir)
     threads = cmd[cmd.index("--n_threads") + 1]
+    return _start("llama_cpp.server", cmd, port, log, threads, "/v1/models", timeout)
+
+
+def start_llama_server(
+    gguf: Path,
+    port: int,
+    log: Path,
+    alias: str = "default",
+    options: LlamaServerOptions = LlamaServerOptions(),
+    timeout: float = 300,
+    cache_dir: Path = DEFAULT_CACHE,
+) -> Server:
+    """A `llama-server` (built by `ensure_llama_server`) on `gguf`, ready (its /health says
+    ok once the model is loaded); RuntimeError with the log's tail if it exits or is not
+    ready within `timeout` seconds (the process is ended)."""
+    if not llama_server_binary(cache_dir).exists():
+        raise RuntimeError(f"no llama-server in {cache_dir}; run `{__file__} install-server`")
+    cmd = llama_server_command(gguf, port, alias, options, cache_dir)
+    threads = cmd[cmd.index("--threads") + 1]
+    return _start("llama-server", cmd, port, log, threads, "/health", timeout)
+
+
+def _start(
+    name: str, cmd: list[str], port: int, log: Path, threads: str, ready_path: str, timeout: float
+) -> Server:
+    """Runs `cmd` (output to `log`) and waits until GET `ready_path` answers 200."""
+    import httpx
+
     env = {**os.environ, "OMP_NUM_THREADS": threads}
     print(f"+ {' '.join(cmd)}", flush=True)
     process = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
@@ -364,14 +494,14 @@ def start_server(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and process.poll() is None:
         try:
-            if httpx.get(f"{server.url}/v1/models", timeout=2).status_code == 200:
+            if httpx.get(f"{server.url}{ready_path}", timeout=2).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     server.stop()
     tail = log.read_text(errors="replace")[-2000:]
-    raise RuntimeError(f"llama_cpp.server did not start; its log ends with:\n{tail}")
+    raise RuntimeError(f"{name} did not start; its log ends with:\n{tail}")
 
 
 def prepare_gguf(
@@ -392,7 +522,11 @@ def _main(argv: list[str]) -> int:
         print(ensure_installed())
         print((DEFAULT_CACHE / "installed").read_text().strip())
         return 0
-    print(f"usage: {Path(__file__).name} install", file=sys.stderr)
+    if argv[:1] == ["install-server"]:
+        print(ensure_llama_server())
+        print((server_build_dir() / "installed").read_text().strip())
+        return 0
+    print(f"usage: {Path(__file__).name} install | install-server", file=sys.stderr)
     return 2
 
 

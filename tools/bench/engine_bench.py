@@ -24,6 +24,8 @@ For each: requests/s, output tokens/s, radixlm's prefix-cache hit rate beside th
     .venv/bin/python tools/bench/engine_bench.py --quick --json results/engine.json
     .venv/bin/python tools/bench/engine_bench.py --workloads llava_bench --quick  # images
     .venv/bin/python tools/bench/engine_bench.py --skip-in-process --http radixlm,transformers
+    .venv/bin/python tools/bench/engine_bench.py --skip-in-process --http radixlm,llama-server \\
+        --concurrency 8 --threads 1 --quick --workloads few_shot
 
 Systems: radixlm, radixlm-nocache (--skip-no-cache), radixlm-nojf: radixlm with jump-forward
 off (--skip-no-jump-forward; it differs from radixlm only on `json`), transformers
@@ -35,9 +37,11 @@ Over HTTP (--http radixlm,transformers): `radixlm serve` and `transformers serve
 --continuous-batching`, started one after the other on the same random weights saved to disk
 with a tokenizer that spells each token id as its own text, get each stage's calls at once
 through the OpenAI completions API (--skip-in-process leaves out the in-process systems;
---scale 0.25 sends a quarter of the requests, at least one of each kind). `--http llamacpp` adds
-llama.cpp's `llama_cpp.server` (built once by _llamacpp.py) on the same weights converted to
-GGUF (the dtype's GGUF type, or --llamacpp-quant), --threads compute threads.
+--scale 0.25 sends a quarter of the requests, at least one of each kind; --concurrency 8 keeps
+at most 8 in flight). `--http llamacpp` adds llama.cpp's `llama_cpp.server` (one request at a
+time) and `--http llama-server` its C++ server (continuous batching over --concurrency slots),
+both built once by _llamacpp.py, on the same weights converted to GGUF (the dtype's GGUF type,
+or --llamacpp-quant), --threads compute threads.
 
 --limit also probes this machine's limit for each workload (limit_probe.py: its unique prompt
 tokens at the measured matmul rate plus its decode steps at the measured batch rate) and gives
@@ -438,8 +442,9 @@ class SglangSystem(PeerSystem):
 
 
 class HttpSystem:
-    """A server over HTTP (`radixlm serve` or `transformers serve`), started here on the saved
-    model directory and sent each stage's calls at once through the OpenAI completions API.
+    """A server over HTTP (`radixlm serve`, `transformers serve`, llama.cpp's two), started
+    here on the saved model directory and sent each stage's calls through the OpenAI
+    completions API: all at once, or at most `concurrency` in flight (--concurrency).
 
     Prompts travel as text and outputs come back as text; the model directory's id tokenizer
     (`_common.id_tokenizer`) maps the two one to one, so the servers see exactly the token ids
@@ -448,17 +453,30 @@ class HttpSystem:
     (jump-forward on); transformers serve cannot take either and decodes max_tokens
     unconstrained (a random-weight model almost never samples the EOS). llama.cpp (one request
     at a time, reusing the previous prompt's common prefix) gets `ignore_eos` as a ban on the
-    special tokens (`logit_bias`) and decodes `json` unconstrained too. radixlm's hit rate comes
-    from the cached-token counts in its responses' usage."""
+    special tokens (`logit_bias`) and decodes `json` unconstrained too; so does the C++
+    `llama-server` (continuous batching over --concurrency slots, its prompts cached per
+    slot: `cache_prompt`). The hit rates of radixlm and llama-server come from the
+    cached-token counts in their responses' usage. Neither llama.cpp server can be told to
+    drop its cache, so each is started afresh before every workload but the first."""
 
     SERVERS: ClassVar[dict[str, str]] = {
         "radixlm": "radixlm-serve",
         "transformers": "transformers-serve",
         "llamacpp": "llamacpp-serve",
+        "llama-server": "llama-server",
     }
+    #: llama-server's slots when --concurrency does not set them (every call sent at once).
+    LLAMA_SERVER_SLOTS = 64
 
     def __init__(
-        self, server: str, model: str, tokenizer: Any, client: Any, process: Any = None
+        self,
+        server: str,
+        model: str,
+        tokenizer: Any,
+        client: Any,
+        process: Any = None,
+        concurrency: int = 0,
+        restart: Callable[[], Any] | None = None,
     ) -> None:
         self.name = self.SERVERS[server]
         self.server = server
@@ -466,7 +484,10 @@ class HttpSystem:
         self.tokenizer = tokenizer
         self.client = client  # an httpx.Client on the server's base URL
         self.process = process
+        self.concurrency = concurrency  # most requests in flight; 0: a stage's all at once
+        self.restart = restart  # starts the server again on the same port; returns its process
         self.prompt_tokens = self.cached_tokens = 0
+        self.used = False  # whether the server has answered a completion since it started
 
     @classmethod
     def launch(cls, server: str, workdir: Path, tokenizer: Any, args: Any) -> HttpSystem:
@@ -477,18 +498,12 @@ class HttpSystem:
         port = serve_bench._free_port()
         url = f"http://127.0.0.1:{port}"
         log = Path(tempfile.mkdtemp(prefix=f"{server}-serve-")) / "server.log"
-        if server == "llamacpp":
-            import _llamacpp
-
-            outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[args.dtype]
-            gguf = _llamacpp.prepare_gguf(workdir, outtype, args.llamacpp_quant)
-            threads = args.threads or torch.get_num_threads()
-            options = _llamacpp.ServerOptions(threads=threads, n_ctx=args.llamacpp_ctx)
-            peer = _llamacpp.start_server(
-                gguf, port, log, str(workdir), options, args.startup_timeout
-            )
+        if server in ("llamacpp", "llama-server"):
+            start = cls._llamacpp_starter(server, workdir, port, log, args)
+            peer = start()
             client = httpx.Client(base_url=peer.url, timeout=None)
-            return cls(server, str(workdir), tokenizer, client, peer.process)
+            return cls(server, str(workdir), tokenizer, client, peer.process, args.concurrency,
+                       restart=lambda: start().process)  # fmt: skip
         extra = args.transformers_serve_args if server == "transformers" else ""
         process = serve_bench.launch(server, str(workdir), port, log, extra, args.threads)
         if not serve_bench._wait_healthy(url, process, args.startup_timeout):
@@ -496,13 +511,45 @@ class HttpSystem:
             tail = log.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"{server} serve did not start; its log ends with:\n{tail}")
         client = httpx.Client(base_url=url, timeout=None)
-        return cls(server, str(workdir), tokenizer, client, process)
+        return cls(server, str(workdir), tokenizer, client, process, args.concurrency)
+
+    @classmethod
+    def _llamacpp_starter(
+        cls, server: str, workdir: Path, port: int, log: Path, args: Any
+    ) -> Callable[[], Any]:
+        """What starts `server` (a llama.cpp one) on the model directory's GGUF (the dtype's
+        GGUF type, or --llamacpp-quant; built on first use) with --threads compute threads:
+        a callable returning a ready `_llamacpp.Server`."""
+        import _llamacpp
+
+        outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[args.dtype]
+        gguf = _llamacpp.prepare_gguf(workdir, outtype, args.llamacpp_quant)
+        threads = args.threads or torch.get_num_threads()
+        if server == "llamacpp":
+            options = _llamacpp.ServerOptions(threads=threads, n_ctx=args.llamacpp_ctx)
+            return lambda: _llamacpp.start_server(
+                gguf, port, log, str(workdir), options, args.startup_timeout
+            )
+        _llamacpp.ensure_llama_server()
+        slots = _llamacpp.LlamaServerOptions(
+            threads=threads,
+            parallel=args.concurrency or cls.LLAMA_SERVER_SLOTS,
+            slot_ctx=args.llamacpp_ctx,
+        )
+        return lambda: _llamacpp.start_llama_server(
+            gguf, port, log, str(workdir), slots, args.startup_timeout
+        )
 
     def reset(self) -> None:
-        """A clean cache before each workload (transformers serve keeps none across requests)."""
+        """A clean cache before each workload (transformers serve keeps none across requests;
+        a llama.cpp server that has answered is started again)."""
         self.prompt_tokens = self.cached_tokens = 0
         if self.server == "radixlm":
             self.client.post("/flush_cache").raise_for_status()
+        if self.restart is not None and self.used:
+            _stop(self.process)
+            self.process = self.restart()
+            self.used = False
 
     def _body(self, call: Call, seed: int | None) -> dict[str, Any]:
         p = call.params
@@ -519,12 +566,15 @@ class HttpSystem:
             body["skip_special_tokens"] = False  # an EOS it ignored stays in the text
             if "json_schema" in p:
                 body["json_schema"] = p["json_schema"]
-        if self.server == "llamacpp" and p.get("ignore_eos"):
+        if self.server in ("llamacpp", "llama-server") and p.get("ignore_eos"):
             body["logit_bias"] = {str(i): -1e9 for i in self.tokenizer.all_special_ids}
+        if self.server == "llama-server":
+            body["cache_prompt"] = True  # its default; said so that a change cannot hide
         return body
 
     def _send(self, body: dict[str, Any]) -> list[int]:
         reply = self.client.post("/v1/completions", json=body)
+        self.used = True
         if reply.status_code != 200:
             raise RuntimeError(f"{self.name}: HTTP {reply.status_code}: {reply.text[:500]}")
         data = reply.json()
@@ -544,7 +594,7 @@ class HttpSystem:
             seed = call.params.get("seed")
             for j in range(n):
                 jobs.append((call, self._body(call, None if seed is None else seed * n + j)))
-        with ThreadPoolExecutor(max_workers=min(len(jobs), 256)) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(jobs), self.concurrency or 256)) as pool:
             outputs = list(pool.map(lambda job: self._send(job[1]), jobs))
         for call in calls:
             call.outputs = []
@@ -552,12 +602,12 @@ class HttpSystem:
             call.outputs.append(output)
 
     def hit_rate(self) -> float:
-        if self.server != "radixlm" or not self.prompt_tokens:
-            return float("nan")
+        if self.server not in ("radixlm", "llama-server") or not self.prompt_tokens:
+            return float("nan")  # the others report no cached tokens
         return self.cached_tokens / self.prompt_tokens
 
     def extra(self) -> str:
-        return ""
+        return f"hit={self.hit_rate():.1%}" if self.server == "llama-server" else ""
 
     def close(self) -> None:
         self.client.close()
@@ -756,11 +806,16 @@ def main() -> None:
     parser.add_argument("--peer-memory", type=float, default=0.5,
                         help="the peers' share of GPU memory")  # fmt: skip
     parser.add_argument("--http", default="none", help="servers to run over HTTP on the same "
-                        "workloads: comma-separated from radixlm,transformers,llamacpp; "
+                        f"workloads: comma-separated from {','.join(HttpSystem.SERVERS)}; "
                         "'none'")  # fmt: skip
+    parser.add_argument("--concurrency", type=int, default=0, help="most requests in flight "
+                        "to an --http server (0: each stage's all at once); llama-server's "
+                        f"slots (0: {HttpSystem.LLAMA_SERVER_SLOTS})")  # fmt: skip
     parser.add_argument("--llamacpp-quant", choices=["Q8_0", "Q4_K_M"], help="--http "
-                        "llamacpp serves its GGUF quantized to this type")  # fmt: skip
-    parser.add_argument("--llamacpp-ctx", type=int, default=4096, help="llama.cpp's context")
+                        "llamacpp and llama-server serve their GGUF quantized to this "
+                        "type")  # fmt: skip
+    parser.add_argument("--llamacpp-ctx", type=int, default=4096, help="llama.cpp's context "
+                        "(llama-server's per slot)")  # fmt: skip
     parser.add_argument("--limit", action="store_true", help="also each workload's time as "
                         "a share of this machine's limit (limit_probe.py)")  # fmt: skip
     parser.add_argument("--skip-in-process", action="store_true", help="only the peers and "
@@ -800,7 +855,7 @@ def main() -> None:
             parser.error(f"unknown peers {bad}; choose from {', '.join(PEERS)}")
     servers = [] if args.http == "none" else [h for h in args.http.split(",") if h]
     if bad := sorted(set(servers) - set(HttpSystem.SERVERS)):
-        parser.error(f"unknown --http servers {bad}; choose from radixlm, transformers, llamacpp")
+        parser.error(f"unknown --http servers {bad}; choose from {', '.join(HttpSystem.SERVERS)}")
     if workloads:
         print(
             f"building a dummy {args.shape}-shaped model ({args.dtype} on {args.device}, "
@@ -978,13 +1033,13 @@ def report_limits(rows: list[dict[str, Any]], args: Any) -> None:
 
 ORDER = (
     "radixlm", "radixlm-nocache", "radixlm-nojf", "transformers", *PEERS,
-    "radixlm-serve", "transformers-serve", "llamacpp-serve",
+    "radixlm-serve", "transformers-serve", "llamacpp-serve", "llama-server",
 )  # fmt: skip
 
 
 def base_of(system: str) -> str:
     """The radixlm system a ratio compares `system` with: a server with radixlm's server."""
-    return "radixlm-serve" if system.endswith("-serve") else "radixlm"
+    return "radixlm-serve" if system in HttpSystem.SERVERS.values() else "radixlm"
 
 
 def report(rows: list[dict[str, Any]]) -> None:
