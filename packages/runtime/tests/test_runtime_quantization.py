@@ -499,3 +499,29 @@ def test_gptq_one_group_per_row_runs_as_repeated_smaller_groups() -> None:
     x = torch.randn(3, 192)
     want = x @ _int4_dequantized(values, zeros.round(), scales.to(torch.float16), 192).t()
     assert relative_error(layer(x), want) <= 0.03
+
+
+def test_int4_decode_rows_run_the_c_kernel_on_one_thread_and_torch_otherwise() -> None:
+    from radixlm import kernels
+    from radixlm.runtime.quant import compute
+
+    if not kernels.cpu.available():
+        pytest.skip("no C compiler here")
+    torch.manual_seed(0)
+    qweight, scales, zeros = kernels.quantize_int4(torch.randn(48, 128) / 11, 32, fit=True)
+    matmul = compute.int4_grouped(qweight, scales, zeros, 32)
+    x = torch.randn(3, 128)
+    want = kernels.reference.int4_linear(x, qweight, scales, zeros, 32)
+    c_kernel = kernels.cpu.int4_linear(x, qweight, scales.float(), zeros.float(), 32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = matmul(x)
+        torch.set_num_threads(2)
+        two = matmul(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, c_kernel)  # decode rows on one thread: the C kernel
+    assert not torch.equal(two, c_kernel)  # several threads: torch's kernel
+    for got in (one, two):
+        assert float((got - want).abs().max() / want.abs().max()) < 0.03

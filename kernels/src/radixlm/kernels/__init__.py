@@ -6,6 +6,7 @@ either, and :func:`available` tells whether Triton can run here at all. The refe
 live in :mod:`radixlm.kernels.reference`.
 """
 
+from radixlm.kernels import cpu
 from radixlm.kernels._backend import (
     BackendName,
     available,
@@ -48,6 +49,7 @@ __all__ = [
     "__version__",
     "apply_token_bitmask_inplace",
     "available",
+    "cpu",
     "decode_attention",
     "dequantize_fp8",
     "dequantize_int4",

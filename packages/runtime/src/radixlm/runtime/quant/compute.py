@@ -223,6 +223,48 @@ def int4_grouped(
     """x @ dequant(qweight).T with int4 values in groups of `group_size` along the input."""
     if qweight.device.type == "cuda":
         return lambda x: kernels.int4_linear(x, qweight, scales, zeros, group_size)
+    fallback = _int4_torch_cpu(qweight, scales, zeros, group_size)
+    few_rows = _int4_c_kernel(qweight, scales, zeros, group_size)
+    if few_rows is None:
+        return fallback
+
+    def c_or_torch(x: torch.Tensor) -> torch.Tensor:
+        # Decode-sized inputs on one intra-op thread: radixlm's C kernel (int8 activations
+        # per 32 columns, as llama.cpp's 4-bit blocks; one thread, 1.2-1.9x torch's kernel
+        # at 1-16 rows); prefill-sized ones, or several threads: torch's kernel.
+        if x.shape[0] <= kernels.cpu.MAX_ROWS and torch.get_num_threads() == 1:
+            return few_rows(x)
+        return fallback(x)
+
+    return c_or_torch
+
+
+def _int4_c_kernel(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> Matmul | None:
+    """radixlm's AVX2 kernel for few rows (`radixlm.kernels.cpu`), when it is built here and
+    agrees with the torch reference; None otherwise."""
+    in_features = qweight.shape[1] * 2
+    if group_size % kernels.cpu.BLOCK or in_features % group_size or not kernels.cpu.available():
+        return None
+    scale32 = scales.to(torch.float32).contiguous()
+    zeros32 = zeros.to(torch.float32).contiguous()
+    weight = qweight.contiguous()
+
+    def few_rows(x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32).contiguous()
+        return kernels.cpu.int4_linear(x32, weight, scale32, zeros32, group_size).to(x.dtype)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return kernels.reference.int4_linear(x, qweight, scales, zeros, group_size)
+
+    return few_rows if _works(few_rows, reference, qweight, rtol=0.03) else None
+
+
+def _int4_torch_cpu(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> Matmul:
+    """torch's own CPU int4 kernel (bfloat16 activations), else the reference."""
     convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
     op = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
     if convert is not None and op is not None:

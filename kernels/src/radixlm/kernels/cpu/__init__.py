@@ -1,0 +1,170 @@
+"""C kernels for x86 and other CPUs, compiled on first use with the machine's C compiler.
+
+torch has no fast product of 4-bit weights with few rows of float activations on CPUs
+without AVX-512 (`_weight_int4pack_mm_for_cpu` reaches about 2 GB/s of weights on one AVX2
+core, a quarter of what the memory gives). `int4_linear` multiplies radixlm's int4 layout
+with activations quantized per block of 32 columns to int8 (llama.cpp's arithmetic for its
+4-bit blocks), one AVX2 multiply-add per 32 weights; see `int4_gemv.c`.
+
+It runs on one thread (no OpenMP runtime beside torch's): callers use it where torch itself
+runs one intra-op thread (a replica per core, as the CPU benchmarks run every server).
+
+The library is built once per source, compiler and CPU (`-O3 -march=native`) into
+radixlm's cache (`$RADIXLM_CACHE_DIR`, default `~/.cache/radixlm`, under `kernels/`), which
+takes about a second. Without a compiler (`$CC`, else `cc`), or when the build fails,
+`available()` is False and callers keep their torch path; `RADIXLM_CPU_KERNELS=0` turns the
+kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("radixlm.kernels.cpu")
+
+_SOURCE = Path(__file__).with_name("int4_gemv.c")
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+#: The most activation rows one call takes (decode batches); more run elsewhere.
+MAX_ROWS = 16
+#: Columns per activation block (and the smallest weight group the kernel takes).
+BLOCK = 32
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache" / "radixlm"
+    return Path(root) / "kernels"
+
+
+def _cpu_model() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+
+
+def _build() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        logger.info("no C compiler (%s): radixlm's CPU kernels are not built", compiler)
+        return None
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(
+        source + compiler.encode() + " ".join(_FLAGS).encode() + _cpu_model().encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"int4_gemv-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as work:
+            built = Path(work) / target.name
+            command = [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                logger.warning(
+                    "radixlm's CPU kernels did not build (%s): %s",
+                    " ".join(command),
+                    result.stderr[-2000:],
+                )
+                return None
+            os.replace(built, target)  # atomic: a concurrent build loses nothing
+    library = ctypes.CDLL(str(target))
+    function = library.radixlm_int4_gemv
+    function.restype = ctypes.c_int
+    function.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
+    return library
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _tried
+    if _tried:
+        return _library
+    with _lock:
+        if not _tried:
+            if os.environ.get("RADIXLM_CPU_KERNELS", "1").strip() not in ("0", "false", "no"):
+                try:
+                    _library = _build()
+                except OSError as error:
+                    logger.warning("radixlm's CPU kernels could not be loaded: %s", error)
+                    _library = None
+            _tried = True
+    return _library
+
+
+def available() -> bool:
+    """Whether the CPU kernels are built (building them now if they were not tried yet)."""
+    return _load() is not None
+
+
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """``x @ dequantize_int4(qweight, scales, zeros, group_size).T`` for float32 ``x``
+    ``[M, K]`` with M <= MAX_ROWS on CPU tensors, activations quantized per 32 columns to
+    int8; float32 ``[M, N]``. ``scales`` and ``zeros`` ``[N, K // group_size]`` float32,
+    ``group_size`` a multiple of 32; one thread. Raises RuntimeError when the kernels are not available or the shapes are not taken."""
+    library = _load()
+    if library is None:
+        raise RuntimeError("radixlm's CPU kernels are not available (see available())")
+    rows, k = x.shape
+    n = qweight.shape[0]
+    if not 1 <= rows <= MAX_ROWS or group_size % BLOCK or k % group_size:
+        raise RuntimeError(
+            f"int4_linear takes 1..{MAX_ROWS} rows and groups of a multiple of {BLOCK} "
+            f"dividing K; got {rows} rows, K={k}, group {group_size}"
+        )
+    if qweight.shape[1] * 2 != k or scales.shape != (n, k // group_size):
+        raise RuntimeError(
+            f"int4_linear: qweight {tuple(qweight.shape)} and scales {tuple(scales.shape)} do "
+            f"not fit x {tuple(x.shape)} with groups of {group_size}"
+        )
+    for name, tensor, dtype in (
+        ("x", x, torch.float32),
+        ("qweight", qweight, torch.uint8),
+        ("scales", scales, torch.float32),
+        ("zeros", zeros, torch.float32),
+    ):
+        if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise RuntimeError(f"int4_linear: {name} must be a contiguous {dtype} CPU tensor")
+    out = torch.empty(rows, n, dtype=torch.float32)
+    code = library.radixlm_int4_gemv(
+        x.data_ptr(),
+        rows,
+        k,
+        qweight.data_ptr(),
+        scales.data_ptr(),
+        zeros.data_ptr(),
+        n,
+        group_size,
+        out.data_ptr(),
+    )
+    if code != 0:
+        raise RuntimeError("int4_linear: the kernel refused these shapes")
+    return out

@@ -1,0 +1,196 @@
+/* int4 x float32 matrix products for few rows (decode) on x86 CPUs with AVX2, and a portable
+ * scalar version of the same arithmetic elsewhere.
+ *
+ * Weights in radixlm's int4 layout: qweight [N, K/2] bytes, column 2j in the low nibble of
+ * byte j and 2j+1 in its high one; per group of `group` columns a float scale s and zero
+ * point z, w = (q - z) * s. The activations are quantized per block of 32 columns to int8
+ * (scale = absmax / 127), as llama.cpp multiplies its 4-bit blocks, so each block's dot
+ * product is one multiply-add of unsigned 4-bit codes by signed 8-bit values:
+ *
+ *   y[m, n] = sum_b s[n, b] * xs[m, b] * dot(q[n, b], xq[m, b]) - s[n, b] z[n, b] sum(x[m, b])
+ *
+ * with sum(x[m, b]) the block's exact float sum. One thread: no OpenMP runtime of its own
+ * beside torch's (two would spin against each other). Built by radixlm.kernels.cpu (compiled
+ * on first use).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RADIXLM_AVX2 1
+#endif
+
+#define BLOCK 32
+
+/* Per row m and block b: the int8 values (even columns first, then odd ones, the order the
+ * nibbles unpack in), their scale and the block's float sum. */
+static void quantize_rows(const float *x, int m_rows, int k, int8_t *xq, float *xs, float *xsum) {
+    int blocks = k / BLOCK;
+    for (int m = 0; m < m_rows; m++) {
+        for (int b = 0; b < blocks; b++) {
+            const float *v = x + (size_t)m * k + (size_t)b * BLOCK;
+            float amax = 0.0f, sum = 0.0f;
+            for (int i = 0; i < BLOCK; i++) {
+                float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+                sum += v[i];
+            }
+            float scale = amax / 127.0f;
+            float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+            int8_t *out = xq + ((size_t)m * blocks + b) * BLOCK;
+            for (int i = 0; i < BLOCK / 2; i++) {
+                out[i] = (int8_t)lrintf(v[2 * i] * inv);
+                out[BLOCK / 2 + i] = (int8_t)lrintf(v[2 * i + 1] * inv);
+            }
+            xs[(size_t)m * blocks + b] = scale;
+            xsum[(size_t)m * blocks + b] = sum;
+        }
+    }
+}
+
+#ifdef RADIXLM_AVX2
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* The int4 codes of one block of 32 weights as 32 unsigned bytes, in the order the
+ * activations are stored (even columns, then odd ones). */
+static inline __m256i block_codes(const uint8_t *q) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i packed = _mm_loadu_si128((const __m128i *)q);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask),
+                            _mm_and_si128(packed, mask));
+}
+
+/* 8 partial sums (int32 -> float) of a block's dot product of codes and int8 values. */
+static inline __m256 block_dot(__m256i codes, const int8_t *values) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i v = _mm256_loadu_si256((const __m256i *)values);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(codes, v), ones));
+}
+
+/* One output of one activation row, blocks two at a time into two accumulators (so that
+ * consecutive blocks do not wait on each other's multiply-add). */
+static inline float row_dot(const uint8_t *q, const float *s, const float *z, const int8_t *xq,
+                            const float *xs, const float *xsum, int groups, int per_group) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float off = 0.0f;
+    if (per_group == 1) {
+        int b = 0;
+        for (; b + 1 < groups; b += 2) {
+            __m256 d0 = block_dot(block_codes(q + (size_t)b * 16), xq + (size_t)b * BLOCK);
+            __m256 d1 = block_dot(block_codes(q + (size_t)(b + 1) * 16), xq + (size_t)(b + 1) * BLOCK);
+            acc0 = _mm256_fmadd_ps(d0, _mm256_set1_ps(s[b] * xs[b]), acc0);
+            acc1 = _mm256_fmadd_ps(d1, _mm256_set1_ps(s[b + 1] * xs[b + 1]), acc1);
+            off += s[b] * z[b] * xsum[b] + s[b + 1] * z[b + 1] * xsum[b + 1];
+        }
+        for (; b < groups; b++) {
+            __m256 d0 = block_dot(block_codes(q + (size_t)b * 16), xq + (size_t)b * BLOCK);
+            acc0 = _mm256_fmadd_ps(d0, _mm256_set1_ps(s[b] * xs[b]), acc0);
+            off += s[b] * z[b] * xsum[b];
+        }
+        return hsum(_mm256_add_ps(acc0, acc1)) - off;
+    }
+    for (int g = 0, b = 0; g < groups; g++) {
+        float scale = s[g], sum = 0.0f;
+        for (int j = 0; j < per_group; j++, b++) {
+            __m256 d = block_dot(block_codes(q + (size_t)b * 16), xq + (size_t)b * BLOCK);
+            if (j & 1)
+                acc1 = _mm256_fmadd_ps(d, _mm256_set1_ps(scale * xs[b]), acc1);
+            else
+                acc0 = _mm256_fmadd_ps(d, _mm256_set1_ps(scale * xs[b]), acc0);
+            sum += xsum[b];
+        }
+        off += scale * z[g] * sum;
+    }
+    return hsum(_mm256_add_ps(acc0, acc1)) - off;
+}
+
+#define TILE 4
+
+/* Outputs of activation rows m0 .. m0 + tile - 1 (tile <= TILE) for one weight row. */
+static inline void tile_dot(const uint8_t *q, const float *s, const float *z, const int8_t *xq,
+                            const float *xs, const float *xsum, int blocks, int per_group,
+                            int m0, int tile, float *got) {
+    __m256 acc[TILE] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                        _mm256_setzero_ps()};
+    float off[TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int b = 0; b < blocks; b++) {
+        int g = per_group == 1 ? b : b / per_group;
+        float scale = s[g], shift = s[g] * z[g];
+        __m256i codes = block_codes(q + (size_t)b * 16);
+        for (int m = 0; m < TILE; m++) {
+            if (m < tile) {
+                size_t at = (size_t)(m0 + m) * blocks + b;
+                acc[m] = _mm256_fmadd_ps(block_dot(codes, xq + at * BLOCK),
+                                         _mm256_set1_ps(scale * xs[at]), acc[m]);
+                off[m] += shift * xsum[at];
+            }
+        }
+    }
+    for (int m = 0; m < tile; m++) got[m] = hsum(acc[m]) - off[m];
+}
+#endif
+
+#define MAX_ROWS 16
+
+/* out[M, N] = x[M, K] @ dequant(qweight)^T; M <= MAX_ROWS, K a multiple of `group`, `group`
+ * a multiple of 32. Returns 0, or -1 for shapes it does not take. */
+int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
+                      const float *scales, const float *zeros, int n, int group, float *out) {
+    if (m_rows < 1 || m_rows > MAX_ROWS || group % BLOCK || k % group) return -1;
+    int blocks = k / BLOCK, per_group = group / BLOCK, groups = k / group;
+    int8_t *xq = malloc((size_t)m_rows * k);
+    float *xs = malloc(sizeof(float) * (size_t)m_rows * blocks);
+    float *xsum = malloc(sizeof(float) * (size_t)m_rows * blocks);
+    if (!xq || !xs || !xsum) {
+        free(xq), free(xs), free(xsum);
+        return -1;
+    }
+    quantize_rows(x, m_rows, k, xq, xs, xsum);
+    for (int row = 0; row < n; row++) {
+        const uint8_t *q = qweight + (size_t)row * (k / 2);
+        const float *s = scales + (size_t)row * groups;
+        const float *z = zeros + (size_t)row * groups;
+#ifdef RADIXLM_AVX2
+        if (m_rows == 1) {
+            out[row] = row_dot(q, s, z, xq, xs, xsum, groups, per_group);
+            continue;
+        }
+        /* Activation rows four at a time: each block's codes unpacked once per tile, the
+         * tile's accumulators in registers. */
+        for (int m0 = 0; m0 < m_rows; m0 += TILE) {
+            int tile = m_rows - m0 < TILE ? m_rows - m0 : TILE;
+            float got[TILE];
+            tile_dot(q, s, z, xq, xs, xsum, blocks, per_group, m0, tile, got);
+            for (int m = 0; m < tile; m++) out[(size_t)(m0 + m) * n + row] = got[m];
+        }
+#else
+        float acc[MAX_ROWS] = {0}, offset[MAX_ROWS] = {0};
+        for (int b = 0; b < blocks; b++) {
+            int g = b / per_group; /* (the scalar path is not the fast one) */
+            const uint8_t *bytes = q + (size_t)b * (BLOCK / 2);
+            for (int m = 0; m < m_rows; m++) {
+                size_t at = (size_t)m * blocks + b;
+                const int8_t *v = xq + at * BLOCK;
+                int32_t dot = 0;
+                for (int i = 0; i < BLOCK / 2; i++) {
+                    dot += (bytes[i] & 0x0F) * v[i] + (bytes[i] >> 4) * v[BLOCK / 2 + i];
+                }
+                acc[m] += s[g] * xs[at] * (float)dot;
+                offset[m] += s[g] * z[g] * xsum[at];
+            }
+        }
+        for (int m = 0; m < m_rows; m++) out[(size_t)m * n + row] = acc[m] - offset[m];
+#endif
+    }
+    free(xq), free(xs), free(xsum);
+    return 0;
+}

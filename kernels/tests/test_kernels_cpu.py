@@ -1,0 +1,95 @@
+"""The C CPU kernel (int4 weights x few float rows) against the torch reference, its error
+against an exact computation of its own arithmetic, the shapes it refuses, and how it is
+turned off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import radixlm.kernels as rk
+from radixlm.kernels import cpu
+
+needs_kernels = pytest.mark.skipif(not cpu.available(), reason="no C compiler here")
+
+
+def _weights(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(seed)
+    qweight, scales, zeros = rk.quantize_int4(torch.randn(n, k) / k**0.5, group, fit=True)
+    return qweight, scales.float().contiguous(), zeros.float().contiguous()
+
+
+def _kernel_arithmetic(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+) -> torch.Tensor:
+    """What the kernel computes, in float64: the codes' part with the activations rounded
+    to int8 per block of 32, the zero points' part with the exact activations."""
+    codes = rk.dequantize_int4(qweight, scales, torch.zeros_like(zeros), group).double()
+    shifts = rk.dequantize_int4(torch.zeros_like(qweight), scales, zeros, group).double()
+    return (_int8_activations(x).double() @ codes.T + x.double() @ shifts.T).float()
+
+
+def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's activations: each block of 32 columns rounded to int8 at absmax / 127."""
+    blocks = x.reshape(x.shape[0], -1, cpu.BLOCK)
+    scale = blocks.abs().amax(dim=2, keepdim=True) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (torch.round(blocks / safe) * scale).reshape(x.shape)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize(
+    ("n", "k", "group"), [(7, 64, 32), (33, 96, 32), (40, 256, 64), (9, 128, 128)]
+)
+def test_int4_linear_is_the_reference_on_int8_rounded_activations(
+    rows: int, n: int, k: int, group: int
+) -> None:
+    qweight, scales, zeros = _weights(n, k, group)
+    x = torch.randn(rows, k)
+    got = cpu.int4_linear(x, qweight, scales, zeros, group)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    # Its own arithmetic exactly (the integer dot products are exact; only float sums of a
+    # different order differ).
+    exact = _kernel_arithmetic(x, qweight, scales, zeros, group)
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
+    # And within the int8 rounding of the activations of the unrounded product.
+    want = rk.reference.int4_linear(x, qweight, scales, zeros, group)
+    assert float((got - want).abs().max() / want.abs().max()) < 0.03
+
+
+@needs_kernels
+def test_zero_rows_and_zero_blocks_stay_finite() -> None:
+    qweight, scales, zeros = _weights(16, 64, 32)
+    x = torch.zeros(2, 64)
+    x[1, 32:] = torch.randn(32)  # row 1: its first block all zeros (scale 0)
+    got = cpu.int4_linear(x, qweight, scales, zeros, 32)
+    assert torch.isfinite(got).all() and torch.equal(got[0], torch.zeros(16))
+    want = _kernel_arithmetic(x, qweight, scales, zeros, 32)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_shapes_and_layouts_it_does_not_take_are_refused() -> None:
+    qweight, scales, zeros = _weights(8, 64, 32)
+    with pytest.raises(RuntimeError, match=r"1\.\.16 rows"):
+        cpu.int4_linear(torch.randn(17, 64), qweight, scales, zeros, 32)
+    with pytest.raises(RuntimeError, match="groups of a multiple of 32"):
+        cpu.int4_linear(torch.randn(1, 64), qweight, scales, zeros, 16)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        cpu.int4_linear(torch.randn(1, 128), qweight, scales, zeros, 32)
+    with pytest.raises(RuntimeError, match=r"contiguous torch\.float32"):
+        cpu.int4_linear(torch.randn(1, 64, dtype=torch.float64), qweight, scales, zeros, 32)
+    with pytest.raises(RuntimeError, match=r"contiguous torch\.float32"):
+        cpu.int4_linear(torch.randn(64, 2).t(), qweight, scales, zeros, 32)
+
+
+def test_the_kernels_can_be_turned_off() -> None:
+    code = "from radixlm.kernels import cpu; print(cpu.available())"
+    env = {**os.environ, "RADIXLM_CPU_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "False"
