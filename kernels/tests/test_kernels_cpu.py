@@ -1,6 +1,6 @@
-"""The C CPU kernel (int4 weights x few float rows) against the torch reference, its error
-against an exact computation of its own arithmetic, the shapes it refuses, and how it is
-turned off."""
+"""The C CPU kernels (int4 and int8 weights x few float rows) against an exact computation of
+their own arithmetic and the torch reference, the shapes they refuse, and how they are turned
+off."""
 
 from __future__ import annotations
 
@@ -86,6 +86,42 @@ def test_shapes_and_layouts_it_does_not_take_are_refused() -> None:
         cpu.int4_linear(torch.randn(1, 64, dtype=torch.float64), qweight, scales, zeros, 32)
     with pytest.raises(RuntimeError, match=r"contiguous torch\.float32"):
         cpu.int4_linear(torch.randn(64, 2).t(), qweight, scales, zeros, 32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize(("n", "k", "group"), [(7, 64, 0), (33, 96, 32), (20, 256, 64)])
+def test_int8_linear_per_row_and_per_group_is_its_arithmetic(
+    rows: int, n: int, k: int, group: int
+) -> None:
+    torch.manual_seed(1)
+    w = torch.randn(n, k) / k**0.5
+    if group:  # llama.cpp's Q8_0 at 32: a scale per group of columns
+        weight, scales = rk.quantize_int8_grouped(w, group)
+        dense = rk.dequantize_int8_grouped(weight, scales, group)
+    else:  # a scale per row
+        weight, scales = rk.quantize_int8(w)
+        dense = rk.dequantize_int8(weight, scales)
+    x = torch.randn(rows, k)
+    got = cpu.int8_linear(x, weight, scales)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    exact = (_int8_activations(x).double() @ dense.double().T).float()
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
+    want = x @ dense.T
+    assert float((got - want).abs().max() / want.abs().max()) < 0.02
+
+
+@needs_kernels
+def test_int8_linear_refuses_what_it_does_not_take() -> None:
+    weight, scales = rk.quantize_int8(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match=r"1\.\.16 rows"):
+        cpu.int8_linear(torch.randn(17, 64), weight, scales)
+    with pytest.raises(RuntimeError, match="groups of a multiple of 32"):
+        cpu.int8_linear(torch.randn(1, 48), *rk.quantize_int8(torch.randn(8, 48)))
+    with pytest.raises(RuntimeError, match="do not fit"):
+        cpu.int8_linear(torch.randn(1, 64), weight, scales[:4])
+    with pytest.raises(RuntimeError, match=r"contiguous torch\.int8"):
+        cpu.int8_linear(torch.randn(1, 64), weight.float(), scales)
 
 
 def test_the_kernels_can_be_turned_off() -> None:

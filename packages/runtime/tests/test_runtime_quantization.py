@@ -525,3 +525,24 @@ def test_int4_decode_rows_run_the_c_kernel_on_one_thread_and_torch_otherwise() -
     assert not torch.equal(two, c_kernel)  # several threads: torch's kernel
     for got in (one, two):
         assert float((got - want).abs().max() / want.abs().max()) < 0.03
+
+
+def test_int8_decode_rows_run_the_c_kernel_on_one_thread() -> None:
+    from radixlm import kernels
+    from radixlm.runtime.quant import compute
+
+    if not kernels.cpu.available():
+        pytest.skip("no C compiler here")
+    torch.manual_seed(0)
+    qweight, scale = kernels.quantize_int8(torch.randn(48, 128) / 11)
+    matmul = compute.int8_weight_only(qweight, scale)
+    x = torch.randn(2, 128)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = matmul(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, kernels.cpu.int8_linear(x, qweight, scale.float()))
+    want = kernels.reference.int8_linear(x, qweight, scale)
+    assert float((one - want).abs().max() / want.abs().max()) < 0.02

@@ -4,7 +4,8 @@ torch has no fast product of 4-bit weights with few rows of float activations on
 without AVX-512 (`_weight_int4pack_mm_for_cpu` reaches about 2 GB/s of weights on one AVX2
 core, a quarter of what the memory gives). `int4_linear` multiplies radixlm's int4 layout
 with activations quantized per block of 32 columns to int8 (llama.cpp's arithmetic for its
-4-bit blocks), one AVX2 multiply-add per 32 weights; see `int4_gemv.c`.
+4-bit blocks), one AVX2 multiply-add per 32 weights; `int8_linear` int8 weights with a scale
+per row or per group of columns (llama.cpp's Q8_0 at 32) the same way; see `gemv.c`.
 
 It runs on one thread (no OpenMP runtime beside torch's): callers use it where torch itself
 runs one intra-op thread (a replica per core, as the CPU benchmarks run every server).
@@ -32,7 +33,7 @@ import torch
 
 logger = logging.getLogger("radixlm.kernels.cpu")
 
-_SOURCE = Path(__file__).with_name("int4_gemv.c")
+_SOURCE = Path(__file__).with_name("gemv.c")
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 #: The most activation rows one call takes (decode batches); more run elsewhere.
 MAX_ROWS = 16
@@ -66,7 +67,7 @@ def _build() -> ctypes.CDLL | None:
     key = hashlib.sha256(
         source + compiler.encode() + " ".join(_FLAGS).encode() + _cpu_model().encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"int4_gemv-{key}.so"
+    target = _cache_dir() / f"gemv-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as work:
@@ -89,6 +90,18 @@ def _build() -> ctypes.CDLL | None:
         ctypes.c_int,
         ctypes.c_int,
         ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
+    int8 = library.radixlm_int8_gemv
+    int8.restype = ctypes.c_int
+    int8.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
         ctypes.c_void_p,
         ctypes.c_void_p,
         ctypes.c_int,
@@ -119,6 +132,56 @@ def available() -> bool:
     return _load() is not None
 
 
+def _check(op: str, tensors: tuple[tuple[str, torch.Tensor, torch.dtype], ...]) -> None:
+    for name, tensor, dtype in tensors:
+        if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise RuntimeError(f"{op}: {name} must be a contiguous {dtype} CPU tensor")
+
+
+def _rows_and_groups(op: str, rows: int, k: int, group_size: int) -> None:
+    if not 1 <= rows <= MAX_ROWS or group_size % BLOCK or k % group_size:
+        raise RuntimeError(
+            f"{op} takes 1..{MAX_ROWS} rows and groups of a multiple of {BLOCK} "
+            f"dividing K; got {rows} rows, K={k}, group {group_size}"
+        )
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight * scales).T`` for float32 ``x`` ``[M, K]`` (M <= MAX_ROWS) and int8
+    ``weight`` ``[N, K]`` with float32 ``scales`` ``[N]`` (per row) or ``[N, K // g]`` (per
+    group of g columns, g a multiple of 32), activations rounded to int8 per 32 columns; one
+    thread; float32 ``[M, N]``. Raises RuntimeError when the kernels are not available or
+    the shapes are not taken."""
+    library = _load()
+    if library is None:
+        raise RuntimeError("radixlm's CPU kernels are not available (see available())")
+    rows, k = x.shape
+    n = weight.shape[0]
+    groups = 1 if scales.dim() == 1 else scales.shape[1]
+    group_size = k // groups if groups and k % groups == 0 else 0
+    _rows_and_groups("int8_linear", rows, k, group_size or 1)
+    if weight.shape[1] != k or scales.shape[0] != n:
+        raise RuntimeError(
+            f"int8_linear: weight {tuple(weight.shape)} and scales {tuple(scales.shape)} do "
+            f"not fit x {tuple(x.shape)}"
+        )
+    _check(
+        "int8_linear",
+        (
+            ("x", x, torch.float32),
+            ("weight", weight, torch.int8),
+            ("scales", scales, torch.float32),
+        ),
+    )
+    out = torch.empty(rows, n, dtype=torch.float32)
+    code = library.radixlm_int8_gemv(
+        x.data_ptr(), rows, k, weight.data_ptr(), scales.data_ptr(), n, group_size, out.data_ptr()
+    )
+    if code != 0:
+        raise RuntimeError("int8_linear: the kernel refused these shapes")
+    return out
+
+
 def int4_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -135,24 +198,21 @@ def int4_linear(
         raise RuntimeError("radixlm's CPU kernels are not available (see available())")
     rows, k = x.shape
     n = qweight.shape[0]
-    if not 1 <= rows <= MAX_ROWS or group_size % BLOCK or k % group_size:
-        raise RuntimeError(
-            f"int4_linear takes 1..{MAX_ROWS} rows and groups of a multiple of {BLOCK} "
-            f"dividing K; got {rows} rows, K={k}, group {group_size}"
-        )
+    _rows_and_groups("int4_linear", rows, k, group_size)
     if qweight.shape[1] * 2 != k or scales.shape != (n, k // group_size):
         raise RuntimeError(
             f"int4_linear: qweight {tuple(qweight.shape)} and scales {tuple(scales.shape)} do "
             f"not fit x {tuple(x.shape)} with groups of {group_size}"
         )
-    for name, tensor, dtype in (
-        ("x", x, torch.float32),
-        ("qweight", qweight, torch.uint8),
-        ("scales", scales, torch.float32),
-        ("zeros", zeros, torch.float32),
-    ):
-        if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise RuntimeError(f"int4_linear: {name} must be a contiguous {dtype} CPU tensor")
+    _check(
+        "int4_linear",
+        (
+            ("x", x, torch.float32),
+            ("qweight", qweight, torch.uint8),
+            ("scales", scales, torch.float32),
+            ("zeros", zeros, torch.float32),
+        ),
+    )
     out = torch.empty(rows, n, dtype=torch.float32)
     code = library.radixlm_int4_gemv(
         x.data_ptr(),

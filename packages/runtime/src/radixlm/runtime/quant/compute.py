@@ -40,9 +40,44 @@ def _bf16_scale_ones(out_features: int, device: torch.device) -> torch.Tensor:
 
 def int8_weight_only(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul:
     """x @ (qweight * scale).T; activations stay unquantized (to within ~1e-4 of each row's
-    largest value on CPU, see `_fbgemm_two_pass`)."""
+    largest value on CPU, see `_fbgemm_two_pass`), except decode rows on one intra-op CPU
+    thread, which run radixlm's C kernel with activations rounded to int8 per 32 columns
+    (llama.cpp's Q8_0 arithmetic; 2.5x fbgemm's two passes at one row)."""
     if qweight.device.type == "cuda":
         return lambda x: kernels.int8_linear(x, qweight, scale)
+    general = _int8_weight_only_torch(qweight, scale)
+    few_rows = _int8_c_kernel(qweight, scale)
+    if few_rows is None:
+        return general
+
+    def c_or_torch(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= kernels.cpu.MAX_ROWS and torch.get_num_threads() == 1:
+            return few_rows(x)
+        return general(x)
+
+    return c_or_torch
+
+
+def _int8_c_kernel(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul | None:
+    """radixlm's C kernel for few rows, when it is built here, takes the shape and agrees
+    with the torch reference; None otherwise."""
+    if qweight.shape[1] % kernels.cpu.BLOCK or not kernels.cpu.available():
+        return None
+    weight = qweight.contiguous()
+    scale32 = scale.to(torch.float32).contiguous()
+
+    def few_rows(x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32).contiguous()
+        return kernels.cpu.int8_linear(x32, weight, scale32).to(x.dtype)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return kernels.reference.int8_linear(x, qweight, scale)
+
+    return few_rows if _works(few_rows, reference, qweight, rtol=0.02) else None
+
+
+def _int8_weight_only_torch(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul:
+    """fbgemm's two passes (or a dequantized copy for prefill), else torch's own kernel."""
 
     def reference(x: torch.Tensor) -> torch.Tensor:
         return kernels.reference.int8_linear(x, qweight, scale)

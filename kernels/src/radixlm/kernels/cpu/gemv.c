@@ -25,9 +25,10 @@
 
 #define BLOCK 32
 
-/* Per row m and block b: the int8 values (even columns first, then odd ones, the order the
- * nibbles unpack in), their scale and the block's float sum. */
-static void quantize_rows(const float *x, int m_rows, int k, int8_t *xq, float *xs, float *xsum) {
+/* Per row m and block b: the int8 values (with `interleave`, even columns first, then odd
+ * ones: the order int4 nibbles unpack in), their scale and the block's float sum. */
+static void quantize_rows(const float *x, int m_rows, int k, int interleave, int8_t *xq, float *xs,
+                          float *xsum) {
     int blocks = k / BLOCK;
     for (int m = 0; m < m_rows; m++) {
         for (int b = 0; b < blocks; b++) {
@@ -42,8 +43,9 @@ static void quantize_rows(const float *x, int m_rows, int k, int8_t *xq, float *
             float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
             int8_t *out = xq + ((size_t)m * blocks + b) * BLOCK;
             for (int i = 0; i < BLOCK / 2; i++) {
-                out[i] = (int8_t)lrintf(v[2 * i] * inv);
-                out[BLOCK / 2 + i] = (int8_t)lrintf(v[2 * i + 1] * inv);
+                int even = interleave ? i : 2 * i, odd = interleave ? BLOCK / 2 + i : 2 * i + 1;
+                out[even] = (int8_t)lrintf(v[2 * i] * inv);
+                out[odd] = (int8_t)lrintf(v[2 * i + 1] * inv);
             }
             xs[(size_t)m * blocks + b] = scale;
             xsum[(size_t)m * blocks + b] = sum;
@@ -154,7 +156,7 @@ int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
         free(xq), free(xs), free(xsum);
         return -1;
     }
-    quantize_rows(x, m_rows, k, xq, xs, xsum);
+    quantize_rows(x, m_rows, k, 1, xq, xs, xsum);
     for (int row = 0; row < n; row++) {
         const uint8_t *q = qweight + (size_t)row * (k / 2);
         const float *s = scales + (size_t)row * groups;
@@ -190,6 +192,68 @@ int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
         }
         for (int m = 0; m < m_rows; m++) out[(size_t)m * n + row] = acc[m] - offset[m];
 #endif
+    }
+    free(xq), free(xs), free(xsum);
+    return 0;
+}
+
+#ifdef RADIXLM_AVX2
+/* One output of one activation row for int8 weights: sum over blocks of
+ * ws[block's group] * xs[b] * dot(w[b], xq[b]), two accumulators. */
+static inline float row_dot8(const int8_t *w, const float *ws, const int8_t *xq, const float *xs,
+                             int blocks, int per_group) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int b = 0, g = 0, j = 0; b < blocks; b++) {
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (size_t)b * BLOCK));
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)b * BLOCK));
+        /* signed x signed: |w| times x carrying w's sign (|w|, |x| <= 127: no saturation) */
+        __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+        __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        __m256 scale = _mm256_set1_ps(ws[g] * xs[b]);
+        if (b & 1)
+            acc1 = _mm256_fmadd_ps(dot, scale, acc1);
+        else
+            acc0 = _mm256_fmadd_ps(dot, scale, acc0);
+        if (++j == per_group) j = 0, g++;
+    }
+    return hsum(_mm256_add_ps(acc0, acc1));
+}
+#endif
+
+/* out[M, N] = x[M, K] @ (w * scale)^T for int8 weights w [N, K] with a float scale per group
+ * of `group` columns (scales [N, K / group]; group = K: one per row). Activations rounded to
+ * int8 per block of 32 (llama.cpp's Q8_0 x Q8_0). Returns 0, or -1 for shapes it does not
+ * take. */
+int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
+                      const float *scales, int n, int group, float *out) {
+    if (m_rows < 1 || m_rows > MAX_ROWS || group % BLOCK || k % group) return -1;
+    int blocks = k / BLOCK, per_group = group / BLOCK, groups = k / group;
+    int8_t *xq = malloc((size_t)m_rows * k);
+    float *xs = malloc(sizeof(float) * (size_t)m_rows * blocks);
+    float *xsum = malloc(sizeof(float) * (size_t)m_rows * blocks);
+    if (!xq || !xs || !xsum) {
+        free(xq), free(xs), free(xsum);
+        return -1;
+    }
+    quantize_rows(x, m_rows, k, 0, xq, xs, xsum);
+    for (int row = 0; row < n; row++) {
+        const int8_t *w = weight + (size_t)row * k;
+        const float *ws = scales + (size_t)row * groups;
+        for (int m = 0; m < m_rows; m++) {
+            size_t at = (size_t)m * blocks;
+#ifdef RADIXLM_AVX2
+            out[(size_t)m * n + row] = row_dot8(w, ws, xq + at * BLOCK, xs + at, blocks, per_group);
+#else
+            float acc = 0.0f;
+            for (int b = 0; b < blocks; b++) {
+                int32_t dot = 0;
+                for (int i = 0; i < BLOCK; i++) dot += w[b * BLOCK + i] * xq[(at + b) * BLOCK + i];
+                acc += ws[b / per_group] * xs[at + b] * (float)dot;
+            }
+            out[(size_t)m * n + row] = acc;
+#endif
+        }
     }
     free(xq), free(xs), free(xsum);
     return 0;
