@@ -87,9 +87,7 @@ def test_gguf_4bit_weights_stay_int4_and_match_the_dequantized_model(
     packed = ModelRunner(runner_config_for(str(tiny_ggufs[name]), dtype="float32"))
     head = packed.model.quantized_head
     assert head is not None and head.qweight.dtype == torch.int8  # as llama.cpp's output
-    layers = [
-        m for m in packed.model.modules() if isinstance(m, QuantizedLinear) and m is not head
-    ]
+    layers = [m for m in packed.model.modules() if isinstance(m, QuantizedLinear) and m is not head]
     assert layers and all(m.qweight.dtype == torch.uint8 and m.qweight.numel() for m in layers)
     assert all(m.group_size == 32 for m in layers)
     # Every int4 layer holds exactly the file's values (the kernels then multiply them with
@@ -114,9 +112,7 @@ def test_q8_0_and_float_tensors_are_dequantized(
 ) -> None:
     runner = ModelRunner(runner_config_for(str(tiny_ggufs["llama-Q8_0"])))
     head = runner.model.quantized_head
-    layers = [
-        m for m in runner.model.modules() if isinstance(m, QuantizedLinear) and m is not head
-    ]
+    layers = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear) and m is not head]
     assert layers and all(m.qweight.numel() == 0 for m in layers)  # float copies run
 
 
