@@ -485,20 +485,15 @@ def _start(
     name: str, cmd: list[str], port: int, log: Path, threads: str, ready_path: str, timeout: float
 ) -> Server:
     """Runs `cmd` (output to `log`) and waits until GET `ready_path` answers 200."""
-    import httpx
+    _sibling_modules()
+    from _peer_server import wait_ready
 
     env = {**os.environ, "OMP_NUM_THREADS": threads}
     print(f"+ {' '.join(cmd)}", flush=True)
     process = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     server = Server(process, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"{server.url}{ready_path}", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    if wait_ready(process, f"{server.url}{ready_path}", timeout):
+        return server
     server.stop()
     tail = log.read_text(errors="replace")[-2000:]
     raise RuntimeError(f"{name} did not start; its log ends with:\n{tail}")
@@ -512,6 +507,13 @@ def prepare_gguf(
     ensure_installed(cache_dir)
     gguf = convert(hf_dir, outtype=outtype, cache_dir=cache_dir)
     return quantize(gguf, qtype=quant, cache_dir=cache_dir) if quant else gguf
+
+
+def _sibling_modules() -> None:
+    """Put this folder on the path (for `_peer_server`) when loaded from a file path."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
 
 
 def _main(argv: list[str]) -> int:

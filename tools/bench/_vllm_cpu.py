@@ -226,7 +226,8 @@ def start_server(
     """A vLLM server on `model_dir`, ready (its /health answers 200); RuntimeError with the
     log's tail if it exits or is not ready within `timeout` seconds (it is then stopped).
     Needs `ensure_installed(cache_dir)` first; starting takes one to two minutes on 2 cores."""
-    import httpx
+    _sibling_modules()
+    from _peer_server import wait_ready
 
     cmd = server_command(model_dir, port, served_name, options, cache_dir)
     env = server_env(options, cache_dir)
@@ -237,17 +238,18 @@ def start_server(
         cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
     server = Server(process, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    if wait_ready(process, f"{server.url}/health", timeout, interval=1):
+        return server
     server.stop()
     tail = log.read_text(errors="replace")[-3000:]
     raise RuntimeError(f"vLLM's server did not start; its log ({log}) ends with:\n{tail}")
+
+
+def _sibling_modules() -> None:
+    """Put this folder on the path (for `_peer_server`) when loaded from a file path."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
 
 
 def _main(argv: list[str]) -> int:
