@@ -53,6 +53,28 @@ static void quantize_rows(const float *x, int m_rows, int k, int interleave, int
     }
 }
 
+/* The activations of one call, rounded to int8 per block (see quantize_rows). */
+typedef struct {
+    int8_t *q;
+    float *scale, *sum;
+} Activations;
+
+static void release(Activations *a) { free(a->q), free(a->scale), free(a->sum); }
+
+/* Allocates and fills `a`; nonzero (nothing held) when memory runs out. */
+static int prepare(const float *x, int m_rows, int k, int interleave, Activations *a) {
+    size_t blocks = (size_t)m_rows * (k / BLOCK);
+    a->q = malloc((size_t)m_rows * k);
+    a->scale = malloc(sizeof(float) * blocks);
+    a->sum = malloc(sizeof(float) * blocks);
+    if (!a->q || !a->scale || !a->sum) {
+        release(a);
+        return 1;
+    }
+    quantize_rows(x, m_rows, k, interleave, a->q, a->scale, a->sum);
+    return 0;
+}
+
 #ifdef RADIXLM_AVX2
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -149,14 +171,10 @@ int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
                       const float *scales, const float *zeros, int n, int group, float *out) {
     if (m_rows < 1 || m_rows > MAX_ROWS || group % BLOCK || k % group) return -1;
     int blocks = k / BLOCK, per_group = group / BLOCK, groups = k / group;
-    int8_t *xq = malloc((size_t)m_rows * k);
-    float *xs = malloc(sizeof(float) * (size_t)m_rows * blocks);
-    float *xsum = malloc(sizeof(float) * (size_t)m_rows * blocks);
-    if (!xq || !xs || !xsum) {
-        free(xq), free(xs), free(xsum);
-        return -1;
-    }
-    quantize_rows(x, m_rows, k, 1, xq, xs, xsum);
+    Activations a;
+    if (prepare(x, m_rows, k, 1, &a)) return -1;
+    const int8_t *xq = a.q;
+    const float *xs = a.scale, *xsum = a.sum;
     for (int row = 0; row < n; row++) {
         const uint8_t *q = qweight + (size_t)row * (k / 2);
         const float *s = scales + (size_t)row * groups;
@@ -193,7 +211,7 @@ int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
         for (int m = 0; m < m_rows; m++) out[(size_t)m * n + row] = acc[m] - offset[m];
 #endif
     }
-    free(xq), free(xs), free(xsum);
+    release(&a);
     return 0;
 }
 
@@ -229,14 +247,10 @@ int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
                       const float *scales, int n, int group, float *out) {
     if (m_rows < 1 || m_rows > MAX_ROWS || group % BLOCK || k % group) return -1;
     int blocks = k / BLOCK, per_group = group / BLOCK, groups = k / group;
-    int8_t *xq = malloc((size_t)m_rows * k);
-    float *xs = malloc(sizeof(float) * (size_t)m_rows * blocks);
-    float *xsum = malloc(sizeof(float) * (size_t)m_rows * blocks);
-    if (!xq || !xs || !xsum) {
-        free(xq), free(xs), free(xsum);
-        return -1;
-    }
-    quantize_rows(x, m_rows, k, 0, xq, xs, xsum);
+    Activations a;
+    if (prepare(x, m_rows, k, 0, &a)) return -1;
+    const int8_t *xq = a.q;
+    const float *xs = a.scale;
     for (int row = 0; row < n; row++) {
         const int8_t *w = weight + (size_t)row * k;
         const float *ws = scales + (size_t)row * groups;
@@ -255,6 +269,6 @@ int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
 #endif
         }
     }
-    free(xq), free(xs), free(xsum);
+    release(&a);
     return 0;
 }
