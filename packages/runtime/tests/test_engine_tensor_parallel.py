@@ -4,6 +4,7 @@ and a rank that dies or hangs takes it down cleanly."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -220,7 +221,10 @@ def test_a_hung_rank_times_out_and_takes_the_engine_down(model_dir: Path) -> Non
         try:
             (errors, took), _ = _stream_until_error(eng, 4, lambda: os.kill(worker, signal.SIGSTOP))
         finally:
-            os.kill(worker, signal.SIGKILL)
+            # The engine may have ended the hung rank already (a loaded machine is slow to
+            # get here): then there is nothing left to kill.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
         assert all(isinstance(e, EngineUnavailable) for e in errors), errors
         # The collective waits out its timeout, then every request is answered.
         assert timeout * 0.5 < took < timeout + 15
