@@ -127,6 +127,13 @@ def _load() -> ctypes.CDLL | None:
     return _library
 
 
+def _loaded() -> ctypes.CDLL:
+    library = _load()
+    if library is None:
+        raise RuntimeError("radixlm's CPU kernels are not available (see available())")
+    return library
+
+
 def available() -> bool:
     """Whether the CPU kernels are built (building them now if they were not tried yet)."""
     return _load() is not None
@@ -152,9 +159,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     group of g columns, g a multiple of 32), activations rounded to int8 per 32 columns; one
     thread; float32 ``[M, N]``. Raises RuntimeError when the kernels are not available or
     the shapes are not taken."""
-    library = _load()
-    if library is None:
-        raise RuntimeError("radixlm's CPU kernels are not available (see available())")
+    library = _loaded()
     rows, k = x.shape
     n = weight.shape[0]
     groups = 1 if scales.dim() == 1 else scales.shape[1]
@@ -192,10 +197,9 @@ def int4_linear(
     """``x @ dequantize_int4(qweight, scales, zeros, group_size).T`` for float32 ``x``
     ``[M, K]`` with M <= MAX_ROWS on CPU tensors, activations quantized per 32 columns to
     int8; float32 ``[M, N]``. ``scales`` and ``zeros`` ``[N, K // group_size]`` float32,
-    ``group_size`` a multiple of 32; one thread. Raises RuntimeError when the kernels are not available or the shapes are not taken."""
-    library = _load()
-    if library is None:
-        raise RuntimeError("radixlm's CPU kernels are not available (see available())")
+    ``group_size`` a multiple of 32; one thread. Raises RuntimeError when the kernels are
+    not available or the shapes are not taken."""
+    library = _loaded()
     rows, k = x.shape
     n = qweight.shape[0]
     _rows_and_groups("int4_linear", rows, k, group_size)
