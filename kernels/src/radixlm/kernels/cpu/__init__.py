@@ -33,7 +33,8 @@ import torch
 
 logger = logging.getLogger("radixlm.kernels.cpu")
 
-_SOURCE = Path(__file__).with_name("gemv.c")
+#: The sources of the one library: the products (gemv.c) and the decode step (decode.c).
+_SOURCES = (Path(__file__).with_name("gemv.c"), Path(__file__).with_name("decode.c"))
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 #: The most activation rows one call takes (decode batches); more run elsewhere.
 MAX_ROWS = 16
@@ -63,7 +64,7 @@ def _build() -> ctypes.CDLL | None:
     if shutil.which(compiler) is None:
         logger.info("no C compiler (%s): radixlm's CPU kernels are not built", compiler)
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(
         source + compiler.encode() + " ".join(_FLAGS).encode() + _cpu_model().encode()
     ).hexdigest()[:16]
@@ -72,7 +73,7 @@ def _build() -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as work:
             built = Path(work) / target.name
-            command = [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"]
+            command = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 logger.warning(

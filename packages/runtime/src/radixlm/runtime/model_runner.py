@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from radixlm import kernels
 from radixlm.runtime.attention import AttentionBackend, create_backend
 from radixlm.runtime.config import LoraConfig, RunnerConfig
+from radixlm.runtime.cpu_decode import CpuDecodePath, NotTaken
 from radixlm.runtime.cuda_graph import CudaGraphRunner, cuda_graphs_usable
 from radixlm.runtime.distributed import SINGLE, TensorParallel
 from radixlm.runtime.forward_batch import ForwardBatch
@@ -150,6 +152,24 @@ class ModelRunner:
                     sizes,
                 )
                 self.graph_runner.capture()
+        #: Decode steps in one C call on the CPU (`radixlm.runtime.cpu_decode`), or None.
+        self.cpu_decode: CpuDecodePath | None = None
+        self._build_cpu_decode()
+
+    def _build_cpu_decode(self) -> None:
+        self.cpu_decode = None
+        if self.device.type != "cpu" or self.tp.enabled:
+            return
+        if self.lora is not None:
+            logger.info("CPU decode path off: LoRA adapters are served")
+            return
+        try:
+            self.cpu_decode = CpuDecodePath.build(self.model, self.kv_pool)
+        except NotTaken as reason:
+            logger.info("CPU decode path off: %s", reason)
+            return
+        logger.info("CPU decode path on: decode steps of up to %d requests run in one C call",
+                    kernels.cpu.MAX_ROWS)  # fmt: skip
 
     @property
     def vocab_size(self) -> int:
@@ -184,14 +204,17 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             self.stats.graph_replays += 1
             return LogitsOutput(self.graph_runner.replay(batch))
-        self.attention.prepare(batch)
-        hidden = self.model(
-            batch.input_ids,
-            batch.model_positions,
-            self.attention,
-            batch.input_embeds,
-            batch.input_embeds_rows,
-        )
+        if self.cpu_decode is not None and self.cpu_decode.can_run(batch):
+            hidden = self.cpu_decode.forward(batch)
+        else:
+            self.attention.prepare(batch)
+            hidden = self.model(
+                batch.input_ids,
+                batch.model_positions,
+                self.attention,
+                batch.input_embeds,
+                batch.input_embeds_rows,
+            )
         if batch.num_tokens == batch.batch_size:  # one token per request: every row is last
             logits = self.model.compute_logits(hidden)
         else:
@@ -256,6 +279,7 @@ class ModelRunner:
             self.model.load_weights(
                 (name, tensor.to(device=self.device, dtype=self.dtype)) for name, tensor in weights
             )
+        self._build_cpu_decode()  # the layers may hold new tensors
 
     def reset(self) -> None:
         """Free every KV slot and request row (the engine's flush_cache)."""

@@ -76,6 +76,36 @@ def _int8_c_kernel(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul | None:
     return few_rows if _works(few_rows, reference, qweight, rtol=0.02) else None
 
 
+def int8_grouped_cpu(values: torch.Tensor, scales: torch.Tensor, group_size: int) -> Matmul:
+    """x @ (values * scales per group of columns).T on the CPU (a GGUF file's Q8_0): decode
+    rows on one intra-op thread run radixlm's C kernel (Q8_0 x Q8_0, llama.cpp's arithmetic);
+    other inputs the weight dequantized into their dtype at the call (for a prefill that is one
+    more pass over the weight, which keeps it 8-bit in memory)."""
+    weight = values.contiguous()
+    scales32 = scales.to(torch.float32).contiguous()
+
+    def dense(x: torch.Tensor) -> torch.Tensor:
+        full = kernels.dequantize_int8_grouped(weight, scales32, group_size).to(x.dtype)
+        return torch.nn.functional.linear(x, full)
+
+    if group_size % kernels.cpu.BLOCK or not kernels.cpu.available():
+        return dense
+
+    def few_rows(x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32).contiguous()
+        return kernels.cpu.int8_linear(x32, weight, scales32).to(x.dtype)
+
+    if not _works(few_rows, dense, weight):
+        return dense
+
+    def c_or_dense(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= kernels.cpu.MAX_ROWS and torch.get_num_threads() == 1:
+            return few_rows(x)
+        return dense(x)
+
+    return c_or_dense
+
+
 def _int8_weight_only_torch(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul:
     """fbgemm's two passes (or a dequantized copy for prefill), else torch's own kernel."""
 

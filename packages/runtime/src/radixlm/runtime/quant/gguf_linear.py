@@ -4,8 +4,9 @@ A GGUF file chooses a type per tensor, so one layer's rows (q, k and v of a merg
 whole projection) may come as `Int4Rows` (Q4_0 / Q4_1 / Q4_K, converted exactly into the int4
 layout, groups of 32), `Int8GroupRows` (Q8_0: int8 with a scale per group of 32) or a float
 tensor (a type with no kernel here, dequantized). `finalize` runs the kernel every row can take:
-the int4 kernels when all rows are int4, the grouped int8 kernel (CUDA) when all are Q8_0,
-otherwise a float copy of every row.
+the int4 kernels when all rows are int4, the grouped int8 kernels when all are Q8_0 (Triton
+on CUDA; on the CPU radixlm's C kernel for decode rows, a dequantized product per call for
+more), otherwise a float copy of every row.
 """
 
 from __future__ import annotations
@@ -135,13 +136,24 @@ class GGUFLinear(QuantizedLinear):
             return
         on_cuda = self.qweight.device.type == "cuda"
         values, scales, group = self._int8, self._int8_scales, self.group_size
-        if kinds == {_INT8_GROUPS} and on_cuda and values is not None and scales is not None:
-            self._matmul = lambda x: kernels.int8_grouped_linear(x, values, scales, group)
+        if kinds == {_INT8_GROUPS} and values is not None and scales is not None:
+            if on_cuda:
+                self._matmul = lambda x: kernels.int8_grouped_linear(x, values, scales, group)
+            else:
+                self._matmul = compute.int8_grouped_cpu(values, scales, group)
         else:
             self._matmul = self._float_matmul()
         # The int4 buffers are not read by either path.
         self.qweight = torch.empty(0, dtype=self.qweight.dtype)
         self.scales = self.zeros = torch.empty(0)
+
+    def cpu_int8_operands(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The int8 values [N, K] and float32 scales [N, K / 32] of a finalized layer whose
+        rows are all Q8_0 on the CPU (kept in that layout there), else None."""
+        values, scales = self._int8, self._int8_scales
+        if values is None or scales is None or values.device.type != "cpu":
+            return None
+        return values, scales
 
     def _float_matmul(self) -> compute.Matmul:
         """Every row in a float copy (some row has no kernel here, or the rows differ)."""

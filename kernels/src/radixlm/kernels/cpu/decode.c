@@ -1,0 +1,198 @@
+/* A decode step through a Llama-like model's decoder layers in one call, for few rows on
+ * one CPU thread: per layer RMSNorm, the q/k/v projection, per-head q/k RMSNorm (Qwen3),
+ * the rotary embedding, the new token's K/V written into the pool, attention over each
+ * request's cached keys (a sliding window when the layer has one), the output projection,
+ * the residual, RMSNorm, gate/up, SiLU x up, the down projection and the residual.
+ *
+ * The projections are gemv.c's int4 and int8 products (the same arithmetic as the per-layer
+ * path: activations rounded to int8 per block of 32 columns); everything else is float32,
+ * in the order the torch path computes it. What this saves is the Python and operator
+ * dispatch of the ~60 torch operations per layer a decode step otherwise runs, which on a
+ * small model costs more than the products themselves.
+ *
+ * K/V pools: float32 [slots, kv_heads, head_dim] per layer. Request m's keys are the slots
+ * `table[rows[m] * table_stride + i]` for i < lengths[m] (its new token last, already in the
+ * table); the new token's K/V go to `out_slots[m]`.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RADIXLM_AVX2 1
+#endif
+
+int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
+                      const float *scales, const float *zeros, int n, int group, float *out);
+int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
+                      const float *scales, int n, int group, float *out);
+
+enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2 };
+
+typedef struct {
+    int32_t kind, n, k, group;
+    const void *weight;
+    const float *scales, *zeros, *bias; /* zeros: int4 only; bias may be NULL */
+} RlmLinear;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;        /* [head_dim], or NULL */
+    RlmLinear qkv, o, gate_up, down;
+    float *k_pool, *v_pool;
+    int32_t window; /* keys attended per token; 0: all */
+    int32_t pad;
+} RlmLayer;
+
+typedef struct {
+    int32_t hidden, heads, kv_heads, head_dim, intermediate, layers;
+    float eps, scaling;
+} RlmShape;
+
+static int linear(const RlmLinear *l, const float *x, int m_rows, float *out) {
+    int code;
+    if (l->kind == LINEAR_INT4)
+        code = radixlm_int4_gemv(x, m_rows, l->k, (const uint8_t *)l->weight, l->scales, l->zeros,
+                                 l->n, l->group, out);
+    else if (l->kind == LINEAR_INT8)
+        code = radixlm_int8_gemv(x, m_rows, l->k, (const int8_t *)l->weight, l->scales, l->n,
+                                 l->group, out);
+    else
+        return -1;
+    if (code || !l->bias) return code;
+    for (int m = 0; m < m_rows; m++)
+        for (int j = 0; j < l->n; j++) out[(size_t)m * l->n + j] += l->bias[j];
+    return 0;
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    int i = 0;
+    float total = 0.0f;
+#ifdef RADIXLM_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    total = _mm_cvtss_f32(lo);
+#endif
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* y += a * x */
+static inline void axpy(float a, const float *x, float *y, int n) {
+    int i = 0;
+#ifdef RADIXLM_AVX2
+    __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* out = x / rms(x) * weight (x and out may be the same) */
+static void rms_norm(const float *x, const float *weight, int n, float eps, float *out) {
+    float inv = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = weight[i] * (x[i] * inv);
+}
+
+/* x = x * cos + swap_halves(x) * signed_sin (the rotate-half layout of models/rope.py) */
+static void rotate(float *x, const float *cos, const float *sin, int dim) {
+    int half = dim / 2;
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[half + i];
+        x[i] = a * cos[i] + b * sin[i];
+        x[half + i] = b * cos[half + i] + a * sin[half + i];
+    }
+}
+
+/* One query head over one request's keys: out[head_dim] = softmax(q . k * scaling) . v */
+static void attend(const float *q, const float *k_pool, const float *v_pool, const int32_t *slots,
+                   int first, int length, int stride, int head_dim, float scaling, float *scores,
+                   float *out) {
+    float top = -INFINITY;
+    for (int i = first; i < length; i++) {
+        float s = dot(q, k_pool + (size_t)slots[i] * stride, head_dim) * scaling;
+        scores[i] = s;
+        top = s > top ? s : top;
+    }
+    float total = 0.0f;
+    for (int i = first; i < length; i++) {
+        scores[i] = expf(scores[i] - top);
+        total += scores[i];
+    }
+    memset(out, 0, sizeof(float) * head_dim);
+    for (int i = first; i < length; i++) axpy(scores[i], v_pool + (size_t)slots[i] * stride, out, head_dim);
+    float inv = 1.0f / total;
+    for (int d = 0; d < head_dim; d++) out[d] *= inv;
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* hidden [M, hidden] in place through every layer; cos/sin [M, head_dim]. Returns 0, -1 for
+ * shapes a product does not take, -2 when memory runs out. */
+int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_rows, float *hidden,
+                          const float *cos, const float *sin, const int64_t *out_slots,
+                          const int32_t *table, int64_t table_stride, const int64_t *rows,
+                          const int64_t *lengths) {
+    const int h = shape->hidden, hd = shape->head_dim, heads = shape->heads;
+    const int kv_heads = shape->kv_heads, inter = shape->intermediate;
+    const int q_size = heads * hd, kv_size = kv_heads * hd, qkv_size = q_size + 2 * kv_size;
+    const int per_kv = heads / kv_heads;
+    int64_t longest = 1;
+    for (int m = 0; m < m_rows; m++) longest = lengths[m] > longest ? lengths[m] : longest;
+    size_t width = (size_t)(qkv_size > 2 * inter ? qkv_size : 2 * inter);
+    float *normed = malloc(sizeof(float) * (size_t)m_rows * (h > inter ? h : inter));
+    float *wide = malloc(sizeof(float) * (size_t)m_rows * width);
+    float *attended = malloc(sizeof(float) * (size_t)m_rows * q_size);
+    float *projected = malloc(sizeof(float) * (size_t)m_rows * h);
+    float *scores = malloc(sizeof(float) * (size_t)longest);
+    int code = 0;
+    if (!normed || !wide || !attended || !projected || !scores) code = -2;
+    for (int layer = 0; layer < shape->layers && !code; layer++) {
+        const RlmLayer *l = layers + layer;
+        for (int m = 0; m < m_rows; m++)
+            rms_norm(hidden + (size_t)m * h, l->input_norm, h, shape->eps, normed + (size_t)m * h);
+        if ((code = linear(&l->qkv, normed, m_rows, wide))) break;
+        for (int m = 0; m < m_rows; m++) {
+            float *q = wide + (size_t)m * qkv_size, *k = q + q_size, *v = k + kv_size;
+            const float *c = cos + (size_t)m * hd, *s = sin + (size_t)m * hd;
+            for (int head = 0; head < heads; head++) {
+                if (l->q_norm) rms_norm(q + head * hd, l->q_norm, hd, shape->eps, q + head * hd);
+                rotate(q + head * hd, c, s, hd);
+            }
+            for (int head = 0; head < kv_heads; head++) {
+                if (l->k_norm) rms_norm(k + head * hd, l->k_norm, hd, shape->eps, k + head * hd);
+                rotate(k + head * hd, c, s, hd);
+            }
+            memcpy(l->k_pool + (size_t)out_slots[m] * kv_size, k, sizeof(float) * kv_size);
+            memcpy(l->v_pool + (size_t)out_slots[m] * kv_size, v, sizeof(float) * kv_size);
+            const int32_t *slots = table + rows[m] * table_stride;
+            int length = (int)lengths[m];
+            int first = l->window > 0 && length > l->window ? length - l->window : 0;
+            for (int head = 0; head < heads; head++) {
+                int group = head / per_kv;
+                attend(q + head * hd, l->k_pool + group * hd, l->v_pool + group * hd, slots, first,
+                       length, kv_size, hd, shape->scaling, scores,
+                       attended + (size_t)m * q_size + head * hd);
+            }
+        }
+        if ((code = linear(&l->o, attended, m_rows, projected))) break;
+        for (size_t i = 0; i < (size_t)m_rows * h; i++) hidden[i] += projected[i];
+        for (int m = 0; m < m_rows; m++)
+            rms_norm(hidden + (size_t)m * h, l->post_norm, h, shape->eps, normed + (size_t)m * h);
+        if ((code = linear(&l->gate_up, normed, m_rows, wide))) break;
+        for (int m = 0; m < m_rows; m++) {
+            const float *gate = wide + (size_t)m * 2 * inter, *up = gate + inter;
+            float *act = normed + (size_t)m * inter;
+            for (int j = 0; j < inter; j++) act[j] = silu(gate[j]) * up[j];
+        }
+        if ((code = linear(&l->down, normed, m_rows, projected))) break;
+        for (size_t i = 0; i < (size_t)m_rows * h; i++) hidden[i] += projected[i];
+    }
+    free(normed), free(wide), free(attended), free(projected), free(scores);
+    return code;
+}

@@ -1,0 +1,163 @@
+"""The CPU decode path: a decode step of a quantized Llama-like model in one C call.
+
+On one intra-op CPU thread a small model's decode step costs more in Python and operator
+dispatch (about 60 torch operations per decoder layer around the four projections) than in
+the projections themselves. When every projection is int4 or int8 in the layouts of
+`radixlm.kernels.cpu` (load-time `int8`/`int4` quantization, or a GGUF file's Q4_0/Q4_1/Q4_K
+and Q8_0 tensors), the model float32 and its KV pool float32, a step of at most
+`kernels.cpu.MAX_ROWS` requests that each add one token runs every decoder layer through
+`radixlm.kernels.cpu.decode.DecodeLayers`: the same products (activations rounded to int8 per
+32 columns, as the per-layer path computes them there) with the norms, rotary embedding, K/V
+writes and attention in C. The embedding lookup, the final norm and the LM head stay in torch.
+
+The model runner builds it once after loading (`CpuDecodePath.build`, which says why not when
+it cannot) and uses it for the steps `can_run` accepts; everything else takes the model's own
+forward. `RADIXLM_CPU_KERNELS=0` turns it off with the other C kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixlm import kernels
+from radixlm.kernels.cpu.decode import (
+    DecodeLayers,
+    DecoderLayerWeights,
+    DecoderShape,
+    LinearWeights,
+)
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.memory import KVPool
+from radixlm.runtime.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP
+from radixlm.runtime.quant.gguf_linear import GGUFLinear
+from radixlm.runtime.quant.linear import QuantizedLinear
+
+
+class NotTaken(Exception):
+    """Why the CPU decode path does not take this model."""
+
+
+def _bias(module: nn.Module) -> torch.Tensor | None:
+    bias = getattr(module, "bias", None)
+    if bias is None:
+        return None
+    if bias.dtype != torch.float32:
+        raise NotTaken("a projection's bias is not float32")
+    return bias.data.contiguous()
+
+
+def _projection(module: nn.Module, what: str) -> LinearWeights:
+    """The C layout of one projection, or NotTaken."""
+    if isinstance(module, GGUFLinear):
+        operands = module.cpu_int8_operands()
+        if operands is not None:
+            values, scales = operands
+            return LinearWeights("int8", values, scales, bias=_bias(module))
+    if not isinstance(module, QuantizedLinear) or module.qweight.numel() == 0:
+        raise NotTaken(f"{what} is not an int4 or int8 layer")
+    quant = module.quant
+    if quant.format == "int4" and module.padded_in == module.in_features:
+        return LinearWeights(
+            "int4",
+            module.qweight.contiguous(),
+            module.scales.to(torch.float32).contiguous(),
+            module.zeros.to(torch.float32).contiguous(),
+            module.group_size,
+            _bias(module),
+        )
+    if quant.format == "int8" and not quant.activations_int8:
+        return LinearWeights(
+            "int8", module.qweight.contiguous(), module.scale.to(torch.float32).contiguous(),
+            bias=_bias(module),
+        )  # fmt: skip
+    raise NotTaken(f"{what} is {quant.format} in a layout the C kernels do not take")
+
+
+def _layer(layer: nn.Module, index: int, pool: KVPool) -> DecoderLayerWeights:
+    if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, DecoderMLP):
+        raise NotTaken(f"layer {index} is not a dense decoder layer (mixture of experts?)")
+    attention = layer.self_attn
+    q_norm = attention.q_norm.weight.data if attention.q_norm is not None else None
+    k_norm = attention.k_norm.weight.data if attention.k_norm is not None else None
+    what = f"layer {index}"
+    return DecoderLayerWeights(
+        input_norm=layer.input_layernorm.weight.data,
+        post_norm=layer.post_attention_layernorm.weight.data,
+        qkv=_projection(attention.qkv_proj, f"{what}'s q/k/v projection"),
+        o=_projection(attention.o_proj, f"{what}'s output projection"),
+        gate_up=_projection(layer.mlp.gate_up_proj, f"{what}'s gate/up projection"),
+        down=_projection(layer.mlp.down_proj, f"{what}'s down projection"),
+        k_pool=pool.k_buffers[index],
+        v_pool=pool.v_buffers[index],
+        q_norm=q_norm,
+        k_norm=k_norm,
+        window=attention.spec.sliding_window,
+    )
+
+
+class CpuDecodePath:
+    """Decode steps of `model` through `DecodeLayers` (see the module docstring)."""
+
+    def __init__(self, model: DecoderForCausalLM, layers: DecodeLayers) -> None:
+        self.model = model
+        self.layers = layers
+
+    @classmethod
+    def build(cls, model: nn.Module, pool: KVPool) -> CpuDecodePath:
+        """The path for this model and pool; raises NotTaken saying why it cannot run."""
+        if pool.device.type != "cpu":
+            raise NotTaken("the model is not on the CPU")
+        if not kernels.cpu.available():
+            raise NotTaken("radixlm's CPU kernels are not built here (or are turned off)")
+        if type(model) is not DecoderForCausalLM:
+            raise NotTaken(f"{type(model).__name__} is not a plain decoder")
+        if model.tp.enabled:
+            raise NotTaken("tensor parallelism")
+        if model.dtype != torch.float32 or pool.dtype != torch.float32:
+            raise NotTaken("the model or its KV cache is not float32")
+        arch = model.arch
+        spec = model.model.layers[0].self_attn.spec
+        shape = DecoderShape(
+            hidden=arch.hidden_size,
+            heads=spec.num_heads,
+            kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            intermediate=arch.intermediate_size,
+            rms_norm_eps=arch.rms_norm_eps,
+            scaling=spec.scaling,
+        )
+        weights = [_layer(layer, i, pool) for i, layer in enumerate(model.model.layers)]
+        try:
+            return cls(model, DecodeLayers(shape, weights))
+        except ValueError as error:
+            raise NotTaken(str(error)) from None
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """Whether this step is one the path takes: every request adds one token, at most
+        MAX_ROWS of them, no given embeddings or M-RoPE positions, on one torch thread."""
+        return (
+            batch.num_tokens == batch.batch_size <= kernels.cpu.MAX_ROWS
+            and batch.input_embeds is None
+            and batch.mrope_positions is None
+            and torch.get_num_threads() == 1
+        )
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final hidden states [B, hidden] (after the final norm), as the model's own
+        forward returns them; writes the new tokens' K/V into the pool."""
+        decoder = self.model.model
+        hidden = decoder.embed_tokens(batch.input_ids).contiguous()
+        count = hidden.shape[0]
+        cos, sin = decoder.rotary.cos_sin(batch.positions, torch.float32)
+        self.layers(
+            hidden,
+            cos.reshape(count, -1),
+            sin.reshape(count, -1),
+            batch.out_cache_loc,
+            batch.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+        )
+        normed: torch.Tensor = decoder.norm(hidden)
+        return normed
