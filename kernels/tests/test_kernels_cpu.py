@@ -26,11 +26,11 @@ def _weights(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, .
 def _kernel_arithmetic(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
 ) -> torch.Tensor:
-    """What the kernel computes, in float64: the codes' part with the activations rounded
-    to int8 per block of 32, the zero points' part with the exact activations."""
-    codes = rk.dequantize_int4(qweight, scales, torch.zeros_like(zeros), group).double()
-    shifts = rk.dequantize_int4(torch.zeros_like(qweight), scales, zeros, group).double()
-    return (_int8_activations(x).double() @ codes.T + x.double() @ shifts.T).float()
+    """What the kernel computes, in float64: the dequantized weights times the activations
+    rounded to int8 per block of 32 (the zero points' part included: over the rounded
+    activations, as llama.cpp's Q8_1 sums)."""
+    weights = rk.dequantize_int4(qweight, scales, zeros, group).double()
+    return (_int8_activations(x).double() @ weights.T).float()
 
 
 def _int8_activations(x: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,9 @@
  * (scale = absmax / 127), as llama.cpp multiplies its 4-bit blocks, so each block's dot
  * product is one multiply-add of unsigned 4-bit codes by signed 8-bit values:
  *
- *   y[m, n] = sum_b s[n, b] * xs[m, b] * dot(q[n, b], xq[m, b]) - s[n, b] z[n, b] sum(x[m, b])
+ *   y[m, n] = sum_b s[n, b] * xs[m, b] * (dot(q[n, b], xq[m, b]) - z[n, b] sum(xq[m, b]))
  *
- * with sum(x[m, b]) the block's exact float sum. One thread: no OpenMP runtime of its own
+ * (the zero points' part over the same rounded activations). One thread: no OpenMP runtime of its own
  * beside torch's (two would spin against each other). Built by radixlm.kernels.cpu (compiled
  * on first use).
  */
@@ -26,29 +26,33 @@
 #define BLOCK 32
 
 /* Per row m and block b: the int8 values (with `interleave`, even columns first, then odd
- * ones: the order int4 nibbles unpack in), their scale and the block's float sum. */
+ * ones: the order int4 nibbles unpack in), their scale and the sum of the rounded values
+ * (scale x the codes' sum, llama.cpp's Q8_1 sum: the zero points' part then rounds as the
+ * codes' part does, so an activation's rounding error is weighted by its weight, not by
+ * its code). */
 static void quantize_rows(const float *x, int m_rows, int k, int interleave, int8_t *xq, float *xs,
                           float *xsum) {
     int blocks = k / BLOCK;
     for (int m = 0; m < m_rows; m++) {
         for (int b = 0; b < blocks; b++) {
             const float *v = x + (size_t)m * k + (size_t)b * BLOCK;
-            float amax = 0.0f, sum = 0.0f;
+            float amax = 0.0f;
             for (int i = 0; i < BLOCK; i++) {
                 float a = fabsf(v[i]);
                 amax = a > amax ? a : amax;
-                sum += v[i];
             }
             float scale = amax / 127.0f;
             float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
             int8_t *out = xq + ((size_t)m * blocks + b) * BLOCK;
+            int sum = 0;
             for (int i = 0; i < BLOCK / 2; i++) {
                 int even = interleave ? i : 2 * i, odd = interleave ? BLOCK / 2 + i : 2 * i + 1;
                 out[even] = (int8_t)lrintf(v[2 * i] * inv);
                 out[odd] = (int8_t)lrintf(v[2 * i + 1] * inv);
+                sum += out[even] + out[odd];
             }
             xs[(size_t)m * blocks + b] = scale;
-            xsum[(size_t)m * blocks + b] = sum;
+            xsum[(size_t)m * blocks + b] = scale * (float)sum;
         }
     }
 }

@@ -9,8 +9,8 @@ that one, and `radixlm_gguf.json` in it names the file the weights come from.
 
 Weights are read by `gguf.GGUFReader` (memory-mapped). Q4_0, Q4_1 and Q4_K linear weights are
 converted exactly into the runtime's int4 layout (groups of 32, a float scale and zero point
-each) and stay 4-bit; Q8_0 ones stay int8 with their block scales where the device has the
-grouped int8 kernel (CUDA); every other type is dequantized by `gguf` into the compute dtype.
+each) and stay 4-bit; Q8_0 ones stay int8 with their block scales where the device has a
+grouped int8 kernel (Triton on CUDA, radixlm's C kernels on the CPU); every other type is dequantized by `gguf` into the compute dtype.
 """
 
 from __future__ import annotations

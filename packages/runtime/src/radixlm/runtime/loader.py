@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from radixlm import kernels
 from radixlm.runtime import gguf_checkpoint
 from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.distributed import SINGLE, TensorParallel
@@ -346,7 +347,8 @@ def _load_gguf_weights(model: DecoderForCausalLM, info: ModelInfo, show: bool) -
         else set()
     )
     # Packed rows travel where tensors do; GGUFLinear.load_weight takes them. Q8_0 stays
-    # packed on CUDA only: CPUs have no grouped int8 kernel, and a float copy is faster there.
+    # packed on CUDA (Triton) and on CPUs where radixlm's C kernels are built; without them
+    # a float copy is faster.
     weights: Iterator[tuple[str, Any]] = gguf_checkpoint.iter_gguf_weights(
         info.gguf_file,
         names,
@@ -354,7 +356,7 @@ def _load_gguf_weights(model: DecoderForCausalLM, info: ModelInfo, show: bool) -
         info.dtype,
         keep_int4,
         show,
-        keep_int8=info.device.type == "cuda",
+        keep_int8=info.device.type == "cuda" or kernels.cpu.available(),
     )
     try:
         loaded = model.load_weights(weights)

@@ -63,8 +63,8 @@ class QuantConfig:
         }[self.format]
         if self.source == "gguf":
             return (
-                "gguf: Q4_0 / Q4_1 / Q4_K weights kept as int4 in groups of 32, other types "
-                "dequantized to the compute dtype"
+                "gguf: Q4_0 / Q4_1 / Q4_K weights kept as int4 in groups of 32, Q8_0 as int8 "
+                "where a grouped int8 kernel runs, other types dequantized to the compute dtype"
             )
         if self.activations_int8:
             detail += ", int8 activations per token"

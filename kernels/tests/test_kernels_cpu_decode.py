@@ -1,0 +1,210 @@
+"""`radixlm.kernels.cpu.decode.DecodeLayers` against the same decoder layers written in torch
+(the products through `int4_linear` / `int8_linear`, everything else in float32 torch): the
+residual stream and the K/V written, for int4 and int8 weights, GQA, biases, per-head q/k
+norms, a sliding window, and requests of different lengths in scattered slots; and the shapes
+it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import radixlm.kernels as rk
+from radixlm.kernels import cpu
+from radixlm.kernels.cpu.decode import (
+    DecodeLayers,
+    DecoderLayerWeights,
+    DecoderShape,
+    LinearWeights,
+)
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler here")
+
+SLOTS = 64
+
+
+def _linear(
+    kind: str, n: int, k: int, group: int, bias: bool, gen: torch.Generator
+) -> LinearWeights:
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    b = torch.randn(n, generator=gen) * 0.1 if bias else None
+    if kind == "int4":
+        q, s, z = rk.quantize_int4(w, group, fit=True)
+        return LinearWeights("int4", q, s.float().contiguous(), z.float().contiguous(), group, b)
+    if group == k:
+        q, s = rk.quantize_int8(w)
+        return LinearWeights("int8", q, s.float().contiguous(), bias=b)
+    q, s = rk.quantize_int8_grouped(w, group)
+    return LinearWeights("int8", q, s.float().contiguous(), bias=b)
+
+
+def _apply(weights: LinearWeights, x: torch.Tensor) -> torch.Tensor:
+    if weights.kind == "int4":
+        assert weights.zeros is not None
+        y = cpu.int4_linear(x, weights.weight, weights.scales, weights.zeros, weights.group_size)
+    else:
+        y = cpu.int8_linear(x, weights.weight, weights.scales)
+    return y if weights.bias is None else y + weights.bias
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _reference(shape: DecoderShape, layers: list[DecoderLayerWeights], hidden: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
+               table: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> None:  # fmt: skip
+    d, heads, kv_heads = shape.head_dim, shape.heads, shape.kv_heads
+    count = hidden.shape[0]
+    for layer in layers:
+        qkv = _apply(layer.qkv, _norm(hidden, layer.input_norm, shape.rms_norm_eps))
+        q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        q, k, v = (
+            q.reshape(count, heads, d),
+            k.reshape(count, kv_heads, d),
+            v.reshape(count, kv_heads, d),
+        )
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = (
+                _norm(q, layer.q_norm, shape.rms_norm_eps),
+                _norm(k, layer.k_norm, shape.rms_norm_eps),
+            )
+        q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+        layer.k_pool[out_slots] = k
+        layer.v_pool[out_slots] = v
+        attended = torch.empty(count, heads, d)
+        for m in range(count):
+            length = int(lengths[m])
+            first = max(0, length - layer.window) if layer.window else 0
+            slots = table[rows[m], first:length].long()
+            keys = layer.k_pool[slots].repeat_interleave(heads // kv_heads, dim=1)
+            values = layer.v_pool[slots].repeat_interleave(heads // kv_heads, dim=1)
+            scores = torch.einsum("hd,lhd->hl", q[m], keys) * shape.scaling
+            attended[m] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
+        hidden += _apply(layer.o, attended.reshape(count, -1))
+        gate, up = _apply(layer.gate_up, _norm(hidden, layer.post_norm, shape.rms_norm_eps)).chunk(
+            2, -1
+        )
+        hidden += _apply(layer.down, torch.nn.functional.silu(gate) * up)
+
+
+def _model(kind: str, group: int, *, qk_norm: bool, bias: bool, window: int | None,
+           heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
+           layers: int = 2) -> tuple[DecoderShape, list[DecoderLayerWeights]]:  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    hidden, inter = 64, 96
+    shape = DecoderShape(hidden, heads, kv_heads, head_dim, inter, 1e-5, head_dim**-0.5)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    out = []
+    for _ in range(layers):
+        norm = lambda n: (1 + 0.1 * torch.randn(n, generator=gen)).contiguous()  # noqa: E731
+        out.append(
+            DecoderLayerWeights(
+                input_norm=norm(hidden),
+                post_norm=norm(hidden),
+                qkv=_linear(kind, q + 2 * kv, hidden, min(group, hidden), bias, gen),
+                o=_linear(kind, hidden, q, min(group, q), False, gen),
+                gate_up=_linear(kind, 2 * inter, hidden, min(group, hidden), False, gen),
+                down=_linear(kind, hidden, inter, 32 if inter % group else group, False, gen),
+                k_pool=torch.randn(SLOTS, kv_heads, head_dim, generator=gen),
+                v_pool=torch.randn(SLOTS, kv_heads, head_dim, generator=gen),
+                q_norm=norm(head_dim) if qk_norm else None,
+                k_norm=norm(head_dim) if qk_norm else None,
+                window=window,
+            )
+        )
+    return shape, out
+
+
+def _step(lengths: list[int], head_dim: int) -> tuple[torch.Tensor, ...]:
+    """cos, sin, out_slots, table, rows, lengths of a step whose requests hold `lengths`
+    tokens each (their new one last), in a shuffled slot order."""
+    gen = torch.Generator().manual_seed(1)
+    order = torch.randperm(SLOTS, generator=gen)
+    table = torch.zeros(len(lengths) + 2, 40, dtype=torch.int32)
+    rows = torch.arange(len(lengths), dtype=torch.int64) + 1  # not row 0
+    start = 0
+    for row, length in zip(rows.tolist(), lengths, strict=True):
+        table[row, :length] = order[start : start + length].to(torch.int32)
+        start += length
+    out_slots = torch.tensor(
+        [int(table[r, n - 1]) for r, n in zip(rows.tolist(), lengths, strict=True)]
+    )
+    angles = torch.rand(len(lengths), head_dim // 2, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    return (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), out_slots, table, rows,
+            torch.tensor(lengths, dtype=torch.int64))  # fmt: skip
+
+
+def _run_both(shape: DecoderShape, layers: list[DecoderLayerWeights], hidden: torch.Tensor,
+              step: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """(C's hidden, the reference's), and the pools each wrote (as [k, v, k, v, ...])."""
+    pools = [(layer.k_pool.clone(), layer.v_pool.clone()) for layer in layers]
+    got = hidden.clone()
+    DecodeLayers(shape, layers)(got, *step)
+    written = [t.clone() for layer in layers for t in (layer.k_pool, layer.v_pool)]
+    for layer, (k, v) in zip(layers, pools, strict=True):
+        layer.k_pool.copy_(k)
+        layer.v_pool.copy_(v)
+    want = hidden.clone()
+    _reference(shape, layers, want, *step)
+    return got, want, *written
+
+
+CASES = [(False, False, None), (True, False, None), (False, True, 5)]
+
+
+@pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", 10**9)])
+@pytest.mark.parametrize("qk_norm,bias,window", CASES)
+def test_decode_layers_equal_the_torch_layers_one_by_one(
+    kind: str, group: int, qk_norm: bool, bias: bool, window: int | None
+) -> None:
+    """Layer by layer from the same input. (The products round activations to int8: a
+    float32 rounding difference upstream, in a norm's or a softmax's sum order, that moves
+    one activation across a rounding boundary changes a layer's output by ~1e-4 of its
+    scale, and such changes compound through layers: hence one layer at a time.)"""
+    shape, layers = _model(kind, group, qk_norm=qk_norm, bias=bias, window=window, layers=3)
+    step = _step([9, 1, 17, 4], shape.head_dim)
+    hidden = torch.randn(4, shape.hidden, generator=torch.Generator().manual_seed(2))
+    for layer in layers:
+        got, want, k, v = _run_both(shape, [layer], hidden, step)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(k, layer.k_pool, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v, layer.v_pool, atol=1e-4, rtol=1e-4)
+        hidden = want
+
+
+def test_several_layers_in_one_call_equal_one_call_per_layer() -> None:
+    shape, layers = _model("int4", 32, qk_norm=True, bias=True, window=None, layers=3)
+    step = _step([9, 1, 17, 4], shape.head_dim)
+    hidden = torch.randn(4, shape.hidden, generator=torch.Generator().manual_seed(2))
+    pools = [(layer.k_pool.clone(), layer.v_pool.clone()) for layer in layers]
+    together = hidden.clone()
+    DecodeLayers(shape, layers)(together, *step)
+    for layer, (k, v) in zip(layers, pools, strict=True):
+        layer.k_pool.copy_(k)
+        layer.v_pool.copy_(v)
+    apart = hidden.clone()
+    for layer in layers:
+        DecodeLayers(shape, [layer])(apart, *step)
+    assert torch.equal(together, apart)
+
+
+def test_shapes_that_do_not_fit_are_named() -> None:
+    shape, layers = _model("int8", 32, qk_norm=False, bias=False, window=None)
+    wrong = DecoderShape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, 128,
+                         shape.rms_norm_eps, shape.scaling)  # fmt: skip
+    with pytest.raises(ValueError, match="layer 0 gate_up is 192 x 64; expected 256 x 64"):
+        DecodeLayers(wrong, layers)
+    bad_norm = [DecoderLayerWeights(**{**layers[0].__dict__, "input_norm": torch.ones(3)})]
+    with pytest.raises(ValueError, match="layer 0 input norm has 3 values"):
+        DecodeLayers(shape, bad_norm)
+    run = DecodeLayers(shape, layers)
+    step = _step([3] * 17, shape.head_dim)
+    with pytest.raises(RuntimeError, match=r"takes 1\.\.16 rows"):
+        run(torch.zeros(17, shape.hidden), *step)

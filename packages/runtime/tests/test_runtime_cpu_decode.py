@@ -1,0 +1,172 @@
+"""The CPU decode path (one C call per decode step) against the model's own forward: the same
+logits and the same K/V written, for int4 and int8 layers of every family (GQA, a tied head,
+q/k/v biases, per-head q/k norms, a sliding window), GGUF Q4_1 and Q8_0 files, and batches of
+requests at different lengths; which steps take it, and which models it refuses."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from radixlm import kernels
+from radixlm.runtime import ForwardBatch, ModelRunner
+from radixlm.runtime.fixtures import build_tiny_gguf, build_tiny_model
+
+pytestmark = pytest.mark.skipif(not kernels.cpu.available(), reason="no C compiler here")
+
+FAMILIES = {
+    "llama3": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """The path runs on one intra-op thread (as the per-layer C kernels do)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cpu-decode-gguf")
+    model_dir = build_tiny_model(root / "qwen2", "Qwen2ForCausalLM", init_std=0.3)
+    return {
+        kind: build_tiny_gguf(model_dir, root / f"{kind}.gguf", kind) for kind in ("Q4_1", "Q8_0")
+    }
+
+
+def _decode_steps(runner: ModelRunner, driver: Any, prompts: list[list[int]], steps: int) -> int:
+    """Prefill `prompts`, then decode them together `steps` times; each decode step runs
+    through the path and then, on the same batch, through the model's own forward; asserts
+    equal logits and K/V. Returns how many steps the path ran."""
+    path = runner.cpu_decode
+    assert path is not None
+    seqs = [driver.start(p) for p in prompts]
+    try:
+        first = driver.forward([driver.entry(s, p) for s, p in zip(seqs, prompts, strict=True)])
+        last = first.next_token_logits.argmax(-1).tolist()
+        taken = 0
+        for _ in range(steps):
+            entries = [driver.entry(s, [t]) for s, t in zip(seqs, last, strict=True)]
+            batch = ForwardBatch.build(entries, runner.req_to_token_pool.req_to_token)
+            assert path.can_run(batch)
+            fast = runner.forward(batch).next_token_logits.clone()
+            pool = runner.kv_pool
+            written = [(k[batch.out_cache_loc].clone(), v[batch.out_cache_loc].clone())
+                       for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True)]  # fmt: skip
+            taken += 1
+            runner.cpu_decode = None
+            try:
+                plain = runner.forward(batch).next_token_logits
+            finally:
+                runner.cpu_decode = path
+            _assert_near(fast, plain)
+            for (k_fast, v_fast), k, v in zip(written, pool.k_buffers, pool.v_buffers, strict=True):
+                _assert_near(k_fast, k[batch.out_cache_loc])
+                _assert_near(v_fast, v[batch.out_cache_loc])
+            last = plain.argmax(-1).tolist()
+        return taken
+    finally:
+        for seq in seqs:
+            driver.release(seq)
+
+
+def _assert_near(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but for the int8 rounding of activations: both paths round each projection's
+    input to int8 per 32 columns, and a float32 difference upstream (a norm's or a softmax's
+    sum order) that moves one value across a rounding step changes what follows by about
+    1e-4 of its scale per layer, where a wrong weight, slot or position changes it
+    wholesale. (Measured here: about 1e-6.)"""
+    error = float((got - want).abs().max() / want.abs().max())
+    assert error < 1e-3
+
+
+# Lengths past the mistral model's window of 6, and of different sizes in one batch.
+PROMPTS = [[5, 9, 14, 3, 7, 11, 2, 8, 4, 10], [6, 12], [13, 3, 9, 5, 7]]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_decode_steps_equal_the_model_forward_for_load_time_quantization(
+    hf_checkpoints: Any, runner_config_for: Any, driver_for: Any, family: str, quantization: str
+) -> None:
+    path, _ = hf_checkpoints[family]
+    runner = ModelRunner(runner_config_for(path, quantization=quantization))
+    assert runner.cpu_decode is not None
+    assert _decode_steps(runner, driver_for(runner), PROMPTS, steps=6) == 6
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_decode_steps_equal_the_model_forward_for_gguf_files(
+    gguf_files: dict[str, Path], runner_config_for: Any, driver_for: Any, kind: str
+) -> None:
+    runner = ModelRunner(runner_config_for(gguf_files[kind]))
+    assert runner.cpu_decode is not None
+    assert _decode_steps(runner, driver_for(runner), PROMPTS, steps=4) == 4
+
+
+def test_q8_0_layers_stay_int8_on_the_cpu(
+    gguf_files: dict[str, Path], runner_config_for: Any
+) -> None:
+    runner = ModelRunner(runner_config_for(gguf_files["Q8_0"]))
+    layer = runner.model.model.layers[0].self_attn.qkv_proj
+    operands = layer.cpu_int8_operands()
+    assert operands is not None and operands[0].dtype == torch.int8
+
+
+def test_prefill_mixed_and_large_batches_take_the_model_forward(
+    hf_checkpoints: Any, runner_config_for: Any, driver_for: Any
+) -> None:
+    path, _ = hf_checkpoints["llama3"]
+    runner = ModelRunner(runner_config_for(path, quantization="int4"))
+    assert runner.cpu_decode is not None
+    driver = driver_for(runner)
+    old, new = driver.start([5, 6, 7]), driver.start([8, 9])
+    try:
+        prefill = ForwardBatch.build(
+            [driver.entry(old, [5, 6, 7])], runner.req_to_token_pool.req_to_token
+        )
+        assert not runner.cpu_decode.can_run(prefill)
+        runner.forward(prefill)
+        mixed = [driver.entry(old, [4]), driver.entry(new, [8, 9])]
+        assert not runner.cpu_decode.can_run(
+            ForwardBatch.build(mixed, runner.req_to_token_pool.req_to_token)
+        )
+        decode = ForwardBatch.build([driver.entry(old, [3])], runner.req_to_token_pool.req_to_token)
+        assert runner.cpu_decode.can_run(decode)
+        torch.set_num_threads(2)
+        assert not runner.cpu_decode.can_run(decode)  # several threads: torch's kernels
+    finally:
+        driver.release(old)
+        driver.release(new)
+
+
+def test_float_models_are_not_taken(hf_checkpoints: Any, runner_config_for: Any) -> None:
+    path, _ = hf_checkpoints["qwen2"]
+    assert ModelRunner(runner_config_for(path)).cpu_decode is None
+
+
+def test_the_path_is_off_without_the_c_kernels(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    model = build_tiny_model(tmp_path / "m")
+    script = (
+        "from radixlm.runtime import ModelRunner, RunnerConfig, ModelConfig\n"
+        f"r = ModelRunner(RunnerConfig(model=ModelConfig({str(model)!r}, quantization='int8', "
+        "show_progress=False)))\n"
+        "print(r.cpu_decode is None)\n"
+    )
+    env = {**__import__("os").environ, "RADIXLM_CPU_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("True")
