@@ -114,15 +114,6 @@ def test_decode_steps_equal_the_model_forward_for_gguf_files(
     assert _decode_steps(runner, driver_for(runner), PROMPTS, steps=4) == 4
 
 
-def test_q8_0_layers_stay_int8_on_the_cpu(
-    gguf_files: dict[str, Path], runner_config_for: Any
-) -> None:
-    runner = ModelRunner(runner_config_for(gguf_files["Q8_0"]))
-    layer = runner.model.model.layers[0].self_attn.qkv_proj
-    operands = layer.cpu_int8_operands()
-    assert operands is not None and operands[0].dtype == torch.int8
-
-
 def test_prefill_mixed_and_large_batches_take_the_model_forward(
     hf_checkpoints: Any, runner_config_for: Any, driver_for: Any
 ) -> None:
