@@ -4,7 +4,9 @@ Hugging Face directory transformers converts it to.
 
 transformers reads the file dequantized to float32; radixlm's `quantization="none"` computes
 the same, so greedy continuations must be equal. Its default keeps the 4-bit weights (int4
-kernels with bfloat16 activations on CPU): perplexity within 0.5 %.
+kernels with bfloat16 activations on CPU): perplexity within 0.5 %; and so does the CPU
+decode path (one C call per decode step on one thread, its int4 products on activations
+rounded to int8), fed the passage one token per step.
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from typing import Any
 import pytest
 import torch
 
-from radixlm.runtime import Engine, smollm2_gguf_path
+from radixlm.runtime import (
+    BatchEntry,
+    Engine,
+    ForwardBatch,
+    MemoryConfig,
+    ModelConfig,
+    ModelRunner,
+    RunnerConfig,
+    smollm2_gguf_path,
+)
 
 pytestmark = pytest.mark.real_model
 PROMPTS = (
@@ -48,13 +59,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ids = tokenizer(PASSAGE, return_tensors="pt").input_ids
         logits = model(ids).logits[0, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
+    passage_ids = ids[0].tolist()
     hf_dir = tmp_path_factory.mktemp("smollm2-hf")
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(hf_dir)
     tokenizer.save_pretrained(hf_dir)
-    return {"gguf": gguf_file, "hf_dir": hf_dir, "greedy": greedy, "ppl": math.exp(float(nll))}
+    return {"gguf": gguf_file, "hf_dir": hf_dir, "greedy": greedy, "ppl": math.exp(float(nll)),
+            "passage_ids": passage_ids}  # fmt: skip
 
 
 def _run(path: str, **kwargs: Any) -> tuple[list[list[int]], float]:
@@ -94,3 +107,51 @@ def test_builtin_smollm2_on_its_4bit_kernels_keeps_perplexity(reference: dict[st
     assert ppl == pytest.approx(reference["ppl"], rel=5e-3)
     # The first answer is the model's own: " Paris." and then its usual digression.
     assert greedy[0][:2] == reference["greedy"][0][:2]
+
+
+def test_the_cpu_decode_path_keeps_perplexity_one_token_per_step(
+    reference: dict[str, Any],
+) -> None:
+    ids = reference["passage_ids"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the path's condition (a replica per core)
+    try:
+        runner = ModelRunner(
+            RunnerConfig(
+                model=ModelConfig(str(reference["gguf"]), dtype="float32", show_progress=False),
+                memory=MemoryConfig(max_total_tokens=len(ids) + 16, max_running_requests=1),
+            )
+        )
+        path = runner.cpu_decode
+        assert path is not None
+        row = runner.req_to_token_pool.alloc()
+        slots = runner.kv_pool.alloc(len(ids))
+        assert row is not None and slots is not None
+        table = runner.req_to_token_pool.req_to_token
+        nll = 0.0
+        for i, token in enumerate(ids[:-1]):
+            batch = ForwardBatch.build([BatchEntry(row, [token], i, slots[i : i + 1])], table)
+            assert path.can_run(batch)
+            logits = runner.forward(batch).next_token_logits[0]
+            nll -= float(torch.log_softmax(logits.float(), -1)[ids[i + 1]])
+    finally:
+        torch.set_num_threads(before)
+    ppl = math.exp(nll / (len(ids) - 1))
+    assert ppl == pytest.approx(reference["ppl"], rel=5e-3)
+
+
+def test_cpu_decode_bench_times_both_paths(tmp_path: Path) -> None:
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools" / "bench"))
+    bench = importlib.import_module("cpu_decode_bench")
+    out = tmp_path / "decode.json"
+    args = ["--batches", "2", "--contexts", "40", "--formats", "int4", "--steps", "2",
+            "--repeats", "1", "--json", str(out)]  # fmt: skip
+    assert bench.main(args) == 0
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["format"], r["batch"], r["context"]) for r in rows] == [("int4", 2, 40)]
+    assert rows[0]["c_path"] > 0 and rows[0]["per_layer"] > 0

@@ -109,25 +109,73 @@ static void rotate(float *x, const float *cos, const float *sin, int dim) {
     }
 }
 
-/* One query head over one request's keys: out[head_dim] = softmax(q . k * scaling) . v */
-static void attend(const float *q, const float *k_pool, const float *v_pool, const int32_t *slots,
-                   int first, int length, int stride, int head_dim, float scaling, float *scores,
-                   float *out) {
-    float top = -INFINITY;
-    for (int i = first; i < length; i++) {
-        float s = dot(q, k_pool + (size_t)slots[i] * stride, head_dim) * scaling;
-        scores[i] = s;
-        top = s > top ? s : top;
+#ifdef RADIXLM_AVX2
+/* e^x for x <= 88 (a softmax's x <= 0): x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-7
+ * Taylor-like minimax polynomial (Cephes' expf coefficients), 2^n put in the exponent bits;
+ * below -87 the result is the smallest normal float instead of tending to 0. About 1 ulp. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+/* x[i] = e^(x[i] - max x) in place; returns their sum. */
+static float softmax_numerators(float *x, int n) {
+    float top = -INFINITY, total = 0.0f;
+    for (int i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
+    int i = 0;
+#ifdef RADIXLM_AVX2
+    __m256 shift = _mm256_set1_ps(top), sum = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift));
+        _mm256_storeu_ps(x + i, e);
+        sum = _mm256_add_ps(sum, e);
     }
-    float total = 0.0f;
-    for (int i = first; i < length; i++) {
-        scores[i] = expf(scores[i] - top);
-        total += scores[i];
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sum);
+    for (int j = 0; j < 8; j++) total += lanes[j];
+#endif
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - top);
+        total += x[i];
     }
-    memset(out, 0, sizeof(float) * head_dim);
-    for (int i = first; i < length; i++) axpy(scores[i], v_pool + (size_t)slots[i] * stride, out, head_dim);
-    float inv = 1.0f / total;
-    for (int d = 0; d < head_dim; d++) out[d] *= inv;
+    return total;
+}
+
+/* The `per_kv` query heads of one KV head (q and out [per_kv, head_dim]) over one request's
+ * keys first .. length - 1: out = softmax(q . k * scaling) . v. Each key and value is read
+ * once for all of them; `scores` holds per_kv x (length - first) floats. */
+static void attend(const float *q, int per_kv, const float *k_pool, const float *v_pool,
+                   const int32_t *slots, int first, int length, int stride, int head_dim,
+                   float scaling, float *scores, float *out) {
+    int n = length - first;
+    for (int i = 0; i < n; i++) {
+        const float *k = k_pool + (size_t)slots[first + i] * stride;
+        for (int h = 0; h < per_kv; h++) scores[h * n + i] = dot(q + h * head_dim, k, head_dim) * scaling;
+    }
+    float total[64];
+    for (int h = 0; h < per_kv; h++) total[h] = softmax_numerators(scores + h * n, n);
+    memset(out, 0, sizeof(float) * per_kv * head_dim);
+    for (int i = 0; i < n; i++) {
+        const float *v = v_pool + (size_t)slots[first + i] * stride;
+        for (int h = 0; h < per_kv; h++) axpy(scores[h * n + i], v, out + h * head_dim, head_dim);
+    }
+    for (int h = 0; h < per_kv; h++) {
+        float inv = 1.0f / total[h];
+        for (int d = 0; d < head_dim; d++) out[h * head_dim + d] *= inv;
+    }
 }
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -142,6 +190,7 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
     const int kv_heads = shape->kv_heads, inter = shape->intermediate;
     const int q_size = heads * hd, kv_size = kv_heads * hd, qkv_size = q_size + 2 * kv_size;
     const int per_kv = heads / kv_heads;
+    if (per_kv > 64) return -1; /* (attend's per-head sums) */
     int64_t longest = 1;
     for (int m = 0; m < m_rows; m++) longest = lengths[m] > longest ? lengths[m] : longest;
     size_t width = (size_t)(qkv_size > 2 * inter ? qkv_size : 2 * inter);
@@ -149,7 +198,7 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
     float *wide = malloc(sizeof(float) * (size_t)m_rows * width);
     float *attended = malloc(sizeof(float) * (size_t)m_rows * q_size);
     float *projected = malloc(sizeof(float) * (size_t)m_rows * h);
-    float *scores = malloc(sizeof(float) * (size_t)longest);
+    float *scores = malloc(sizeof(float) * (size_t)longest * per_kv);
     int code = 0;
     if (!normed || !wide || !attended || !projected || !scores) code = -2;
     for (int layer = 0; layer < shape->layers && !code; layer++) {
@@ -173,11 +222,10 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
             const int32_t *slots = table + rows[m] * table_stride;
             int length = (int)lengths[m];
             int first = l->window > 0 && length > l->window ? length - l->window : 0;
-            for (int head = 0; head < heads; head++) {
-                int group = head / per_kv;
-                attend(q + head * hd, l->k_pool + group * hd, l->v_pool + group * hd, slots, first,
-                       length, kv_size, hd, shape->scaling, scores,
-                       attended + (size_t)m * q_size + head * hd);
+            for (int group = 0; group < kv_heads; group++) {
+                attend(q + group * per_kv * hd, per_kv, l->k_pool + group * hd,
+                       l->v_pool + group * hd, slots, first, length, kv_size, hd, shape->scaling,
+                       scores, attended + (size_t)m * q_size + group * per_kv * hd);
             }
         }
         if ((code = linear(&l->o, attended, m_rows, projected))) break;

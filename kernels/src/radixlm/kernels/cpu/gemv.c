@@ -241,6 +241,30 @@ static inline float row_dot8(const int8_t *w, const float *ws, const int8_t *xq,
     }
     return hsum(_mm256_add_ps(acc0, acc1));
 }
+
+/* Outputs of activation rows m0 .. m0 + tile - 1 (tile <= TILE) for one int8 weight row:
+ * each block's |w| computed once per tile. */
+static inline void tile_dot8(const int8_t *w, const float *ws, const int8_t *xq, const float *xs,
+                             int blocks, int per_group, int m0, int tile, float *got) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                        _mm256_setzero_ps()};
+    for (int b = 0; b < blocks; b++) {
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (size_t)b * BLOCK));
+        __m256i magnitude = _mm256_sign_epi8(wv, wv);
+        float scale = ws[b / per_group];
+        for (int m = 0; m < TILE; m++) {
+            if (m < tile) {
+                size_t at = (size_t)(m0 + m) * blocks + b;
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + at * BLOCK));
+                __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, wv));
+                __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale * xs[at]), acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < tile; m++) got[m] = hsum(acc[m]);
+}
 #endif
 
 /* out[M, N] = x[M, K] @ (w * scale)^T for int8 weights w [N, K] with a float scale per group
@@ -258,11 +282,20 @@ int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
     for (int row = 0; row < n; row++) {
         const int8_t *w = weight + (size_t)row * k;
         const float *ws = scales + (size_t)row * groups;
+#ifdef RADIXLM_AVX2
+        if (m_rows == 1) {
+            out[row] = row_dot8(w, ws, xq, xs, blocks, per_group);
+            continue;
+        }
+        for (int m0 = 0; m0 < m_rows; m0 += TILE) {
+            int tile = m_rows - m0 < TILE ? m_rows - m0 : TILE;
+            float got[TILE];
+            tile_dot8(w, ws, xq, xs, blocks, per_group, m0, tile, got);
+            for (int m = 0; m < tile; m++) out[(size_t)(m0 + m) * n + row] = got[m];
+        }
+#else
         for (int m = 0; m < m_rows; m++) {
             size_t at = (size_t)m * blocks;
-#ifdef RADIXLM_AVX2
-            out[(size_t)m * n + row] = row_dot8(w, ws, xq + at * BLOCK, xs + at, blocks, per_group);
-#else
             float acc = 0.0f;
             for (int b = 0; b < blocks; b++) {
                 int32_t dot = 0;
@@ -270,8 +303,8 @@ int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
                 acc += ws[b / per_group] * xs[at + b] * (float)dot;
             }
             out[(size_t)m * n + row] = acc;
-#endif
         }
+#endif
     }
     release(&a);
     return 0;

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""The CPU decode path (`radixlm.runtime.cpu_decode`: every decoder layer of a decode step in
+one C call) against the model's own per-layer forward, on the real SmolLM2-135M-Instruct, one
+thread: milliseconds per decode step (the model's forward and LM head, not the scheduler) at
+batch sizes B and context lengths L, side by side on the same runner and KV pool.
+
+Each case gives B requests L cached tokens (random K/V written into the pool: a context's
+cost does not depend on its values), then times `--steps` decode steps
+through each path in turn (the best of --repeats). Formats: the GGUF file's own Q4_1 blocks
+(int4) and `--quantization int8` of its dequantized weights.
+
+    .venv/bin/python tools/bench/cpu_decode_bench.py                  # ~2 min on one core
+    .venv/bin/python tools/bench/cpu_decode_bench.py --batches 1,8 --contexts 128,2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from quant_quality import cpu_flags  # noqa: E402
+
+
+def build_runner(quantization: str | None, max_tokens: int, max_batch: int) -> Any:
+    from radixlm.runtime import MemoryConfig, ModelConfig, ModelRunner, RunnerConfig
+    from radixlm.runtime import smollm2_gguf_path
+
+    fields = {"quantization": quantization} if quantization else {}
+    return ModelRunner(
+        RunnerConfig(
+            model=ModelConfig(str(smollm2_gguf_path()), show_progress=False, **fields),
+            memory=MemoryConfig(max_total_tokens=max_tokens, max_running_requests=max_batch),
+        )
+    )
+
+
+def measure(runner: Any, batch: int, context: int, steps: int, repeats: int) -> dict[str, float]:
+    """ms per decode step through each path, for `batch` requests at `context` tokens."""
+    import torch
+
+    from radixlm.runtime import BatchEntry, ForwardBatch
+
+    rng = random.Random(batch * 100_003 + context)
+    vocab = runner.vocab_size
+    table = runner.req_to_token_pool.req_to_token
+    pool = runner.kv_pool
+    rows, slots = [], []
+    for _ in range(batch):
+        row = runner.req_to_token_pool.alloc()
+        given = pool.alloc(context + steps)
+        assert row is not None and given is not None
+        rows.append(row)
+        slots.append(given)
+        # A context's cost does not depend on its values: random K/V stand for a prefill.
+        cached = torch.tensor(given[:context])
+        table[row, :context] = cached.to(table.dtype)
+        for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True):
+            k[cached] = torch.randn(context, *k.shape[1:], dtype=k.dtype)
+            v[cached] = torch.randn(context, *v.shape[1:], dtype=v.dtype)
+    path = runner.cpu_decode
+    batches = [
+        ForwardBatch.build(
+            [BatchEntry(row, [rng.randrange(3, vocab)], context + i, s[context + i : context + i + 1])
+             for row, s in zip(rows, slots, strict=True)],
+            table,
+        )
+        for i in range(steps)
+    ]  # fmt: skip
+    out: dict[str, float] = {}
+    for name, active in (("c_path", path), ("per_layer", None)):
+        runner.cpu_decode = active
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for forward_batch in batches:
+                runner.forward(forward_batch)
+            best = min(best, (time.perf_counter() - start) / steps)
+        out[name] = best * 1e3
+    runner.cpu_decode = path
+    for row, s in zip(rows, slots, strict=True):
+        runner.kv_pool.free(s)
+        runner.req_to_token_pool.free(row)
+    torch.set_num_threads(1)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batches", default="1,8,16", help="decode batch sizes")
+    parser.add_argument("--contexts", default="128,2048", help="tokens in each request's context")
+    parser.add_argument("--formats", default="int4,int8", help="int4 (the Q4_1 file), int8")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps timed per repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.contexts = [int(c) for c in args.contexts.split(",") if c]
+    args.formats = [f for f in args.formats.split(",") if f]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    rows = []
+    for fmt in args.formats:
+        need = max(args.batches) * (max(args.contexts) + args.steps) + 64
+        runner = build_runner(None if fmt == "int4" else fmt, need, max(args.batches))
+        if runner.cpu_decode is None:
+            print(f"{fmt}: the CPU decode path is off here (see the log); nothing to compare")
+            continue
+        for context in args.contexts:
+            for batch in args.batches:
+                times = measure(runner, batch, context, args.steps, args.repeats)
+                row = {"format": fmt, "batch": batch, "context": context, **times,
+                       "speedup": times["per_layer"] / times["c_path"]}  # fmt: skip
+                rows.append(row)
+                print(f"  {fmt} B={batch:<3d} L={context:<5d} C path {times['c_path']:7.2f} ms  "
+                      f"per layer {times['per_layer']:7.2f} ms  {row['speedup']:.2f}x",
+                      flush=True)  # fmt: skip
+    print()
+    print(f"SmolLM2-135M-Instruct decode step, one thread; CPU: {cpu_flags()}")
+    head = f"{'format':7s} {'B':>3s} {'L':>5s} {'C path ms':>10s} {'per-layer ms':>13s} {'x':>6s}"
+    print(head)
+    print("-" * len(head))
+    for row in rows:
+        print(f"{row['format']:7s} {row['batch']:3d} {row['context']:5d} {row['c_path']:10.2f} "
+              f"{row['per_layer']:13.2f} {row['speedup']:5.2f}x")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu_flags(), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
