@@ -27,12 +27,17 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quant_quality import cpu_flags  # noqa: E402
+from quant_quality import cpu_flags
 
 
 def build_runner(quantization: str | None, max_tokens: int, max_batch: int) -> Any:
-    from radixlm.runtime import MemoryConfig, ModelConfig, ModelRunner, RunnerConfig
-    from radixlm.runtime import smollm2_gguf_path
+    from radixlm.runtime import (
+        MemoryConfig,
+        ModelConfig,
+        ModelRunner,
+        RunnerConfig,
+        smollm2_gguf_path,
+    )
 
     fields = {"quantization": quantization} if quantization else {}
     return ModelRunner(
