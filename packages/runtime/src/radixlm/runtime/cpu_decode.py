@@ -33,6 +33,9 @@ from radixlm.runtime.models.decoder import DecoderForCausalLM, DecoderLayer, Dec
 from radixlm.runtime.quant.gguf_linear import GGUFLinear
 from radixlm.runtime.quant.linear import QuantizedLinear
 
+#: Decode steps of up to this many requests take the path (in chunks of kernels.cpu.MAX_ROWS).
+MAX_BATCH = 64
+
 
 class NotTaken(Exception):
     """Why the CPU decode path does not take this model."""
@@ -99,9 +102,13 @@ def _layer(layer: nn.Module, index: int, pool: KVPool) -> DecoderLayerWeights:
 class CpuDecodePath:
     """Decode steps of `model` through `DecodeLayers` (see the module docstring)."""
 
-    def __init__(self, model: DecoderForCausalLM, layers: DecodeLayers) -> None:
+    def __init__(
+        self, model: DecoderForCausalLM, layers: DecodeLayers, max_batch: int = MAX_BATCH
+    ) -> None:
         self.model = model
         self.layers = layers
+        #: The most requests a step may have to take this path (in calls of MAX_ROWS).
+        self.max_batch = max_batch
 
     @classmethod
     def build(cls, model: nn.Module, pool: KVPool) -> CpuDecodePath:
@@ -137,7 +144,7 @@ class CpuDecodePath:
         """Whether this step is one the path takes: every request adds one token, at most
         MAX_ROWS of them, no given embeddings or M-RoPE positions, on one torch thread."""
         return (
-            batch.num_tokens == batch.batch_size <= kernels.cpu.MAX_ROWS
+            batch.num_tokens == batch.batch_size <= self.max_batch
             and batch.input_embeds is None
             and batch.mrope_positions is None
             and torch.get_num_threads() == 1
@@ -150,14 +157,18 @@ class CpuDecodePath:
         hidden = decoder.embed_tokens(batch.input_ids).contiguous()
         count = hidden.shape[0]
         cos, sin = decoder.rotary.cos_sin(batch.positions, torch.float32)
-        self.layers(
-            hidden,
-            cos.reshape(count, -1),
-            sin.reshape(count, -1),
-            batch.out_cache_loc,
-            batch.req_to_token,
-            batch.req_pool_indices,
-            batch.seq_lens,
-        )
+        cos, sin = cos.reshape(count, -1), sin.reshape(count, -1)
+        # Requests are independent within a layer: more than a call takes run in chunks.
+        for start in range(0, count, kernels.cpu.MAX_ROWS):
+            rows = slice(start, start + kernels.cpu.MAX_ROWS)
+            self.layers(
+                hidden[rows],
+                cos[rows],
+                sin[rows],
+                batch.out_cache_loc[rows],
+                batch.req_to_token,
+                batch.req_pool_indices[rows],
+                batch.seq_lens[rows],
+            )
         normed: torch.Tensor = decoder.norm(hidden)
         return normed

@@ -76,10 +76,16 @@ def _int8_c_kernel(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul | None:
     return few_rows if _works(few_rows, reference, qweight, rtol=0.02) else None
 
 
+#: The most rows `int8_grouped_cpu` runs through the C kernel (in calls of MAX_ROWS), beyond
+#: which dequantizing the weight once costs less than reading it once per call.
+_C_CHUNKED_ROWS = 64
+
+
 def int8_grouped_cpu(values: torch.Tensor, scales: torch.Tensor, group_size: int) -> Matmul:
     """x @ (values * scales per group of columns).T on the CPU (a GGUF file's Q8_0): decode
-    rows on one intra-op thread run radixlm's C kernel (Q8_0 x Q8_0, llama.cpp's arithmetic);
-    other inputs the weight dequantized into their dtype at the call (for a prefill that is one
+    rows on one intra-op thread run radixlm's C kernel (Q8_0 x Q8_0, llama.cpp's arithmetic;
+    up to `_C_CHUNKED_ROWS` rows in calls of MAX_ROWS); other inputs the weight dequantized
+    into their dtype at the call (for a prefill that is one
     more pass over the weight, which keeps it 8-bit in memory)."""
     weight = values.contiguous()
     scales32 = scales.to(torch.float32).contiguous()
@@ -99,9 +105,13 @@ def int8_grouped_cpu(values: torch.Tensor, scales: torch.Tensor, group_size: int
         return dense
 
     def c_or_dense(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= kernels.cpu.MAX_ROWS and torch.get_num_threads() == 1:
+        rows = x.shape[0]
+        if rows > _C_CHUNKED_ROWS or torch.get_num_threads() != 1:
+            return dense(x)
+        if rows <= kernels.cpu.MAX_ROWS:
             return few_rows(x)
-        return dense(x)
+        step = kernels.cpu.MAX_ROWS  # a decode batch of a few calls still beats dequantizing
+        return torch.cat([few_rows(x[i : i + step]) for i in range(0, rows, step)])
 
     return c_or_dense
 
