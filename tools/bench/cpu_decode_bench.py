@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for context in args.contexts:
             for batch in args.batches:
+                if batch * (context + args.steps) > runner.kv_pool.available:
+                    print(f"  {fmt} B={batch} L={context}: more tokens than the KV pool holds "
+                          f"({runner.kv_pool.available}); skipped")  # fmt: skip
+                    continue
                 times = measure(runner, batch, context, args.steps, args.repeats)
                 row = {"format": fmt, "batch": batch, "context": context, **times,
                        "speedup": times["per_layer"] / times["c_path"]}  # fmt: skip

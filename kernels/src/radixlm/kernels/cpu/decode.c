@@ -71,7 +71,12 @@ static inline float dot(const float *a, const float *b, int n) {
     int i = 0;
     float total = 0.0f;
 #ifdef RADIXLM_AVX2
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    acc = _mm256_add_ps(acc, acc1);
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
@@ -154,26 +159,39 @@ static float softmax_numerators(float *x, int n) {
     return total;
 }
 
-/* The `per_kv` query heads of one KV head (q and out [per_kv, head_dim]) over one request's
- * keys first .. length - 1: out = softmax(q . k * scaling) . v. Each key and value is read
- * once for all of them; `scores` holds per_kv x (length - first) floats. */
-static void attend(const float *q, int per_kv, const float *k_pool, const float *v_pool,
+/* Every query head of one request (q and out [heads, head_dim]) over its keys first ..
+ * length - 1: out = softmax(q . k * scaling) . v. One pass over the keys' rows (all KV heads
+ * of a slot are contiguous), the row a few slots ahead prefetched: the slots are scattered
+ * through the pool, and the loads would otherwise wait on memory one row at a time.
+ * `scores` holds heads x (length - first) floats; `totals` heads. */
+static void attend(const float *q, int heads, int per_kv, const float *k_pool, const float *v_pool,
                    const int32_t *slots, int first, int length, int stride, int head_dim,
-                   float scaling, float *scores, float *out) {
+                   float scaling, float *scores, float *totals, float *out) {
+    const int ahead = 6;
     int n = length - first;
+    slots += first;
     for (int i = 0; i < n; i++) {
-        const float *k = k_pool + (size_t)slots[first + i] * stride;
-        for (int h = 0; h < per_kv; h++) scores[h * n + i] = dot(q + h * head_dim, k, head_dim) * scaling;
+        if (i + ahead < n) {
+            const char *next = (const char *)(k_pool + (size_t)slots[i + ahead] * stride);
+            for (int off = 0; off < stride * (int)sizeof(float); off += 64) __builtin_prefetch(next + off);
+        }
+        const float *row = k_pool + (size_t)slots[i] * stride;
+        for (int h = 0; h < heads; h++)
+            scores[h * n + i] = dot(q + h * head_dim, row + (h / per_kv) * head_dim, head_dim) * scaling;
     }
-    float total[64];
-    for (int h = 0; h < per_kv; h++) total[h] = softmax_numerators(scores + h * n, n);
-    memset(out, 0, sizeof(float) * per_kv * head_dim);
+    for (int h = 0; h < heads; h++) totals[h] = softmax_numerators(scores + h * n, n);
+    memset(out, 0, sizeof(float) * heads * head_dim);
     for (int i = 0; i < n; i++) {
-        const float *v = v_pool + (size_t)slots[first + i] * stride;
-        for (int h = 0; h < per_kv; h++) axpy(scores[h * n + i], v, out + h * head_dim, head_dim);
+        if (i + ahead < n) {
+            const char *next = (const char *)(v_pool + (size_t)slots[i + ahead] * stride);
+            for (int off = 0; off < stride * (int)sizeof(float); off += 64) __builtin_prefetch(next + off);
+        }
+        const float *row = v_pool + (size_t)slots[i] * stride;
+        for (int h = 0; h < heads; h++)
+            axpy(scores[h * n + i], row + (h / per_kv) * head_dim, out + h * head_dim, head_dim);
     }
-    for (int h = 0; h < per_kv; h++) {
-        float inv = 1.0f / total[h];
+    for (int h = 0; h < heads; h++) {
+        float inv = 1.0f / totals[h];
         for (int d = 0; d < head_dim; d++) out[h * head_dim + d] *= inv;
     }
 }
@@ -190,7 +208,6 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
     const int kv_heads = shape->kv_heads, inter = shape->intermediate;
     const int q_size = heads * hd, kv_size = kv_heads * hd, qkv_size = q_size + 2 * kv_size;
     const int per_kv = heads / kv_heads;
-    if (per_kv > 64) return -1; /* (attend's per-head sums) */
     int64_t longest = 1;
     for (int m = 0; m < m_rows; m++) longest = lengths[m] > longest ? lengths[m] : longest;
     size_t width = (size_t)(qkv_size > 2 * inter ? qkv_size : 2 * inter);
@@ -198,9 +215,10 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
     float *wide = malloc(sizeof(float) * (size_t)m_rows * width);
     float *attended = malloc(sizeof(float) * (size_t)m_rows * q_size);
     float *projected = malloc(sizeof(float) * (size_t)m_rows * h);
-    float *scores = malloc(sizeof(float) * (size_t)longest * per_kv);
+    float *scores = malloc(sizeof(float) * (size_t)longest * heads);
+    float *totals = malloc(sizeof(float) * (size_t)heads);
     int code = 0;
-    if (!normed || !wide || !attended || !projected || !scores) code = -2;
+    if (!normed || !wide || !attended || !projected || !scores || !totals) code = -2;
     for (int layer = 0; layer < shape->layers && !code; layer++) {
         const RlmLayer *l = layers + layer;
         for (int m = 0; m < m_rows; m++)
@@ -222,11 +240,8 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
             const int32_t *slots = table + rows[m] * table_stride;
             int length = (int)lengths[m];
             int first = l->window > 0 && length > l->window ? length - l->window : 0;
-            for (int group = 0; group < kv_heads; group++) {
-                attend(q + group * per_kv * hd, per_kv, l->k_pool + group * hd,
-                       l->v_pool + group * hd, slots, first, length, kv_size, hd, shape->scaling,
-                       scores, attended + (size_t)m * q_size + group * per_kv * hd);
-            }
+            attend(q, heads, per_kv, l->k_pool, l->v_pool, slots, first, length, kv_size, hd,
+                   shape->scaling, scores, totals, attended + (size_t)m * q_size);
         }
         if ((code = linear(&l->o, attended, m_rows, projected))) break;
         for (size_t i = 0; i < (size_t)m_rows * h; i++) hidden[i] += projected[i];
@@ -241,6 +256,6 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
         if ((code = linear(&l->down, normed, m_rows, projected))) break;
         for (size_t i = 0; i < (size_t)m_rows * h; i++) hidden[i] += projected[i];
     }
-    free(normed), free(wide), free(attended), free(projected), free(scores);
+    free(normed), free(wide), free(attended), free(projected), free(scores), free(totals);
     return code;
 }
