@@ -41,16 +41,17 @@ class NotTaken(Exception):
     """Why the CPU decode path does not take this model."""
 
 
-def _bias(module: nn.Module) -> torch.Tensor | None:
+def _bias(module: object) -> torch.Tensor | None:
     bias = getattr(module, "bias", None)
     if bias is None:
         return None
-    if bias.dtype != torch.float32:
+    if not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32:
         raise NotTaken("a projection's bias is not float32")
-    return bias.data.contiguous()
+    tensor: torch.Tensor = bias.data.contiguous()
+    return tensor
 
 
-def _projection(module: nn.Module, what: str) -> LinearWeights:
+def _projection(module: object, what: str) -> LinearWeights:
     """The C layout of one projection, or NotTaken."""
     if isinstance(module, GGUFLinear):
         operands = module.cpu_int8_operands()
@@ -124,7 +125,10 @@ class CpuDecodePath:
         if model.dtype != torch.float32 or pool.dtype != torch.float32:
             raise NotTaken("the model or its KV cache is not float32")
         arch = model.arch
-        spec = model.model.layers[0].self_attn.spec
+        weights = [_layer(layer, i, pool) for i, layer in enumerate(model.model.layers)]
+        first = model.model.layers[0]
+        assert isinstance(first, DecoderLayer)  # (_layer checked every layer)
+        spec = first.self_attn.spec
         shape = DecoderShape(
             hidden=arch.hidden_size,
             heads=spec.num_heads,
@@ -134,7 +138,6 @@ class CpuDecodePath:
             rms_norm_eps=arch.rms_norm_eps,
             scaling=spec.scaling,
         )
-        weights = [_layer(layer, i, pool) for i, layer in enumerate(model.model.layers)]
         try:
             return cls(model, DecodeLayers(shape, weights))
         except ValueError as error:
