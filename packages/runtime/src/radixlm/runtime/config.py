@@ -68,7 +68,7 @@ class ModelConfig:
     `cpu_weight_packing` lets models on CPU keep their linear weights in oneDNN's packed layout
     (packed at the first forward; 1.3-2x faster GEMV/GEMM than F.linear there).
     `quantization` quantizes a full-precision checkpoint's linear layers as it loads (int8,
-    w8a8_int8, int4 in groups of `quantization_group_size`, fp8) or names the method of a
+    w8a8_int8, int4 in groups of `quantization_group_size`, 32 by default as llama.cpp's blocks, fp8) or names the method of a
     pre-quantized one (gptq, awq, fp8; read from its config.json when not given; gguf: a GGUF
     file's own 4-bit weights, its default). `none` runs every layer in the compute dtype (a
     GGUF file's weights dequantized). See `radixlm.runtime.quant`. `ep_size`: expert parallelism for a mixture-of-experts model
@@ -85,7 +85,7 @@ class ModelConfig:
     show_progress: bool = True
     cpu_weight_packing: bool = True
     quantization: QuantizationMethod | None = None
-    quantization_group_size: int = 128
+    quantization_group_size: int = 32
     ep_size: int = 1
     revision: str | None = None
     download_dir: str | None = None

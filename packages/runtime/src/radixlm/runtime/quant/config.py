@@ -161,7 +161,7 @@ def checkpoint_quantization(raw_config: Mapping[str, Any]) -> QuantConfig | None
 def resolve_quantization(
     asked: str | None,
     raw_config: Mapping[str, Any],
-    group_size: int = 128,
+    group_size: int = 32,
     symmetric: bool = False,
 ) -> QuantConfig | None:
     """The quantization to run: the checkpoint's, or the one asked for at load time.
