@@ -159,6 +159,12 @@ static float softmax_numerators(float *x, int n) {
     return total;
 }
 
+/* Asks for the cache lines of `floats` floats from `row`. */
+static inline void prefetch_row(const float *row, int floats) {
+    const char *bytes = (const char *)row;
+    for (int off = 0; off < floats * (int)sizeof(float); off += 64) __builtin_prefetch(bytes + off);
+}
+
 /* Every query head of one request (q and out [heads, head_dim]) over its keys first ..
  * length - 1: out = softmax(q . k * scaling) . v. One pass over the keys' rows (all KV heads
  * of a slot are contiguous), the row a few slots ahead prefetched: the slots are scattered
@@ -171,10 +177,7 @@ static void attend(const float *q, int heads, int per_kv, const float *k_pool, c
     int n = length - first;
     slots += first;
     for (int i = 0; i < n; i++) {
-        if (i + ahead < n) {
-            const char *next = (const char *)(k_pool + (size_t)slots[i + ahead] * stride);
-            for (int off = 0; off < stride * (int)sizeof(float); off += 64) __builtin_prefetch(next + off);
-        }
+        if (i + ahead < n) prefetch_row(k_pool + (size_t)slots[i + ahead] * stride, stride);
         const float *row = k_pool + (size_t)slots[i] * stride;
         for (int h = 0; h < heads; h++)
             scores[h * n + i] = dot(q + h * head_dim, row + (h / per_kv) * head_dim, head_dim) * scaling;
@@ -182,10 +185,7 @@ static void attend(const float *q, int heads, int per_kv, const float *k_pool, c
     for (int h = 0; h < heads; h++) totals[h] = softmax_numerators(scores + h * n, n);
     memset(out, 0, sizeof(float) * heads * head_dim);
     for (int i = 0; i < n; i++) {
-        if (i + ahead < n) {
-            const char *next = (const char *)(v_pool + (size_t)slots[i + ahead] * stride);
-            for (int off = 0; off < stride * (int)sizeof(float); off += 64) __builtin_prefetch(next + off);
-        }
+        if (i + ahead < n) prefetch_row(v_pool + (size_t)slots[i + ahead] * stride, stride);
         const float *row = v_pool + (size_t)slots[i] * stride;
         for (int h = 0; h < heads; h++)
             axpy(scores[h * n + i], row + (h / per_kv) * head_dim, out + h * head_dim, head_dim);
