@@ -4,9 +4,9 @@ On one intra-op CPU thread a small model's decode step costs more in Python and 
 dispatch (about 60 torch operations per decoder layer around the four projections) than in
 the projections themselves. When every projection is int4 or int8 in the layouts of
 `radixlm.kernels.cpu` (load-time `int8`/`int4` quantization, or a GGUF file's Q4_0/Q4_1/Q4_K
-and Q8_0 tensors), the model float32 and its KV pool float32, a step of at most
-`kernels.cpu.MAX_ROWS` requests that each add one token runs every decoder layer through
-`radixlm.kernels.cpu.decode.DecodeLayers`: the same products (activations rounded to int8 per
+and Q8_0 tensors), the model float32 and its KV pool float32, a step of at most `MAX_BATCH`
+requests that each add one token runs every decoder layer through
+`radixlm.kernels.cpu.decode.DecodeLayers` (one call per `kernels.cpu.MAX_ROWS` requests): the same products (activations rounded to int8 per
 32 columns, as the per-layer path computes them there) with the norms, rotary embedding, K/V
 writes and attention in C. The embedding lookup, the final norm and the LM head stay in torch.
 
@@ -145,7 +145,7 @@ class CpuDecodePath:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether this step is one the path takes: every request adds one token, at most
-        MAX_ROWS of them, no given embeddings or M-RoPE positions, on one torch thread."""
+        `max_batch` of them, no given embeddings or M-RoPE positions, on one torch thread."""
         return (
             batch.num_tokens == batch.batch_size <= self.max_batch
             and batch.input_embeds is None
