@@ -76,17 +76,19 @@ def _int8_c_kernel(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul | None:
     return few_rows if _works(few_rows, reference, qweight, rtol=0.02) else None
 
 
-#: The most rows `int8_grouped_cpu` runs through the C kernel (in calls of MAX_ROWS), beyond
+#: The most rows `int8_grouped` runs through the C kernel (in calls of MAX_ROWS), beyond
 #: which dequantizing the weight once costs less than reading it once per call.
 _C_CHUNKED_ROWS = 64
 
 
-def int8_grouped_cpu(values: torch.Tensor, scales: torch.Tensor, group_size: int) -> Matmul:
-    """x @ (values * scales per group of columns).T on the CPU (a GGUF file's Q8_0): decode
-    rows on one intra-op thread run radixlm's C kernel (Q8_0 x Q8_0, llama.cpp's arithmetic;
-    up to `_C_CHUNKED_ROWS` rows in calls of MAX_ROWS); other inputs the weight dequantized
-    into their dtype at the call (for a prefill that is one
-    more pass over the weight, which keeps it 8-bit in memory)."""
+def int8_grouped(values: torch.Tensor, scales: torch.Tensor, group_size: int) -> Matmul:
+    """x @ (values * scales per group of columns).T (a GGUF file's Q8_0, the int8 LM head):
+    Triton's `int8_grouped_linear` on CUDA. On the CPU decode rows on one intra-op thread run
+    radixlm's C kernel (Q8_0 x Q8_0, llama.cpp's arithmetic; up to `_C_CHUNKED_ROWS` rows in
+    calls of MAX_ROWS); other inputs the weight dequantized into their dtype at the call (for
+    a prefill that is one more pass over the weight, which keeps it 8-bit in memory)."""
+    if values.device.type == "cuda":
+        return lambda x: kernels.int8_grouped_linear(x, values, scales, group_size)
     weight = values.contiguous()
     scales32 = scales.to(torch.float32).contiguous()
 

@@ -134,13 +134,9 @@ class GGUFLinear(QuantizedLinear):
             self.weight = None
             super().finalize()
             return
-        on_cuda = self.qweight.device.type == "cuda"
-        values, scales, group = self._int8, self._int8_scales, self.group_size
+        values, scales = self._int8, self._int8_scales
         if kinds == {_INT8_GROUPS} and values is not None and scales is not None:
-            if on_cuda:
-                self._matmul = lambda x: kernels.int8_grouped_linear(x, values, scales, group)
-            else:
-                self._matmul = compute.int8_grouped_cpu(values, scales, group)
+            self._matmul = compute.int8_grouped(values, scales, self.group_size)
         else:
             self._matmul = self._float_matmul()
         # The int4 buffers are not read by either path.

@@ -350,12 +350,7 @@ class Int8GroupedHead(nn.Module):
         self.out_features, self.in_features = values.shape
         self.register_buffer("qweight", values)
         self.register_buffer("scales", scales)
-        if values.device.type == "cuda":
-            self._matmul: compute.Matmul = lambda x: kernels.int8_grouped_linear(
-                x, values, scales, HEAD_GROUP
-            )
-        else:
-            self._matmul = compute.int8_grouped_cpu(values, scales, HEAD_GROUP)
+        self._matmul = compute.int8_grouped(values, scales, HEAD_GROUP)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._matmul(x.reshape(-1, self.in_features))
