@@ -124,6 +124,29 @@ def test_int8_linear_refuses_what_it_does_not_take() -> None:
         cpu.int8_linear(torch.randn(1, 64), weight.float(), scales)
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize(("n", "k"), [(3, 7), (37, 64), (40, 203), (64, 576)])
+def test_f32_linear_is_the_float_product(rows: int, n: int, k: int) -> None:
+    """Every shape the vector loops leave a remainder of (odd rows, K not a multiple of 8,
+    row counts past a tile of 4 and a block of 16 weight rows) against float64."""
+    torch.manual_seed(2)
+    x, w = torch.randn(rows, k), torch.randn(n, k) / k**0.5
+    got = cpu.f32_linear(x, w)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_f32_linear_refuses_what_it_does_not_take() -> None:
+    with pytest.raises(RuntimeError, match=r"1\.\.16 rows"):
+        cpu.f32_linear(torch.randn(17, 8), torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="weight of their width"):
+        cpu.f32_linear(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match=r"contiguous torch\.float32"):
+        cpu.f32_linear(torch.randn(2, 8), torch.randn(8, 4).T)
+
+
 def test_the_kernels_can_be_turned_off() -> None:
     code = "from radixlm.kernels import cpu; print(cpu.available())"
     env = {**os.environ, "RADIXLM_CPU_KERNELS": "0"}

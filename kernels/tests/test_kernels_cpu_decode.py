@@ -1,6 +1,6 @@
 """`radixlm.kernels.cpu.decode.DecodeLayers` against the same decoder layers written in torch
-(the products through `int4_linear` / `int8_linear`, everything else in float32 torch): the
-residual stream and the K/V written, for int4 and int8 weights, GQA, biases, per-head q/k
+(the products through `int4_linear` / `int8_linear` or torch's float32 matmul, everything else
+in float32 torch): the residual stream and the K/V written, for int4, int8 and float32 weights, GQA, biases, per-head q/k
 norms, a sliding window, and requests of different lengths in scattered slots; and the shapes
 it refuses."""
 
@@ -28,6 +28,8 @@ def _linear(
 ) -> LinearWeights:
     w = torch.randn(n, k, generator=gen) / k**0.5
     b = torch.randn(n, generator=gen) * 0.1 if bias else None
+    if kind == "float32":
+        return LinearWeights("float32", w, bias=b)
     if kind == "int4":
         q, s, z = rk.quantize_int4(w, group, fit=True)
         return LinearWeights("int4", q, s.float().contiguous(), z.float().contiguous(), group, b)
@@ -39,10 +41,13 @@ def _linear(
 
 
 def _apply(weights: LinearWeights, x: torch.Tensor) -> torch.Tensor:
-    if weights.kind == "int4":
+    if weights.kind == "float32":
+        y = x @ weights.weight.T  # torch's own product: the C one must equal it to rounding
+    elif weights.kind == "int4":
         assert weights.zeros is not None
         y = cpu.int4_linear(x, weights.weight, weights.scales, weights.zeros, weights.group_size)
     else:
+        assert weights.scales is not None
         y = cpu.int8_linear(x, weights.weight, weights.scales)
     return y if weights.bias is None else y + weights.bias
 
@@ -159,7 +164,9 @@ def _run_both(shape: DecoderShape, layers: list[DecoderLayerWeights], hidden: to
 CASES = [(False, False, None), (True, False, None), (False, True, 5)]
 
 
-@pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", 10**9)])
+@pytest.mark.parametrize(
+    "kind,group", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", 10**9), ("float32", 32)]
+)
 @pytest.mark.parametrize("qk_norm,bias,window", CASES)
 def test_decode_layers_equal_the_torch_layers_one_by_one(
     kind: str, group: int, qk_norm: bool, bias: bool, window: int | None

@@ -7,7 +7,10 @@ batch sizes B and context lengths L, side by side on the same runner and KV pool
 Each case gives B requests L cached tokens (random K/V written into the pool: a context's
 cost does not depend on its values), then times `--steps` decode steps
 through each path in turn (the best of --repeats). Formats: the GGUF file's own Q4_1 blocks
-(int4) and `--quantization int8` of its dequantized weights.
+(int4), `--quantization int8` of its dequantized weights, and fp32 (`--quantization none`:
+the file dequantized). For fp32 the per-layer figure comes from a second runner built on two
+threads, whose layers keep their oneDNN-packed weights (the C path's runner multiplies the
+plain ones), run on one thread: the per-layer forward as it runs without the path.
 
     .venv/bin/python tools/bench/cpu_decode_bench.py                  # ~2 min on one core
     .venv/bin/python tools/bench/cpu_decode_bench.py --batches 1,8 --contexts 128,2048
@@ -30,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quant_quality import cpu_flags
 
 
-def build_runner(quantization: str | None, max_tokens: int, max_batch: int) -> Any:
+def build_runner(quantization: str | None, max_tokens: int, max_batch: int, threads: int = 1) -> Any:
+    import torch
+
     from radixlm.runtime import (
         MemoryConfig,
         ModelConfig,
@@ -40,16 +45,30 @@ def build_runner(quantization: str | None, max_tokens: int, max_batch: int) -> A
     )
 
     fields = {"quantization": quantization} if quantization else {}
-    return ModelRunner(
-        RunnerConfig(
-            model=ModelConfig(str(smollm2_gguf_path()), show_progress=False, **fields),
-            memory=MemoryConfig(max_total_tokens=max_tokens, max_running_requests=max_batch),
+    torch.set_num_threads(threads)
+    try:
+        return ModelRunner(
+            RunnerConfig(
+                model=ModelConfig(str(smollm2_gguf_path()), show_progress=False, **fields),
+                memory=MemoryConfig(max_total_tokens=max_tokens, max_running_requests=max_batch),
+            )
         )
-    )
+    finally:
+        torch.set_num_threads(1)
 
 
-def measure(runner: Any, batch: int, context: int, steps: int, repeats: int) -> dict[str, float]:
-    """ms per decode step through each path, for `batch` requests at `context` tokens."""
+def measure(runner: Any, batch: int, context: int, steps: int, repeats: int,
+            baseline: Any = None) -> dict[str, float]:  # fmt: skip
+    """ms per decode step through each path, for `batch` requests at `context` tokens (the
+    per-layer one on `baseline` when given, a runner of the same model without the path)."""
+    if baseline is not None:
+        fast = _measure(runner, batch, context, steps, repeats)
+        plain = _measure(baseline, batch, context, steps, repeats)
+        return {"c_path": fast["c_path"], "per_layer": plain["per_layer"]}
+    return _measure(runner, batch, context, steps, repeats)
+
+
+def _measure(runner: Any, batch: int, context: int, steps: int, repeats: int) -> dict[str, float]:
     import torch
 
     from radixlm.runtime import BatchEntry, ForwardBatch
@@ -82,6 +101,8 @@ def measure(runner: Any, batch: int, context: int, steps: int, repeats: int) -> 
     ]  # fmt: skip
     out: dict[str, float] = {}
     for name, active in (("c_path", path), ("per_layer", None)):
+        if name == "c_path" and path is None:
+            continue
         runner.cpu_decode = active
         best = float("inf")
         for _ in range(repeats):
@@ -104,7 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--batches", default="1,8,16", help="decode batch sizes")
     parser.add_argument("--contexts", default="128,2048", help="tokens in each request's context")
-    parser.add_argument("--formats", default="int4,int8", help="int4 (the Q4_1 file), int8")
+    parser.add_argument(
+        "--formats", default="int4,int8,fp32", help="int4 (the Q4_1 file), int8, fp32"
+    )
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed per repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -123,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for fmt in args.formats:
         need = max(args.batches) * (max(args.contexts) + args.steps) + 64
-        runner = build_runner(None if fmt == "int4" else fmt, need, max(args.batches))
+        quantization = {"int4": None, "fp32": "none"}.get(fmt, fmt)
+        runner = build_runner(quantization, need, max(args.batches))
+        baseline = build_runner(quantization, need, max(args.batches), threads=2) if fmt == "fp32" else None
         if runner.cpu_decode is None:
             print(f"{fmt}: the CPU decode path is off here (see the log); nothing to compare")
             continue
@@ -133,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {fmt} B={batch} L={context}: more tokens than the KV pool holds "
                           f"({runner.kv_pool.available}); skipped")  # fmt: skip
                     continue
-                times = measure(runner, batch, context, args.steps, args.repeats)
+                times = measure(runner, batch, context, args.steps, args.repeats, baseline)
                 row = {"format": fmt, "batch": batch, "context": context, **times,
                        "speedup": times["per_layer"] / times["c_path"]}  # fmt: skip
                 rows.append(row)

@@ -1,5 +1,5 @@
 """The CPU decode path (one C call per decode step) against the model's own forward: the same
-logits and the same K/V written, for int4 and int8 layers of every family (GQA, a tied head,
+logits and the same K/V written, for int4, int8 and float32 layers of every family (GQA, a tied head,
 q/k/v biases, per-head q/k norms, a sliding window), GGUF Q4_1 and Q8_0 files, and batches of
 requests at different lengths; which steps take it, and which models it refuses."""
 
@@ -44,10 +44,16 @@ def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _decode_steps(runner: ModelRunner, driver: Any, prompts: list[list[int]], steps: int) -> int:
+def _decode_steps(
+    runner: ModelRunner,
+    driver: Any,
+    prompts: list[list[int]],
+    steps: int,
+    tolerance: float = 5e-2,
+) -> int:
     """Prefill `prompts`, then decode them together `steps` times; each decode step runs
     through the path and then, on the same batch, through the model's own forward; asserts
-    equal logits and K/V. Returns how many steps the path ran."""
+    equal logits and K/V (`_assert_near`). Returns how many steps the path ran."""
     path = runner.cpu_decode
     assert path is not None
     seqs = [driver.start(p) for p in prompts]
@@ -69,10 +75,10 @@ def _decode_steps(runner: ModelRunner, driver: Any, prompts: list[list[int]], st
                 plain = runner.forward(batch).next_token_logits
             finally:
                 runner.cpu_decode = path
-            _assert_near(fast, plain)
+            _assert_near(fast, plain, tolerance)
             for (k_fast, v_fast), k, v in zip(written, pool.k_buffers, pool.v_buffers, strict=True):
-                _assert_near(k_fast, k[batch.out_cache_loc])
-                _assert_near(v_fast, v[batch.out_cache_loc])
+                _assert_near(k_fast, k[batch.out_cache_loc], tolerance)
+                _assert_near(v_fast, v[batch.out_cache_loc], tolerance)
             last = plain.argmax(-1).tolist()
         return taken
     finally:
@@ -80,15 +86,16 @@ def _decode_steps(runner: ModelRunner, driver: Any, prompts: list[list[int]], st
             driver.release(seq)
 
 
-def _assert_near(got: torch.Tensor, want: torch.Tensor) -> None:
+def _assert_near(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> None:
     """Equal but for the int8 rounding of activations. Both paths round each projection's
     input to int8 per 32 columns; a float32 difference upstream (a norm's or a softmax's sum
     order) that moves one value across a rounding step changes it by 1/127 of its block's
     largest value, and what follows by up to ~1 % of its scale (most steps: ~1e-6), where a
     wrong weight, slot, row or position changes it wholesale. The layers' own arithmetic is
-    checked tightly, one layer at a time, in radixlm-kernels' tests."""
+    checked tightly, one layer at a time, in radixlm-kernels' tests. Float32 weights (no
+    rounding of activations) take a tight bound."""
     error = float((got - want).abs().max() / want.abs().max())
-    assert error < 5e-2
+    assert error < tolerance
 
 
 # Lengths past the mistral model's window of 6, and of different sizes in one batch.
@@ -177,9 +184,37 @@ def test_prefill_mixed_and_large_batches_take_the_model_forward(
         driver.release(new)
 
 
-def test_float_models_are_not_taken(hf_checkpoints: Any, runner_config_for: Any) -> None:
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_decode_steps_equal_the_model_forward_for_float32_weights(
+    hf_checkpoints: Any, runner_config_for: Any, driver_for: Any, family: str
+) -> None:
+    """Plain float32 projections (the C float product, no rounding of activations)."""
+    path, _ = hf_checkpoints[family]
+    runner = ModelRunner(runner_config_for(path))
+    assert runner.cpu_decode is not None
+    layer = runner.model.model.layers[0]
+    for module in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+        packing = getattr(module, "packing", None)
+        assert packing is None or not packing.enabled  # the C product reads the plain weight
+    assert _decode_steps(runner, driver_for(runner), PROMPTS, steps=6, tolerance=1e-5) == 6
+
+
+def test_float32_models_on_several_threads_keep_their_packed_products(
+    hf_checkpoints: Any, runner_config_for: Any
+) -> None:
+    from radixlm.runtime.models.linear import cpu_packing_available
+
     path, _ = hf_checkpoints["qwen2"]
-    assert ModelRunner(runner_config_for(path)).cpu_decode is None
+    torch.set_num_threads(2)
+    runner = ModelRunner(runner_config_for(path))
+    assert runner.cpu_decode is None
+    packing = getattr(runner.model.model.layers[0].self_attn.qkv_proj, "packing", None)
+    assert (packing is not None and packing.enabled) == cpu_packing_available()
+
+
+def test_bfloat16_models_are_not_taken(hf_checkpoints: Any, runner_config_for: Any) -> None:
+    path, _ = hf_checkpoints["qwen2"]
+    assert ModelRunner(runner_config_for(path, dtype="bfloat16")).cpu_decode is None
 
 
 def test_the_path_is_off_without_the_c_kernels(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ without AVX-512 (`_weight_int4pack_mm_for_cpu` reaches about 2 GB/s of weights o
 core, a quarter of what the memory gives). `int4_linear` multiplies radixlm's int4 layout
 with activations quantized per block of 32 columns to int8 (llama.cpp's arithmetic for its
 4-bit blocks), one AVX2 multiply-add per 32 weights; `int8_linear` int8 weights with a scale
-per row or per group of columns (llama.cpp's Q8_0 at 32) the same way; see `gemv.c`.
+per row or per group of columns (llama.cpp's Q8_0 at 32) the same way; `f32_linear` float32
+weights with fused multiply-adds (for the decode step of `decode`); see `gemv.c`.
 
 It runs on one thread (no OpenMP runtime beside torch's): callers use it where torch itself
 runs one intra-op thread (a replica per core, as the CPU benchmarks run every server).
@@ -109,6 +110,10 @@ def _build() -> ctypes.CDLL | None:
         ctypes.c_int,
         ctypes.c_void_p,
     ]
+    f32 = library.radixlm_f32_gemv
+    f32.restype = ctypes.c_int
+    pointer = ctypes.c_void_p
+    f32.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, ctypes.c_int, pointer]
     return library
 
 
@@ -185,6 +190,27 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     )
     if code != 0:
         raise RuntimeError("int8_linear: the kernel refused these shapes")
+    return out
+
+
+def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for float32 ``x`` ``[M, K]`` (M <= MAX_ROWS) and ``weight`` ``[N, K]``
+    (any K) on CPU tensors, in float32 with fused multiply-adds (`gemv.c`); one thread;
+    float32 ``[M, N]``. Raises RuntimeError when the kernels are not available or the shapes
+    do not fit."""
+    library = _loaded()
+    rows, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= rows <= MAX_ROWS or weight.shape[1] != k:
+        raise RuntimeError(
+            f"f32_linear takes 1..{MAX_ROWS} rows and a weight of their width; got x "
+            f"{tuple(x.shape)}, weight {tuple(weight.shape)}"
+        )
+    _check("f32_linear", (("x", x, torch.float32), ("weight", weight, torch.float32)))
+    out = torch.empty(rows, n, dtype=torch.float32)
+    code = library.radixlm_f32_gemv(x.data_ptr(), rows, k, weight.data_ptr(), n, out.data_ptr())
+    if code != 0:
+        raise RuntimeError("f32_linear: the kernel refused these shapes")
     return out
 
 

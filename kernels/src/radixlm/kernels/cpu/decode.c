@@ -5,8 +5,8 @@
  * the residual, RMSNorm, gate/up, SiLU x up, the down projection and the residual.
  *
  * The projections are gemv.c's int4 and int8 products (the same arithmetic as the per-layer
- * path: activations rounded to int8 per block of 32 columns); everything else is float32,
- * in the order the torch path computes it. What this saves is the Python and operator
+ * path: activations rounded to int8 per block of 32 columns) or its float32 one; everything
+ * else is float32, in the order the torch path computes it. What this saves is the Python and operator
  * dispatch of the ~60 torch operations per layer a decode step otherwise runs, which on a
  * small model costs more than the products themselves.
  *
@@ -28,13 +28,14 @@ int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
                       const float *scales, const float *zeros, int n, int group, float *out);
 int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
                       const float *scales, int n, int group, float *out);
+int radixlm_f32_gemv(const float *x, int m_rows, int k, const float *weight, int n, float *out);
 
-enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2 };
+enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_F32 = 3 };
 
 typedef struct {
     int32_t kind, n, k, group;
     const void *weight;
-    const float *scales, *zeros, *bias; /* zeros: int4 only; bias may be NULL */
+    const float *scales, *zeros, *bias; /* scales: int4/int8; zeros: int4; bias may be NULL */
 } RlmLinear;
 
 typedef struct {
@@ -59,6 +60,8 @@ static int linear(const RlmLinear *l, const float *x, int m_rows, float *out) {
     else if (l->kind == LINEAR_INT8)
         code = radixlm_int8_gemv(x, m_rows, l->k, (const int8_t *)l->weight, l->scales, l->n,
                                  l->group, out);
+    else if (l->kind == LINEAR_F32)
+        code = radixlm_f32_gemv(x, m_rows, l->k, (const float *)l->weight, l->n, out);
     else
         return -1;
     if (code || !l->bias) return code;

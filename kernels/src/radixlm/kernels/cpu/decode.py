@@ -2,7 +2,7 @@
 
 The model's weights are described once (`DecoderShape`, one `DecoderLayerWeights` per layer,
 their projections as `LinearWeights` in the int4 or int8 layouts of `int4_linear` and
-`int8_linear`), then `DecodeLayers(...)(hidden, ...)` runs a step of up to MAX_ROWS requests,
+`int8_linear`, or float32 as `f32_linear` takes them), then `DecodeLayers(...)(hidden, ...)` runs a step of up to MAX_ROWS requests,
 each adding one token: the residual stream `hidden` is updated in place and each new token's
 K/V is written into the layers' float32 pools. The arithmetic is that of the per-layer torch
 path with these kernels' products, so the two agree to float32 rounding.
@@ -17,19 +17,20 @@ import torch
 
 from radixlm.kernels import cpu
 
-_INT4, _INT8 = 1, 2
+_INT4, _INT8, _F32 = 1, 2, 3
 
 
 @dataclass(frozen=True)
 class LinearWeights:
     """One projection, ``y = x @ W.T (+ bias)``, as `int4_linear` (``kind="int4"``: ``weight``
-    the packed uint8 codes [N, K / 2], ``scales`` and ``zeros`` [N, K / group_size]) or
-    `int8_linear` (``kind="int8"``: int8 ``weight`` [N, K], ``scales`` [N] or [N, K / g])
-    takes it; every tensor float32 except ``weight``, contiguous, on the CPU."""
+    the packed uint8 codes [N, K / 2], ``scales`` and ``zeros`` [N, K / group_size]),
+    `int8_linear` (``kind="int8"``: int8 ``weight`` [N, K], ``scales`` [N] or [N, K / g]) or
+    `f32_linear` (``kind="float32"``: ``weight`` [N, K], no scales) takes it; every tensor
+    float32 except the codes, contiguous, on the CPU."""
 
     kind: str
     weight: torch.Tensor
-    scales: torch.Tensor
+    scales: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
     group_size: int = 0
     bias: torch.Tensor | None = None
@@ -128,8 +129,14 @@ def _pointer(tensor: torch.Tensor | None, what: str, dtype: torch.dtype, size: i
 def _linear(weights: LinearWeights, n: int, k: int, what: str) -> _Linear:
     if weights.shape != (n, k):
         raise ValueError(f"{what} is {weights.shape[0]} x {weights.shape[1]}; expected {n} x {k}")
+    if weights.kind == "float32":
+        weight = _pointer(weights.weight, f"{what} weight", torch.float32, n * k)
+        bias = _pointer(weights.bias, f"{what} bias", torch.float32, n)
+        return _Linear(_F32, n, k, 0, weight, None, None, bias)
     if k % cpu.BLOCK:
         raise ValueError(f"{what}: its input width {k} is not a multiple of {cpu.BLOCK}")
+    if weights.scales is None:
+        raise ValueError(f"{what}: {weights.kind} weights need scales")
     if weights.kind == "int4":
         group = weights.group_size
         if group % cpu.BLOCK or k % group:
@@ -147,7 +154,7 @@ def _linear(weights: LinearWeights, n: int, k: int, what: str) -> _Linear:
         code, zeros = _INT8, None
         weight = _pointer(weights.weight, f"{what} weight", torch.int8, n * k)
     else:
-        raise ValueError(f"{what}: kind {weights.kind!r} is not int4 or int8")
+        raise ValueError(f"{what}: kind {weights.kind!r} is not int4, int8 or float32")
     scales = _pointer(weights.scales, f"{what} scales", torch.float32, n * groups)
     bias = _pointer(weights.bias, f"{what} bias", torch.float32, n)
     return _Linear(code, n, k, group, weight, scales, zeros, bias)

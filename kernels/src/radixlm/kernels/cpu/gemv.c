@@ -309,3 +309,104 @@ int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
     release(&a);
     return 0;
 }
+
+#ifdef RADIXLM_AVX2
+/* Outputs of activation rows x[0 .. tile-1] (tile <= TILE, rows `k` apart) for the two
+ * float32 weight rows w0 and w1: eight accumulators, each 8-column step loading the two
+ * weight vectors once for every row of the tile. Columns past the last multiple of 8 are
+ * the caller's. */
+static inline __attribute__((always_inline)) void f32_tile(const float *x, int k, int k8,
+                                                           const float *w0, const float *w1,
+                                                           const float *ahead, int tile,
+                                                           float got[TILE][2]) {
+    __m256 a0[TILE], a1[TILE];
+    for (int m = 0; m < TILE; m++) a0[m] = _mm256_setzero_ps(), a1[m] = _mm256_setzero_ps();
+    for (int i = 0; i < k8; i += 8) {
+        if (ahead && !(i & 15)) { /* the next pair's rows, one cache line each per 16 columns */
+            _mm_prefetch((const char *)(ahead + i), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ahead + k + i), _MM_HINT_T0);
+        }
+        __m256 v0 = _mm256_loadu_ps(w0 + i), v1 = _mm256_loadu_ps(w1 + i);
+        /* in registers: without this gcc folds each use into the FMA as another load */
+        __asm__("" : "+x"(v0), "+x"(v1));
+        for (int m = 0; m < TILE; m++) {
+            if (m < tile) {
+                __m256 xv = _mm256_loadu_ps(x + (size_t)m * k + i);
+                a0[m] = _mm256_fmadd_ps(xv, v0, a0[m]);
+                a1[m] = _mm256_fmadd_ps(xv, v1, a1[m]);
+            }
+        }
+    }
+    for (int m = 0; m < tile; m++) got[m][0] = hsum(a0[m]), got[m][1] = hsum(a1[m]);
+}
+
+/* One activation row against four weight rows (batch 1: bound by reading the weights). */
+static inline void f32_row4(const float *x, int k8, const float *w, int k, float got[4]) {
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+    for (int i = 0; i < k8; i += 8) {
+        __m256 xv = _mm256_loadu_ps(x + i);
+        for (int r = 0; r < 4; r++)
+            a[r] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + (size_t)r * k + i), a[r]);
+    }
+    for (int r = 0; r < 4; r++) got[r] = hsum(a[r]);
+}
+#endif
+
+/* Weight rows per block of the float32 product over more than one row: each block (16 rows
+ * of K floats, in L2) meets the activation rows one tile at a time (in L1). */
+#define F32_BLOCK_ROWS 16
+
+/* out[M, N] = x[M, K] @ w^T for float32 weights w [N, K] (any K), in float32 with fused
+ * multiply-adds: a product for few rows without a library's dispatch. Returns 0, or -1 for
+ * row counts it does not take. */
+int radixlm_f32_gemv(const float *x, int m_rows, int k, const float *weight, int n, float *out) {
+    if (m_rows < 1 || m_rows > MAX_ROWS || k < 1) return -1;
+    int k8 = 0, row = 0;
+#ifdef RADIXLM_AVX2
+    k8 = k & ~7;
+    if (m_rows == 1) {
+        for (; row + 4 <= n; row += 4) f32_row4(x, k8, weight + (size_t)row * k, k, out + row);
+    } else {
+        int pairs = n & ~1;
+        for (int first = 0; first < pairs; first += F32_BLOCK_ROWS) {
+            int last = first + F32_BLOCK_ROWS < pairs ? first + F32_BLOCK_ROWS : pairs;
+            for (int m0 = 0; m0 < m_rows; m0 += TILE) {
+                int tile = m_rows - m0 < TILE ? m_rows - m0 : TILE;
+                const float *xm = x + (size_t)m0 * k;
+                for (row = first; row < last; row += 2) {
+                    const float *w0 = weight + (size_t)row * k, *w1 = w0 + k;
+                    /* the first tile meets each pair from memory: fetch the next one early */
+                    const float *ahead = m0 == 0 && row + 3 < n ? w1 + k : NULL;
+                    float got[TILE][2];
+                    if (tile == TILE)
+                        f32_tile(xm, k, k8, w0, w1, ahead, TILE, got);
+                    else
+                        f32_tile(xm, k, k8, w0, w1, ahead, tile, got);
+                    for (int m = 0; m < tile; m++) {
+                        out[(size_t)(m0 + m) * n + row] = got[m][0];
+                        out[(size_t)(m0 + m) * n + row + 1] = got[m][1];
+                    }
+                }
+            }
+        }
+        row = pairs;
+    }
+    /* the columns past k8 of the rows done above */
+    if (k8 < k)
+        for (int r = 0; r < row; r++)
+            for (int m = 0; m < m_rows; m++) {
+                float tail = 0.0f;
+                for (int i = k8; i < k; i++) tail += x[(size_t)m * k + i] * weight[(size_t)r * k + i];
+                out[(size_t)m * n + r] += tail;
+            }
+#endif
+    /* the rows no vector loop took (all of them without AVX2) */
+    for (; row < n; row++)
+        for (int m = 0; m < m_rows; m++) {
+            float acc = 0.0f;
+            for (int i = 0; i < k; i++) acc += x[(size_t)m * k + i] * weight[(size_t)row * k + i];
+            out[(size_t)m * n + row] = acc;
+        }
+    return 0;
+}

@@ -1,14 +1,21 @@
-"""The CPU decode path: a decode step of a quantized Llama-like model in one C call.
+"""The CPU decode path: a decode step of a Llama-like model in one C call.
 
 On one intra-op CPU thread a small model's decode step costs more in Python and operator
 dispatch (about 60 torch operations per decoder layer around the four projections) than in
-the projections themselves. When every projection is int4 or int8 in the layouts of
-`radixlm.kernels.cpu` (load-time `int8`/`int4` quantization, or a GGUF file's Q4_0/Q4_1/Q4_K
-and Q8_0 tensors), the model float32 and its KV pool float32, a step of at most `MAX_BATCH`
-requests that each add one token runs every decoder layer through
-`radixlm.kernels.cpu.decode.DecodeLayers` (one call per `kernels.cpu.MAX_ROWS` requests): the same products (activations rounded to int8 per
-32 columns, as the per-layer path computes them there) with the norms, rotary embedding, K/V
-writes and attention in C. The embedding lookup, the final norm and the LM head stay in torch.
+the projections themselves. A step of at most `MAX_BATCH` requests that each add one token
+runs every decoder layer through `radixlm.kernels.cpu.decode.DecodeLayers` (one call per
+`kernels.cpu.MAX_ROWS` requests) when the model and its KV pool are float32 and every
+projection is
+
+- int4 or int8 in the layouts of `radixlm.kernels.cpu` (load-time `int8`/`int4`
+  quantization, or a GGUF file's Q4_0/Q4_1/Q4_K and Q8_0 tensors): the same products as the
+  per-layer path (activations rounded to int8 per 32 columns);
+- or plain float32, when the model is built on one torch thread: those layers then stop
+  packing their weights for oneDNN (the C product reads the plain ones; prefills multiply
+  them with F.linear).
+
+The norms, rotary embedding, K/V writes and attention run in C too; the embedding lookup,
+the final norm and the LM head stay in torch.
 
 The model runner builds it once after loading (`CpuDecodePath.build`, which says why not when
 it cannot) and uses it for the steps `can_run` accepts; everything else takes the model's own
@@ -30,6 +37,7 @@ from radixlm.kernels.cpu.decode import (
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.memory import KVPool
 from radixlm.runtime.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP
+from radixlm.runtime.models.linear import MergedColumnLinear, PackedWeight, RowLinear
 from radixlm.runtime.quant.gguf_linear import GGUFLinear
 from radixlm.runtime.quant.linear import QuantizedLinear
 
@@ -51,8 +59,24 @@ def _bias(module: object) -> torch.Tensor | None:
     return tensor
 
 
+def _float_projection(module: MergedColumnLinear | RowLinear, what: str) -> LinearWeights:
+    """A float32 projection's weight as the C product reads it (a layer that would pack it
+    for oneDNN at its first call multiplies the plain weight from now on)."""
+    if torch.get_num_threads() != 1:
+        # Then steps take the model's forward, whose packed products are faster: keep them.
+        raise NotTaken("float32 weights and several torch threads (the path runs on one)")
+    if module.weight.dtype != torch.float32:
+        raise NotTaken(f"{what} is {module.weight.dtype}, not float32")
+    packing = getattr(module, "packing", None)
+    if isinstance(packing, PackedWeight) and not packing.stay_plain():
+        raise NotTaken(f"{what}'s weight was packed for oneDNN already")
+    return LinearWeights("float32", module.weight.data.contiguous(), bias=_bias(module))
+
+
 def _projection(module: object, what: str) -> LinearWeights:
     """The C layout of one projection, or NotTaken."""
+    if isinstance(module, (MergedColumnLinear, RowLinear)):
+        return _float_projection(module, what)
     if isinstance(module, GGUFLinear):
         operands = module.cpu_int8_operands()
         if operands is not None:

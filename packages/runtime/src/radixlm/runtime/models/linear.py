@@ -428,10 +428,22 @@ class PackedWeight:
     def __init__(self, keep_plain: bool = False) -> None:
         self.keep_plain = keep_plain
         self.packed: torch.Tensor | None = None
+        #: False once `stay_plain` was called: the plain weight is multiplied (F.linear).
+        self.enabled = True
+
+    def stay_plain(self) -> bool:
+        """Never pack: multiply the plain weight from now on, for a caller that reads it (the
+        CPU decode path). False when it was packed (and released) already."""
+        if self.packed is not None and not self.keep_plain:
+            return False
+        self.packed, self.enabled = None, False
+        return True
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
+        if not self.enabled:
+            return F.linear(x, weight, bias)
         if self.packed is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
             if not self.keep_plain:
