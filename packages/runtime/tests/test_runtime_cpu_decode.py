@@ -157,6 +157,64 @@ def test_batches_past_one_call_run_in_chunks(hf_checkpoints: Any, driver_for: An
             driver.release(seq)
 
 
+@pytest.mark.parametrize(("family", "quantization"), [("mistral", None), ("qwen3", "int4")])
+def test_mixed_steps_run_their_one_token_requests_on_the_path(
+    hf_checkpoints: Any, runner_config_for: Any, driver_for: Any, family: str, quantization: Any
+) -> None:
+    """A step of prefill chunks beside decodes: the decodes through the path, the chunks
+    through the model's forward, the logits in batch order as the model's forward over the
+    whole step gives them, and the K/V of every new token written."""
+    from radixlm.runtime import BatchEntry
+
+    path, _ = hf_checkpoints[family]
+    fields = {"quantization": quantization} if quantization else {}
+    runner = ModelRunner(runner_config_for(path, **fields))
+    cpu_path = runner.cpu_decode
+    assert cpu_path is not None
+    driver = driver_for(runner)
+    table = runner.req_to_token_pool.req_to_token
+    old = [driver.start(p) for p in PROMPTS]
+    new = [driver.start(p) for p in ([4, 8, 15, 16, 23, 42, 7, 9], [3, 5])]
+    try:
+        driver.forward([driver.entry(s, p) for s, p in zip(old, PROMPTS, strict=True)])
+        # decode, chunk, decode, decode, chunk: the two kinds interleaved
+        entries = [
+            driver.entry(old[0], [5]),
+            driver.entry(new[0], [4, 8, 15, 16, 23, 42, 7, 9]),
+            driver.entry(old[1], [6]),
+            driver.entry(old[2], [7]),
+            driver.entry(new[1], [3, 5]),
+        ]
+        batch = ForwardBatch.build(entries, table)
+        step = cpu_path.split(batch)
+        assert step is not None and step.rows.tolist() == [0, 2, 3]
+        split = runner.forward(batch).next_token_logits.clone()
+        slots = batch.out_cache_loc
+        written = [(k[slots].clone(), v[slots].clone())
+                   for k, v in zip(runner.kv_pool.k_buffers, runner.kv_pool.v_buffers, strict=True)]  # fmt: skip
+        again = [BatchEntry(e.req_pool_index, e.input_ids, e.prefix_len, e.out_slots) for e in entries]
+        runner.cpu_decode = None
+        try:
+            whole = runner.forward(ForwardBatch.build(again, table)).next_token_logits
+        finally:
+            runner.cpu_decode = cpu_path
+        tolerance = 5e-2 if quantization else 1e-5
+        _assert_near(split, whole, tolerance)
+        for (k_split, v_split), k, v in zip(
+            written, runner.kv_pool.k_buffers, runner.kv_pool.v_buffers, strict=True
+        ):
+            _assert_near(k_split, k[slots], tolerance)
+            _assert_near(v_split, v[slots], tolerance)
+        # Not split: no one-token request, or a row that asks for its prompt logprobs.
+        assert cpu_path.split(ForwardBatch.build(again[1:2] + again[4:], table)) is None
+        asks = BatchEntry(again[1].req_pool_index, again[1].input_ids, again[1].prefix_len,
+                          again[1].out_slots, input_logprob_targets=[1] * 7)  # fmt: skip
+        assert cpu_path.split(ForwardBatch.build([again[0], asks], table)) is None
+    finally:
+        for seq in old + new:
+            driver.release(seq)
+
+
 def test_prefill_mixed_and_large_batches_take_the_model_forward(
     hf_checkpoints: Any, runner_config_for: Any, driver_for: Any
 ) -> None:

@@ -24,6 +24,8 @@ forward. `RADIXLM_CPU_KERNELS=0` turns it off with the other C kernels.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -177,25 +179,114 @@ class CpuDecodePath:
             and torch.get_num_threads() == 1
         )
 
+    def split(self, batch: ForwardBatch) -> MixedStep | None:
+        """A mixed step (prefill chunks beside one-token requests) as the path's part and the
+        rest, or None when it is not one to split: no request adds one token (or all do, or
+        more than `max_batch`), several torch threads, given embeddings, M-RoPE positions,
+        or rows asked for their prompt logprobs or hidden states."""
+        lengths = batch.extend_lens_cpu
+        singles = [i for i, length in enumerate(lengths) if length == 1]
+        if (
+            not singles
+            or len(singles) == len(lengths)
+            or len(singles) > self.max_batch
+            or batch.input_embeds is not None
+            or batch.mrope_positions is not None
+            or batch.input_logprobs
+            or batch.hidden_state_requests
+            or torch.get_num_threads() != 1
+        ):
+            return None
+        starts, total = [], 0
+        for length in lengths:
+            starts.append(total)
+            total += length
+        taken = set(singles)
+        others = [i for i in range(len(lengths)) if i not in taken]
+        device = batch.device
+        single_rows = torch.tensor(singles, device=device)
+        other_rows = torch.tensor(others, device=device)
+        tokens = torch.tensor([starts[i] for i in singles], device=device)
+        other_tokens = torch.tensor(
+            [t for i in others for t in range(starts[i], starts[i] + lengths[i])], device=device
+        )
+        rest = ForwardBatch(
+            input_ids=batch.input_ids.index_select(0, other_tokens),
+            positions=batch.positions.index_select(0, other_tokens),
+            out_cache_loc=batch.out_cache_loc.index_select(0, other_tokens),
+            req_pool_indices=batch.req_pool_indices.index_select(0, other_rows),
+            prefix_lens=batch.prefix_lens.index_select(0, other_rows),
+            extend_lens=batch.extend_lens.index_select(0, other_rows),
+            seq_lens=batch.seq_lens.index_select(0, other_rows),
+            req_to_token=batch.req_to_token,
+            prefix_lens_cpu=tuple(batch.prefix_lens_cpu[i] for i in others),
+            extend_lens_cpu=tuple(lengths[i] for i in others),
+            req_pool_indices_cpu=tuple(batch.req_pool_indices_cpu[i] for i in others),
+        )
+        return MixedStep(single_rows, tokens, other_rows, rest)
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The final hidden states [B, hidden] (after the final norm), as the model's own
         forward returns them; writes the new tokens' K/V into the pool."""
+        return self.run(
+            batch.input_ids,
+            batch.positions,
+            batch.out_cache_loc,
+            batch.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+        )
+
+    def forward_part(self, batch: ForwardBatch, step: MixedStep) -> torch.Tensor:
+        """`forward` over the one-token requests of a split mixed step: [len(rows), hidden]."""
+        return self.run(
+            batch.input_ids.index_select(0, step.tokens),
+            batch.positions.index_select(0, step.tokens),
+            batch.out_cache_loc.index_select(0, step.tokens),
+            batch.req_to_token,
+            batch.req_pool_indices.index_select(0, step.rows),
+            batch.seq_lens.index_select(0, step.rows),
+        )
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        table: torch.Tensor,
+        rows: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:
+        """One new token per request (request i's row `rows[i]` of `table`, `lengths[i]`
+        tokens with the new one): the final hidden states [len(rows), hidden]."""
         decoder = self.model.model
-        hidden = decoder.embed_tokens(batch.input_ids).contiguous()
+        hidden = decoder.embed_tokens(input_ids).contiguous()
         count = hidden.shape[0]
-        cos, sin = decoder.rotary.cos_sin(batch.positions, torch.float32)
+        cos, sin = decoder.rotary.cos_sin(positions, torch.float32)
         cos, sin = cos.reshape(count, -1), sin.reshape(count, -1)
         # Requests are independent within a layer: more than a call takes run in chunks.
         for start in range(0, count, kernels.cpu.MAX_ROWS):
-            rows = slice(start, start + kernels.cpu.MAX_ROWS)
+            chunk = slice(start, start + kernels.cpu.MAX_ROWS)
             self.layers(
-                hidden[rows],
-                cos[rows],
-                sin[rows],
-                batch.out_cache_loc[rows],
-                batch.req_to_token,
-                batch.req_pool_indices[rows],
-                batch.seq_lens[rows],
+                hidden[chunk],
+                cos[chunk],
+                sin[chunk],
+                out_slots[chunk],
+                table,
+                rows[chunk],
+                lengths[chunk],
             )
         normed: torch.Tensor = decoder.norm(hidden)
         return normed
+
+
+@dataclass(frozen=True)
+class MixedStep:
+    """A mixed step split in two (`CpuDecodePath.split`): its one-token requests (batch
+    indices `rows`, their tokens' indices `tokens`) for the path, and the other requests
+    (batch indices `other_rows`) as a batch of their own for the model's forward."""
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    other_rows: torch.Tensor
+    rest: ForwardBatch

@@ -21,7 +21,7 @@ import torch
 from radixlm import kernels
 from radixlm.runtime.attention import AttentionBackend, create_backend
 from radixlm.runtime.config import LoraConfig, RunnerConfig
-from radixlm.runtime.cpu_decode import CpuDecodePath, NotTaken
+from radixlm.runtime.cpu_decode import CpuDecodePath, MixedStep, NotTaken
 from radixlm.runtime.cuda_graph import CudaGraphRunner, cuda_graphs_usable
 from radixlm.runtime.distributed import SINGLE, TensorParallel
 from radixlm.runtime.forward_batch import ForwardBatch
@@ -206,6 +206,8 @@ class ModelRunner:
             return LogitsOutput(self.graph_runner.replay(batch))
         if self.cpu_decode is not None and self.cpu_decode.can_run(batch):
             hidden = self.cpu_decode.forward(batch)
+        elif self.cpu_decode is not None and (mixed := self.cpu_decode.split(batch)):
+            return self._forward_mixed(batch, self.cpu_decode, mixed)
         else:
             self.attention.prepare(batch)
             hidden = self.model(
@@ -223,6 +225,21 @@ class ModelRunner:
         input_logprobs = self._input_logprobs(hidden, batch) if batch.input_logprobs else None
         hidden_states = self._hidden_states(hidden, batch) if batch.hidden_state_requests else None
         return LogitsOutput(logits, input_logprobs, hidden_states)
+
+    def _forward_mixed(
+        self, batch: ForwardBatch, path: CpuDecodePath, step: MixedStep
+    ) -> LogitsOutput:
+        """A mixed step on the CPU decode path: its one-token requests through the path, the
+        prefill chunks through the model's forward (requests never attend to each other's
+        tokens, so the two parts are what the whole step computes), then one LM head over
+        every request's last row, in batch order."""
+        rest = step.rest
+        self.attention.prepare(rest)
+        hidden = self.model(rest.input_ids, rest.model_positions, self.attention, None, None)
+        last = hidden.new_empty(batch.batch_size, hidden.shape[-1])
+        last[step.other_rows] = hidden.index_select(0, torch.cumsum(rest.extend_lens, 0) - 1)
+        last[step.rows] = path.forward_part(batch, step)
+        return LogitsOutput(self.model.compute_logits(last))
 
     @staticmethod
     def _hidden_states(hidden: torch.Tensor, batch: ForwardBatch) -> list[torch.Tensor | None]:
