@@ -33,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quant_quality import cpu_flags
 
 
-def build_runner(quantization: str | None, max_tokens: int, max_batch: int, threads: int = 1) -> Any:
+def build_runner(
+    quantization: str | None, max_tokens: int, max_batch: int, threads: int = 1
+) -> Any:
     import torch
 
     from radixlm.runtime import (
@@ -148,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         need = max(args.batches) * (max(args.contexts) + args.steps) + 64
         quantization = {"int4": None, "fp32": "none"}.get(fmt, fmt)
         runner = build_runner(quantization, need, max(args.batches))
-        baseline = build_runner(quantization, need, max(args.batches), threads=2) if fmt == "fp32" else None
+        baseline = (
+            build_runner(quantization, need, max(args.batches), threads=2)
+            if fmt == "fp32"
+            else None
+        )
         if runner.cpu_decode is None:
             print(f"{fmt}: the CPU decode path is off here (see the log); nothing to compare")
             continue

@@ -192,7 +192,9 @@ def test_mixed_steps_run_their_one_token_requests_on_the_path(
         slots = batch.out_cache_loc
         written = [(k[slots].clone(), v[slots].clone())
                    for k, v in zip(runner.kv_pool.k_buffers, runner.kv_pool.v_buffers, strict=True)]  # fmt: skip
-        again = [BatchEntry(e.req_pool_index, e.input_ids, e.prefix_len, e.out_slots) for e in entries]
+        again = [
+            BatchEntry(e.req_pool_index, e.input_ids, e.prefix_len, e.out_slots) for e in entries
+        ]
         runner.cpu_decode = None
         try:
             whole = runner.forward(ForwardBatch.build(again, table)).next_token_logits
