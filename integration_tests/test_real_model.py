@@ -147,11 +147,14 @@ def test_cpu_decode_bench_times_both_paths(tmp_path: Path) -> None:
     sys.path.insert(0, str(Path(__file__).parents[1] / "tools" / "bench"))
     bench = importlib.import_module("cpu_decode_bench")
     out = tmp_path / "decode.json"
-    args = ["--batches", "2", "--contexts", "40", "--formats", "int4", "--steps", "2",
+    args = ["--batches", "2", "--contexts", "40", "--formats", "int4,fp32", "--steps", "2",
             "--repeats", "1", "--json", str(out)]  # fmt: skip
     assert bench.main(args) == 0
     import json
 
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["format"], r["batch"], r["context"]) for r in rows] == [("int4", 2, 40)]
-    assert rows[0]["c_path"] > 0 and rows[0]["per_layer"] > 0
+    assert [(r["format"], r["batch"], r["context"]) for r in rows] == [
+        ("int4", 2, 40),
+        ("fp32", 2, 40),
+    ]
+    assert all(row["c_path"] > 0 and row["per_layer"] > 0 for row in rows)
