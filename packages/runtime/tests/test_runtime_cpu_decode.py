@@ -117,7 +117,8 @@ def test_decode_steps_equal_the_model_forward_for_load_time_quantization(
 def test_decode_steps_equal_the_model_forward_for_gguf_files(
     gguf_files: dict[str, Path], runner_config_for: Any, driver_for: Any, kind: str
 ) -> None:
-    runner = ModelRunner(runner_config_for(gguf_files[kind]))
+    # (float32 said: "auto" keeps a GGUF file's bfloat16 on CPUs with AVX512-BF16 or AMX)
+    runner = ModelRunner(runner_config_for(gguf_files[kind], dtype="float32"))
     assert runner.cpu_decode is not None
     assert _decode_steps(runner, driver_for(runner), PROMPTS, steps=4) == 4
 
@@ -257,6 +258,58 @@ def test_decode_steps_equal_the_model_forward_for_float32_weights(
         packing = getattr(module, "packing", None)
         assert packing is None or not packing.enabled  # the C product reads the plain weight
     assert _decode_steps(runner, driver_for(runner), PROMPTS, steps=6, tolerance=1e-5) == 6
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])  # a tied head, an untied one
+def test_float32_heads_multiply_in_c_for_a_few_rows(
+    hf_checkpoints: Any, runner_config_for: Any, family: str
+) -> None:
+    """The C head gives the model's logits for 1..MAX_ROWS rows and hands more to the model;
+    a tied head keeps its packed copy (the embedding table stays plain anyway), an untied one
+    multiplies its plain weight from then on."""
+    path, _ = hf_checkpoints[family]
+    runner = ModelRunner(runner_config_for(path))
+    decode = runner.cpu_decode
+    assert decode is not None and decode.head is not None
+    model = runner.model
+    assert decode.head.data_ptr() == model.lm_head_weight.data_ptr()  # read in place
+    packing = model.head_packing
+    if packing is not None:
+        assert packing.enabled == (family == "llama3")
+    torch.manual_seed(0)
+    for rows in (1, 5, kernels.cpu.MAX_ROWS, kernels.cpu.MAX_ROWS + 1):
+        hidden = torch.randn(rows, model.arch.hidden_size)
+        want = hidden.double() @ model.lm_head_weight.double().T
+        got = decode.logits(hidden)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def test_quantized_heads_stay_with_the_model(hf_checkpoints: Any, runner_config_for: Any) -> None:
+    path, _ = hf_checkpoints["qwen2"]
+    runner = ModelRunner(runner_config_for(path, quantization="int8"))
+    assert runner.cpu_decode is not None and runner.cpu_decode.head is None
+
+
+def test_a_packed_tied_head_is_packed_again_after_new_weights(
+    hf_checkpoints: Any, runner_config_for: Any
+) -> None:
+    """load_weights drops the packed copy of a tied head (it would keep the old logits)."""
+    from radixlm.runtime.models.linear import cpu_packing_available
+
+    if not cpu_packing_available():
+        pytest.skip("no oneDNN packing in this torch")
+    path, hf_model = hf_checkpoints["llama3"]
+    torch.set_num_threads(2)  # several threads: the head keeps its packed product
+    runner = ModelRunner(runner_config_for(path))
+    model = runner.model
+    hidden = torch.randn(3, model.arch.hidden_size)
+    before = model.compute_logits(hidden)
+    assert model.head_packing is not None and model.head_packing.packed is not None
+    table = hf_model.state_dict()["model.embed_tokens.weight"]
+    runner.load_weights([("model.embed_tokens.weight", 2 * table)])
+    after = model.compute_logits(hidden)
+    torch.testing.assert_close(after, 2 * before, rtol=1e-4, atol=1e-4)
 
 
 def test_float32_models_on_several_threads_keep_their_packed_products(

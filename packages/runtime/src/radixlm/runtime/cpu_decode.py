@@ -14,8 +14,10 @@ projection is
   packing their weights for oneDNN (the C product reads the plain ones; prefills multiply
   them with F.linear).
 
-The norms, rotary embedding, K/V writes and attention run in C too; the embedding lookup,
-the final norm and the LM head stay in torch.
+The norms, rotary embedding, K/V writes and attention run in C too; the embedding lookup
+and the final norm stay in torch. A float32 LM head (on one thread) multiplies in C as well
+for the steps of at most `kernels.cpu.MAX_ROWS` rows (`logits`): memory-bound there, it reads
+its weight once per step where oneDNN's GEMV is slower at a few rows.
 
 The model runner builds it once after loading (`CpuDecodePath.build`, which says why not when
 it cannot) and uses it for the steps `can_run` accepts; everything else takes the model's own
@@ -104,6 +106,22 @@ def _projection(module: object, what: str) -> LinearWeights:
     raise NotTaken(f"{what} is {quant.format} in a layout the C kernels do not take")
 
 
+def _float_head(model: DecoderForCausalLM) -> torch.Tensor | None:
+    """The LM head's plain float32 weight for the C product, or None: a quantized head, a
+    bf16 one, several torch threads, or a weight oneDNN packed (and released) already. An
+    untied head then multiplies its plain weight in prefills too (F.linear); a tied one keeps
+    its packed copy for them beside the table."""
+    if model.quantized_head is not None or torch.get_num_threads() != 1:
+        return None
+    weight = model.lm_head_weight.data
+    if weight.dtype != torch.float32 or weight.numel() == 0 or not weight.is_contiguous():
+        return None
+    packing = model.head_packing
+    if packing is not None and not packing.keep_plain and not packing.stay_plain():
+        return None
+    return weight
+
+
 def _layer(layer: nn.Module, index: int, pool: KVPool) -> DecoderLayerWeights:
     if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, DecoderMLP):
         raise NotTaken(f"layer {index} is not a dense decoder layer (mixture of experts?)")
@@ -130,12 +148,18 @@ class CpuDecodePath:
     """Decode steps of `model` through `DecodeLayers` (see the module docstring)."""
 
     def __init__(
-        self, model: DecoderForCausalLM, layers: DecodeLayers, max_batch: int = MAX_BATCH
+        self,
+        model: DecoderForCausalLM,
+        layers: DecodeLayers,
+        max_batch: int = MAX_BATCH,
+        head: torch.Tensor | None = None,
     ) -> None:
         self.model = model
         self.layers = layers
         #: The most requests a step may have to take this path (in calls of MAX_ROWS).
         self.max_batch = max_batch
+        #: The LM head's plain float32 weight [vocab, hidden] for the C product, or None.
+        self.head = head
 
     @classmethod
     def build(cls, model: nn.Module, pool: KVPool) -> CpuDecodePath:
@@ -165,9 +189,17 @@ class CpuDecodePath:
             scaling=spec.scaling,
         )
         try:
-            return cls(model, DecodeLayers(shape, weights))
+            return cls(model, DecodeLayers(shape, weights), head=_float_head(model))
         except ValueError as error:
             raise NotTaken(str(error)) from None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's `compute_logits` of these rows: in C for at most MAX_ROWS rows of a
+        float32 head on one thread, else the model's own product."""
+        rows = hidden.shape[0]
+        if self.head is None or rows > kernels.cpu.MAX_ROWS or torch.get_num_threads() != 1:
+            return self.model.compute_logits(hidden)
+        return kernels.cpu.f32_linear(hidden.contiguous(), self.head)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether this step is one the path takes: every request adds one token, at most

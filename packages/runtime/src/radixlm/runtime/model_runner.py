@@ -217,11 +217,12 @@ class ModelRunner:
                 batch.input_embeds,
                 batch.input_embeds_rows,
             )
+        head = self.model.compute_logits if self.cpu_decode is None else self.cpu_decode.logits
         if batch.num_tokens == batch.batch_size:  # one token per request: every row is last
-            logits = self.model.compute_logits(hidden)
+            logits = head(hidden)
         else:
             last = torch.cumsum(batch.extend_lens, 0) - 1
-            logits = self.model.compute_logits(hidden.index_select(0, last))
+            logits = head(hidden.index_select(0, last))
         input_logprobs = self._input_logprobs(hidden, batch) if batch.input_logprobs else None
         hidden_states = self._hidden_states(hidden, batch) if batch.hidden_state_requests else None
         return LogitsOutput(logits, input_logprobs, hidden_states)
@@ -239,7 +240,7 @@ class ModelRunner:
         last = hidden.new_empty(batch.batch_size, hidden.shape[-1])
         last[step.other_rows] = hidden.index_select(0, torch.cumsum(rest.extend_lens, 0) - 1)
         last[step.rows] = path.forward_part(batch, step)
-        return LogitsOutput(self.model.compute_logits(last))
+        return LogitsOutput(path.logits(last))
 
     @staticmethod
     def _hidden_states(hidden: torch.Tensor, batch: ForwardBatch) -> list[torch.Tensor | None]:

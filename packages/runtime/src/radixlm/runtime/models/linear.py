@@ -452,7 +452,11 @@ class PackedWeight:
         return out
 
     def check_loadable(self) -> None:
-        if self.packed is not None and not self.keep_plain:
+        """Before new weights are loaded: a kept plain weight is packed again at the next
+        call (the packed copy would be stale); a released one cannot be reloaded."""
+        if self.packed is not None and self.keep_plain:
+            self.packed = None
+        elif self.packed is not None:
             raise RuntimeError(
                 "the weights were packed for CPU inference at the first forward; load weights "
                 "before running the model"
