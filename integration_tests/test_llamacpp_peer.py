@@ -452,6 +452,9 @@ def test_engine_bench_demand_replays_the_workloads_stages(engine_bench: Any) -> 
     consistency = engine_bench.workload_demand("self_consistency", args)
     assert consistency.decode_steps == ((64, 7),)  # 8 prompts x n = 8 decode together
     assert engine_bench.workload_demand("json", args) is None  # outputs end at the schema
+    # At most 8 in flight (--concurrency 8): the 64 sequences decode 8 at a time.
+    args.concurrency = 8
+    assert engine_bench.workload_demand("few_shot", args).decode_steps == ((8, 56),)
 
 
 # ------------------------------------------------------------- with llama.cpp built

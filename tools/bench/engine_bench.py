@@ -1205,14 +1205,16 @@ def workload_demand(workload: str, args: Any) -> Any:
     """What `workload` asks of the model (limit_probe.Demand), from a replay of its stages with
     stand-in outputs of full length (the prompts are the measured ones: the workload's random
     ids do not depend on outputs); each stage's sequences decode together, in batches of at
-    most 128 (radixlm's running-request cap here). None when an output's length is not fixed
-    (a workload without ignore_eos, as json)."""
+    most 128 (radixlm's running-request cap here), or of at most --concurrency when the
+    client keeps no more in flight (a batch no server can be sent). None when an output's
+    length is not fixed (a workload without ignore_eos, as json)."""
     from limit_probe import Demand, unique_prompt_tokens
 
     vocab = SHAPES[args.shape]["vocab_size"]
     stand_in = random.Random(args.seed + 7)
     steps: dict[int, int] = {}
     fixed = True
+    cap = min(128, args.concurrency) if getattr(args, "concurrency", 0) else 128
 
     def run(calls: list[Call]) -> None:
         nonlocal fixed
@@ -1223,8 +1225,8 @@ def workload_demand(workload: str, args: Any) -> Any:
             sequences += n
             fixed = fixed and bool(call.params.get("ignore_eos"))
         length = max(c.params["max_new_tokens"] for c in calls)
-        for start in range(0, sequences, 128):
-            batch = min(128, sequences - start)
+        for start in range(0, sequences, cap):
+            batch = min(cap, sequences - start)
             steps[batch] = steps.get(batch, 0) + length - 1
 
     calls = getattr(Workloads(vocab, args.quick, args.seed, args.scale), workload)(run)
