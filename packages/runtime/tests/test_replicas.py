@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,3 +40,27 @@ def test_cpu_threads_is_an_engine_option() -> None:
     assert EngineConfig.from_kwargs("m", cpu_threads=3).cpu_threads == 3
     with pytest.raises(ValueError, match="cpu_threads must be >= 1"):
         EngineConfig.from_kwargs("m", cpu_threads=0)
+
+
+def test_cpu_threads_applies_to_a_core_on_a_thread_of_this_process(tmp_path: Path) -> None:
+    """The in-process engine (the default) computes on this process's torch threads: a
+    number given sets them (it was only applied in an engine process of its own)."""
+    from radixlm.runtime import Engine
+    from radixlm.runtime.fixtures import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = Engine(str(model), cpu_threads=1, show_progress=False, device="cpu")
+        try:
+            assert torch.get_num_threads() == 1
+        finally:
+            engine.shutdown()
+        engine = Engine(str(model), show_progress=False, device="cpu")  # None: left alone
+        try:
+            assert torch.get_num_threads() == 1
+        finally:
+            engine.shutdown()
+    finally:
+        torch.set_num_threads(before)

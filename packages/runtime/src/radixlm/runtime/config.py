@@ -505,7 +505,8 @@ class EngineConfig:
       token to, so that requests may ask for them (`return_routed_experts`; SGLang's flag).
     - `cpu_threads`: torch threads of the engine process (and of each tensor-parallel rank)
       on CPU; None: the machine's cores less one for the front process, shared among this
-      machine's ranks (several replicas on one machine each take their share).
+      machine's ranks (several replicas on one machine each take their share). With the
+      core on a thread, a number given sets this process's torch threads; None leaves them.
     """
 
     runner: RunnerConfig

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import zmq
 
 from radixlm.runtime.config import EngineConfig
@@ -77,6 +78,9 @@ class ThreadConnection:
         runner: ModelRunner | None = None,
         tokenizer: Any = None,
     ) -> None:
+        if config.cpu_threads is not None:
+            # Asked for: this process's torch threads (the core computes on them here).
+            torch.set_num_threads(config.cpu_threads)
         self.core: EngineCore
         self.core, self.info = create_core(config, on_outputs, runner=runner, tokenizer=tokenizer)
         self._thread = threading.Thread(target=self.core.serve, name="radixlm-engine", daemon=True)
