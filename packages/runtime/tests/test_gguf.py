@@ -3,6 +3,8 @@ block types converted exactly into the int4 layout; files and directories found.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 from typing import Any
 
@@ -217,15 +219,26 @@ def test_a_directory_holding_one_gguf_file_is_a_model(
         resolve_model_path(tmp_path)
 
 
-def test_gguf_models_default_to_bfloat16_where_it_is_fast(
-    tiny_ggufs: dict[str, Path], runner_config_for: Any
+def test_gguf_models_default_to_float32_on_cpus_with_the_c_kernels(
+    tiny_ggufs: dict[str, Path], runner_config_for: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Their int4 / int8 blocks multiply in C with float32 activations: float32 even where
+    bfloat16 is fast; without the C kernels, bfloat16 where it is fast."""
+    from radixlm import kernels
+    from radixlm.runtime import loader
     from radixlm.runtime.loader import read_model_info
-    from radixlm.runtime.models.linear import cpu_packing_available
 
-    info = read_model_info(runner_config_for(str(tiny_ggufs["qwen2-Q4_0"]), device="cpu").model)
-    fast = cpu_packing_available(torch.bfloat16)
-    assert info.dtype == (torch.bfloat16 if fast else torch.float32), info.dtype_reason
+    config = runner_config_for(str(tiny_ggufs["qwen2-Q4_0"]), device="cpu").model
+    monkeypatch.setattr(loader, "cpu_packing_available", lambda dtype: True)  # AVX512-BF16
+    monkeypatch.setattr(kernels.cpu, "available", lambda: True)
+    info = read_model_info(config)
+    assert info.dtype == torch.float32 and "C kernels" in info.dtype_reason, info.dtype_reason
+    assert read_model_info(dataclasses.replace(config, dtype="bfloat16")).dtype == torch.bfloat16
+    monkeypatch.setattr(kernels.cpu, "available", lambda: False)
+    assert read_model_info(config).dtype == torch.bfloat16
+    # Every tensor dequantized (no int4 kept): the C kernels have nothing to multiply.
+    plain = read_model_info(dataclasses.replace(config, quantization="none"))
+    assert plain.dtype == torch.bfloat16
 
 
 def test_a_file_that_is_not_gguf_is_named(tmp_path: Path) -> None:

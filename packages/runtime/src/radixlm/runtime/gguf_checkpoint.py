@@ -133,7 +133,8 @@ def gguf_sidecar(gguf_file: Path) -> Path:
         raise GGUFError(f"{gguf_file.name}: transformers cannot read it: {error}") from None
     config.architectures = [ARCHITECTURES[arch]]
     # The dtype the dequantized tensors compute in by default: bfloat16 on GPUs and on CPUs
-    # that multiply it fast, float32 on other CPUs (`loader.choose_dtype`).
+    # that multiply it fast, float32 on other CPUs (`loader.choose_dtype`) and wherever
+    # radixlm's C kernels multiply the file's int4 / int8 blocks (`loader.read_model_info`).
     config.dtype = "bfloat16"
     staging = directory.with_name(directory.name + f".tmp{os.getpid()}")
     staging.mkdir(parents=True, exist_ok=True)

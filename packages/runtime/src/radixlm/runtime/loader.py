@@ -114,6 +114,18 @@ def choose_dtype(
     )
 
 
+def _c_kernels_take(quantization: QuantConfig, device: torch.device) -> bool:
+    """Whether radixlm's C kernels multiply these weights here: int4 or weight-only int8
+    (a GGUF file's Q4 / Q8_0 blocks, or load-time int4 / int8) on a CPU where they build."""
+    return (
+        device.type == "cpu"
+        and quantization.source in ("gguf", "load_time")
+        and quantization.format in ("int4", "int8")
+        and not quantization.activations_int8
+        and kernels.cpu.available()
+    )
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         with path.open(encoding="utf-8") as handle:
@@ -182,6 +194,21 @@ def read_model_info(config: ModelConfig) -> ModelInfo:
     context = config.context_length or arch.max_position_embeddings
     device = resolve_device(config.device)
     dtype, reason = choose_dtype(config.dtype, arch.torch_dtype, device)
+    if (
+        config.dtype == "auto"
+        and dtype != torch.float32
+        and quantization is not None
+        and _c_kernels_take(quantization, device)
+    ):
+        dtype, reason = (
+            torch.float32,
+            (
+                f"float32 for {quantization.describe()} on the CPU: radixlm's C kernels multiply "
+                "them (and run whole decode steps) with float32 activations, several times faster "
+                f"than {str(dtype).removeprefix('torch.')} here; --dtype "
+                f"{str(dtype).removeprefix('torch.')} keeps it"
+            ),
+        )
     return ModelInfo(
         path=path,
         arch=arch,
