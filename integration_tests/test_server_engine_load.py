@@ -196,11 +196,26 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+def _slow_steps(core: Any) -> None:
+    """Make every step of this engine's core last at least 5 ms (on its thread)."""
+    step = core.step
+
+    def slowed() -> None:
+        started = time.monotonic()
+        step()
+        time.sleep(max(0.0, 0.005 - (time.monotonic() - started)))
+
+    core.step = slowed
+
+
 def test_clients_that_leave_before_their_answer_abort_running_and_queued_requests(
     serve: Callable[..., Any],
 ) -> None:
     served = serve(max_running_requests=1)
     engine = served.engine
+    # Each step takes at least 5 ms: the running answer needs 4.5 s, far past the clients'
+    # half second, however fast the machine decodes the tiny model.
+    engine.run_in_loop(_slow_steps)
     body = {
         "text": "an answer nobody waits for",
         "sampling_params": {"max_new_tokens": DISCONNECTING_TOKENS, "ignore_eos": True},

@@ -46,7 +46,11 @@ def build_runner(
         smollm2_gguf_path,
     )
 
-    fields = {"quantization": quantization} if quantization else {}
+    # float32 said: every format compares float32 activations (on AVX512-BF16 CPUs "auto"
+    # would keep the dequantized fp32 pairing's weights in bfloat16).
+    fields: dict[str, Any] = {"dtype": "float32"}
+    if quantization:
+        fields["quantization"] = quantization
     torch.set_num_threads(threads)
     try:
         return ModelRunner(
