@@ -4,7 +4,6 @@ block types converted exactly into the int4 layout; files and directories found.
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 from typing import Any
 
