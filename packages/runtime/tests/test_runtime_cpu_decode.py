@@ -175,18 +175,20 @@ def test_mixed_steps_run_their_one_token_requests_on_the_path(
     driver = driver_for(runner)
     table = runner.req_to_token_pool.req_to_token
     old = [driver.start(p) for p in PROMPTS]
-    new = [driver.start(p) for p in ([4, 8, 15, 16, 23, 42, 7, 9], [3, 5])]
+    chunk = [4, 8, 15, 16, 23, 42, 7, 9] * 2  # with the rest, past one call's 16 rows
+    new = [driver.start(p) for p in (chunk, [3, 5])]
     try:
         driver.forward([driver.entry(s, p) for s, p in zip(old, PROMPTS, strict=True)])
         # decode, chunk, decode, decode, chunk: the two kinds interleaved
         entries = [
             driver.entry(old[0], [5]),
-            driver.entry(new[0], [4, 8, 15, 16, 23, 42, 7, 9]),
+            driver.entry(new[0], chunk),
             driver.entry(old[1], [6]),
             driver.entry(old[2], [7]),
             driver.entry(new[1], [3, 5]),
         ]
         batch = ForwardBatch.build(entries, table)
+        assert not cpu_path.can_run(batch)
         step = cpu_path.split(batch)
         assert step is not None and step.rows.tolist() == [0, 2, 3]
         split = runner.forward(batch).next_token_logits.clone()
@@ -211,38 +213,105 @@ def test_mixed_steps_run_their_one_token_requests_on_the_path(
         # Not split: no one-token request, or a row that asks for its prompt logprobs.
         assert cpu_path.split(ForwardBatch.build(again[1:2] + again[4:], table)) is None
         asks = BatchEntry(again[1].req_pool_index, again[1].input_ids, again[1].prefix_len,
-                          again[1].out_slots, input_logprob_targets=[1] * 7)  # fmt: skip
+                          again[1].out_slots, input_logprob_targets=[1] * 15)  # fmt: skip
         assert cpu_path.split(ForwardBatch.build([again[0], asks], table)) is None
     finally:
         for seq in old + new:
             driver.release(seq)
 
 
-def test_prefill_mixed_and_large_batches_take_the_model_forward(
+def test_steps_past_one_call_of_tokens_take_the_model_forward(
     hf_checkpoints: Any, runner_config_for: Any, driver_for: Any
 ) -> None:
+    """Short prefills and mixed steps of at most MAX_ROWS tokens take the path; longer
+    prefills, and any step on several threads, the model's forward."""
     path, _ = hf_checkpoints["llama3"]
     runner = ModelRunner(runner_config_for(path, quantization="int4"))
     assert runner.cpu_decode is not None
     driver = driver_for(runner)
-    old, new = driver.start([5, 6, 7]), driver.start([8, 9])
+    table = runner.req_to_token_pool.req_to_token
+    rows = kernels.cpu.MAX_ROWS
+    old, new, long = driver.start([5, 6, 7]), driver.start([8, 9]), driver.start([3] * (rows + 1))
     try:
-        prefill = ForwardBatch.build(
-            [driver.entry(old, [5, 6, 7])], runner.req_to_token_pool.req_to_token
-        )
-        assert not runner.cpu_decode.can_run(prefill)
+        prefill = ForwardBatch.build([driver.entry(old, [5, 6, 7])], table)
+        assert runner.cpu_decode.can_run(prefill)
         runner.forward(prefill)
         mixed = [driver.entry(old, [4]), driver.entry(new, [8, 9])]
+        assert runner.cpu_decode.can_run(ForwardBatch.build(mixed, table))
         assert not runner.cpu_decode.can_run(
-            ForwardBatch.build(mixed, runner.req_to_token_pool.req_to_token)
+            ForwardBatch.build([driver.entry(long, [3] * (rows + 1))], table)
         )
-        decode = ForwardBatch.build([driver.entry(old, [3])], runner.req_to_token_pool.req_to_token)
+        decode = ForwardBatch.build([driver.entry(old, [3])], table)
         assert runner.cpu_decode.can_run(decode)
         torch.set_num_threads(2)
         assert not runner.cpu_decode.can_run(decode)  # several threads: torch's kernels
     finally:
-        driver.release(old)
-        driver.release(new)
+        for seq in (old, new, long):
+            driver.release(seq)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("quantization", ["int4", "int8", "none"])
+def test_short_prefills_beside_decodes_equal_the_model_forward(
+    hf_checkpoints: Any,
+    runner_config_for: Any,
+    driver_for: Any,
+    family: str,
+    quantization: str,
+) -> None:
+    """One call over a whole step: a first chunk, a chunk after a cached prefix (past the
+    mistral window of 6), decodes and one prompt-logprob ask; each token a row that sees the
+    ones before it. The same logits, prompt logprobs and K/V as the model's forward."""
+    from radixlm.runtime import BatchEntry
+
+    path, _ = hf_checkpoints[family]
+    fields = {} if quantization == "none" else {"quantization": quantization}
+    runner = ModelRunner(runner_config_for(path, **fields))
+    cpu_path = runner.cpu_decode
+    assert cpu_path is not None
+    driver = driver_for(runner)
+    table = runner.req_to_token_pool.req_to_token
+    old = [driver.start(p) for p in PROMPTS]
+    fresh = driver.start([4, 8, 15, 16])
+    try:
+        driver.forward([driver.entry(s, p) for s, p in zip(old, PROMPTS, strict=True)])
+        entries = [
+            driver.entry(old[0], [5]),
+            driver.entry(fresh, [4, 8, 15, 16]),
+            driver.entry(old[1], [6, 2, 9, 11, 3]),  # a chunk after 2 cached tokens
+            driver.entry(old[2], [7]),
+        ]
+        plain = [
+            BatchEntry(e.req_pool_index, e.input_ids, e.prefix_len, e.out_slots) for e in entries
+        ]
+        plain[1] = BatchEntry(plain[1].req_pool_index, plain[1].input_ids, 0,
+                              plain[1].out_slots, input_logprob_targets=[8, 15, 16])  # fmt: skip
+        batch = ForwardBatch.build(plain, table)
+        assert batch.num_tokens <= kernels.cpu.MAX_ROWS and cpu_path.can_run(batch)
+        fast = runner.forward(batch)
+        slots = batch.out_cache_loc
+        written = [(k[slots].clone(), v[slots].clone())
+                   for k, v in zip(runner.kv_pool.k_buffers, runner.kv_pool.v_buffers, strict=True)]  # fmt: skip
+        runner.cpu_decode = None
+        try:
+            want = runner.forward(ForwardBatch.build(plain, table))
+        finally:
+            runner.cpu_decode = cpu_path
+        tolerance = 1e-5 if quantization == "none" else 5e-2
+        _assert_near(fast.next_token_logits, want.next_token_logits, tolerance)
+        assert fast.input_logprobs is not None and want.input_logprobs is not None
+        got_lp = [t.logprob for t in fast.input_logprobs[1] or []]
+        want_lp = [t.logprob for t in want.input_logprobs[1] or []]
+        assert len(got_lp) == 3
+        assert max(abs(a - b) for a, b in zip(got_lp, want_lp, strict=True)) < 10 * tolerance
+        for (k_fast, v_fast), k, v in zip(
+            written, runner.kv_pool.k_buffers, runner.kv_pool.v_buffers, strict=True
+        ):
+            _assert_near(k_fast, k[slots], tolerance)
+            _assert_near(v_fast, v[slots], tolerance)
+    finally:
+        for seq in [*old, fresh]:
+            driver.release(seq)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

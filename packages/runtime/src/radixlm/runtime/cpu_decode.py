@@ -4,8 +4,9 @@ On one intra-op CPU thread a small model's decode step costs more in Python and 
 dispatch (about 60 torch operations per decoder layer around the four projections) than in
 the projections themselves. A step of at most `MAX_BATCH` requests that each add one token
 runs every decoder layer through `radixlm.kernels.cpu.decode.DecodeLayers` (one call per
-`kernels.cpu.MAX_ROWS` requests) when the model and its KV pool are float32 and every
-projection is
+`kernels.cpu.MAX_ROWS` requests), and so does any step of at most `kernels.cpu.MAX_ROWS` new
+tokens (a short prefill chunk or a jump-forward extend beside the decodes: each token a row
+of its own), when the model and its KV pool are float32 and every projection is
 
 - int4 or int8 in the layouts of `radixlm.kernels.cpu` (load-time `int8`/`int4`
   quantization, or a GGUF file's Q4_0/Q4_1/Q4_K and Q8_0 tensors): the same products as the
@@ -202,10 +203,15 @@ class CpuDecodePath:
         return kernels.cpu.f32_linear(hidden.contiguous(), self.head)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """Whether this step is one the path takes: every request adds one token, at most
-        `max_batch` of them, no given embeddings or M-RoPE positions, on one torch thread."""
+        """Whether this step is one the path takes: a decode step of at most `max_batch`
+        requests, or any step of at most `kernels.cpu.MAX_ROWS` new tokens in all (decodes
+        beside a short prefill chunk or a jump-forward extend); no given embeddings or M-RoPE
+        positions; one torch thread."""
+        tokens = batch.num_tokens
         return (
-            batch.num_tokens == batch.batch_size <= self.max_batch
+            # Decode steps up to max_batch; other steps only in one call (past it, a GEMM
+            # over the prefill rows costs less than reading the weights once per call).
+            (tokens == batch.batch_size <= self.max_batch or tokens <= kernels.cpu.MAX_ROWS)
             and batch.input_embeds is None
             and batch.mrope_positions is None
             and torch.get_num_threads() == 1
@@ -258,15 +264,26 @@ class CpuDecodePath:
         return MixedStep(single_rows, tokens, other_rows, rest)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """The final hidden states [B, hidden] (after the final norm), as the model's own
-        forward returns them; writes the new tokens' K/V into the pool."""
+        """The final hidden states [T, hidden] of the new tokens (after the final norm), as
+        the model's own forward returns them; writes their K/V into the pool.
+
+        Each new token is a row of its own: its request's table row, and the length up to
+        it (position + 1). A request's rows are in order, and a layer writes a row's K/V
+        before it attends, so each token sees the ones before it in the same step."""
+        if batch.num_tokens == batch.batch_size:  # one token per request
+            rows, lengths = batch.req_pool_indices, batch.seq_lens
+        else:
+            rows = torch.repeat_interleave(
+                batch.req_pool_indices, batch.extend_lens, output_size=batch.num_tokens
+            )
+            lengths = batch.positions + 1
         return self.run(
             batch.input_ids,
             batch.positions,
             batch.out_cache_loc,
             batch.req_to_token,
-            batch.req_pool_indices,
-            batch.seq_lens,
+            rows,
+            lengths,
         )
 
     def forward_part(self, batch: ForwardBatch, step: MixedStep) -> torch.Tensor:
