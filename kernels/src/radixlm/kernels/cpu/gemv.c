@@ -357,12 +357,85 @@ static inline void f32_row4(const float *x, int k8, const float *w, int k, float
  * of K floats, in L2) meets the activation rows one tile at a time (in L1). */
 #define F32_BLOCK_ROWS 16
 
+#if defined(RADIXLM_AVX2) && defined(__AVX512F__)
+#define RADIXLM_F32_AVX512 1
+/* The four sums of a, b, c and d's lanes. */
+static inline __m128 hsum4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
+#define HALVES(v)                                                                              \
+    _mm256_add_ps(_mm512_castps512_ps256(v),                                                   \
+                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+    __m256 ab = _mm256_hadd_ps(HALVES(a), HALVES(b)), cd = _mm256_hadd_ps(HALVES(c), HALVES(d));
+#undef HALVES
+    __m256 abcd = _mm256_hadd_ps(ab, cd);
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* Outputs of activation rows x[0 .. tile-1] (tile <= 4, rows `k` apart, k a multiple of 16)
+ * for the four float32 weight rows from w (`k` apart), into out (rows `n` apart): sixteen
+ * 512-bit accumulators, each 16-column step loading four weight and four activation
+ * vectors for sixteen multiply-adds (AVX2's tile loads six for eight). */
+static inline __attribute__((always_inline)) void f32_tile4x4(const float *x, int k,
+                                                              const float *w,
+                                                              const float *ahead, int tile,
+                                                              float *out, int n) {
+    __m512 acc[4][4];
+    for (int m = 0; m < 4; m++)
+        for (int r = 0; r < 4; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int i = 0; i < k; i += 16) {
+        if (ahead)
+            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(ahead + (size_t)r * k + i), _MM_HINT_T0);
+        __m512 w0 = _mm512_loadu_ps(w + i), w1 = _mm512_loadu_ps(w + k + i);
+        __m512 w2 = _mm512_loadu_ps(w + 2 * (size_t)k + i), w3 = _mm512_loadu_ps(w + 3 * (size_t)k + i);
+        __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
+        for (int m = 0; m < 4; m++) {
+            if (m < tile) {
+                __m512 xv = _mm512_loadu_ps(x + (size_t)m * k + i);
+                acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+                acc[m][2] = _mm512_fmadd_ps(xv, w2, acc[m][2]);
+                acc[m][3] = _mm512_fmadd_ps(xv, w3, acc[m][3]);
+            }
+        }
+    }
+    for (int m = 0; m < tile; m++)
+        _mm_storeu_ps(out + (size_t)m * n, hsum4_512(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+}
+
+/* The product over 2..MAX_ROWS rows with 512-bit vectors, for K a multiple of 16 and N of 4. */
+static void f32_gemv_avx512(const float *x, int m_rows, int k, const float *weight, int n,
+                            float *out) {
+    for (int first = 0; first < n; first += F32_BLOCK_ROWS) {
+        int last = first + F32_BLOCK_ROWS < n ? first + F32_BLOCK_ROWS : n;
+        for (int m0 = 0; m0 < m_rows; m0 += 4) {
+            int tile = m_rows - m0 < 4 ? m_rows - m0 : 4;
+            const float *xm = x + (size_t)m0 * k;
+            for (int row = first; row < last; row += 4) {
+                const float *w = weight + (size_t)row * k;
+                /* the first tile meets each group from memory: fetch the next one early */
+                const float *ahead = m0 == 0 && row + 8 <= n ? w + 4 * (size_t)k : NULL;
+                float *o = out + (size_t)m0 * n + row;
+                if (tile == 4)
+                    f32_tile4x4(xm, k, w, ahead, 4, o, n);
+                else
+                    f32_tile4x4(xm, k, w, ahead, tile, o, n);
+            }
+        }
+    }
+}
+#endif
+
 /* out[M, N] = x[M, K] @ w^T for float32 weights w [N, K] (any K), in float32 with fused
  * multiply-adds: a product for few rows without a library's dispatch. Returns 0, or -1 for
  * row counts it does not take. */
 int radixlm_f32_gemv(const float *x, int m_rows, int k, const float *weight, int n, float *out) {
     if (m_rows < 1 || m_rows > MAX_ROWS || k < 1) return -1;
     int k8 = 0, row = 0;
+#ifdef RADIXLM_F32_AVX512
+    if (m_rows > 1 && k % 16 == 0 && n % 4 == 0) {
+        f32_gemv_avx512(x, m_rows, k, weight, n, out);
+        return 0;
+    }
+#endif
 #ifdef RADIXLM_AVX2
     k8 = k & ~7;
     if (m_rows == 1) {
