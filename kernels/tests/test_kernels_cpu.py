@@ -125,11 +125,11 @@ def test_int8_linear_refuses_what_it_does_not_take() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 16])
 @pytest.mark.parametrize(("n", "k"), [(3, 7), (37, 64), (40, 203), (64, 576), (20, 48)])
 def test_f32_linear_is_the_float_product(rows: int, n: int, k: int) -> None:
     """Every shape the vector loops leave a remainder of (odd rows, K not a multiple of 8,
-    row counts past a tile of 4 and a block of 16 weight rows; on AVX-512, N a multiple of 4
+    row counts past a tile of 4 or 8 and a block of 16 weight rows; on AVX-512, N a multiple of 4
     and K of 16 with a last block of 4 weight rows) against float64."""
     torch.manual_seed(2)
     x, w = torch.randn(rows, k), torch.randn(n, k) / k**0.5

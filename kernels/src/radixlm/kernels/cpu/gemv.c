@@ -401,11 +401,58 @@ static inline __attribute__((always_inline)) void f32_tile4x4(const float *x, in
         _mm_storeu_ps(out + (size_t)m * n, hsum4_512(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
 }
 
-/* The product over 2..MAX_ROWS rows with 512-bit vectors, for K a multiple of 16 and N of 4. */
+/* As f32_tile4x4 for two weight rows and up to eight activation rows (one pass of a block
+ * for a batch of eight). */
+static inline __attribute__((always_inline)) void f32_tile2x8(const float *x, int k,
+                                                              const float *w,
+                                                              const float *ahead, int tile,
+                                                              float *out, int n) {
+    __m512 acc[8][2];
+    for (int m = 0; m < 8; m++) acc[m][0] = _mm512_setzero_ps(), acc[m][1] = _mm512_setzero_ps();
+    for (int i = 0; i < k; i += 16) {
+        if (ahead) {
+            _mm_prefetch((const char *)(ahead + i), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ahead + k + i), _MM_HINT_T0);
+        }
+        __m512 w0 = _mm512_loadu_ps(w + i), w1 = _mm512_loadu_ps(w + k + i);
+        __asm__("" : "+v"(w0), "+v"(w1));
+        for (int m = 0; m < 8; m++) {
+            if (m < tile) {
+                __m512 xv = _mm512_loadu_ps(x + (size_t)m * k + i);
+                acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+            }
+        }
+    }
+    for (int m = 0; m < tile; m++) {
+        out[(size_t)m * n] = _mm512_reduce_add_ps(acc[m][0]);
+        out[(size_t)m * n + 1] = _mm512_reduce_add_ps(acc[m][1]);
+    }
+}
+
+/* The product over 2..MAX_ROWS rows with 512-bit vectors, for K a multiple of 16 and N of 4:
+ * tiles of 4 x 4 below eight rows, of 2 weight rows x 8 from eight on (measured on an
+ * AVX-512 EPYC: 2 x 8 is 5-20% faster at 8-16 rows, 4 x 4 faster below). */
 static void f32_gemv_avx512(const float *x, int m_rows, int k, const float *weight, int n,
                             float *out) {
     for (int first = 0; first < n; first += F32_BLOCK_ROWS) {
         int last = first + F32_BLOCK_ROWS < n ? first + F32_BLOCK_ROWS : n;
+        if (m_rows >= 8) { /* tiles of eight rows: one pass over the block for a batch of 8 */
+            for (int m0 = 0; m0 < m_rows; m0 += 8) {
+                int tile = m_rows - m0 < 8 ? m_rows - m0 : 8;
+                const float *xm = x + (size_t)m0 * k;
+                for (int row = first; row < last; row += 2) {
+                    const float *w = weight + (size_t)row * k;
+                    const float *ahead = m0 == 0 && row + 4 <= n ? w + 2 * (size_t)k : NULL;
+                    float *o = out + (size_t)m0 * n + row;
+                    if (tile == 8)
+                        f32_tile2x8(xm, k, w, ahead, 8, o, n);
+                    else
+                        f32_tile2x8(xm, k, w, ahead, tile, o, n);
+                }
+            }
+            continue;
+        }
         for (int m0 = 0; m0 < m_rows; m0 += 4) {
             int tile = m_rows - m0 < 4 ? m_rows - m0 : 4;
             const float *xm = x + (size_t)m0 * k;
