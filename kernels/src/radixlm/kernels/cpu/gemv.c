@@ -435,33 +435,25 @@ static inline __attribute__((always_inline)) void f32_tile2x8(const float *x, in
  * AVX-512 EPYC: 2 x 8 is 5-20% faster at 8-16 rows, 4 x 4 faster below). */
 static void f32_gemv_avx512(const float *x, int m_rows, int k, const float *weight, int n,
                             float *out) {
+    const int wide = m_rows >= 8; /* tiles of eight rows: one pass over a block at batch 8 */
+    const int rows_per_tile = wide ? 8 : 4, weights_per_tile = wide ? 2 : 4;
     for (int first = 0; first < n; first += F32_BLOCK_ROWS) {
         int last = first + F32_BLOCK_ROWS < n ? first + F32_BLOCK_ROWS : n;
-        if (m_rows >= 8) { /* tiles of eight rows: one pass over the block for a batch of 8 */
-            for (int m0 = 0; m0 < m_rows; m0 += 8) {
-                int tile = m_rows - m0 < 8 ? m_rows - m0 : 8;
-                const float *xm = x + (size_t)m0 * k;
-                for (int row = first; row < last; row += 2) {
-                    const float *w = weight + (size_t)row * k;
-                    const float *ahead = m0 == 0 && row + 4 <= n ? w + 2 * (size_t)k : NULL;
-                    float *o = out + (size_t)m0 * n + row;
-                    if (tile == 8)
-                        f32_tile2x8(xm, k, w, ahead, 8, o, n);
-                    else
-                        f32_tile2x8(xm, k, w, ahead, tile, o, n);
-                }
-            }
-            continue;
-        }
-        for (int m0 = 0; m0 < m_rows; m0 += 4) {
-            int tile = m_rows - m0 < 4 ? m_rows - m0 : 4;
+        for (int m0 = 0; m0 < m_rows; m0 += rows_per_tile) {
+            int tile = m_rows - m0 < rows_per_tile ? m_rows - m0 : rows_per_tile;
             const float *xm = x + (size_t)m0 * k;
-            for (int row = first; row < last; row += 4) {
+            for (int row = first; row < last; row += weights_per_tile) {
                 const float *w = weight + (size_t)row * k;
                 /* the first tile meets each group from memory: fetch the next one early */
-                const float *ahead = m0 == 0 && row + 8 <= n ? w + 4 * (size_t)k : NULL;
+                const float *next = w + (size_t)weights_per_tile * k;
+                const float *ahead = m0 == 0 && row + 2 * weights_per_tile <= n ? next : NULL;
                 float *o = out + (size_t)m0 * n + row;
-                if (tile == 4)
+                /* full tiles with constant sizes (unrolled), the last one as it comes */
+                if (wide && tile == 8)
+                    f32_tile2x8(xm, k, w, ahead, 8, o, n);
+                else if (wide)
+                    f32_tile2x8(xm, k, w, ahead, tile, o, n);
+                else if (tile == 4)
                     f32_tile4x4(xm, k, w, ahead, 4, o, n);
                 else
                     f32_tile4x4(xm, k, w, ahead, tile, o, n);
