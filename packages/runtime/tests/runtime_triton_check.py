@@ -57,6 +57,9 @@ def main(directory: str) -> None:
             )
         )
         assert runner.attention.name == backend
+        # The attention backends are compared: no step may go around them through the CPU
+        # decode path (one thread takes steps of up to 16 tokens there).
+        runner.cpu_decode = None
         table = runner.req_to_token_pool.req_to_token
         rows = [runner.req_to_token_pool.alloc() for _ in range(3)]
         prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1], [10, 11, 12]]
