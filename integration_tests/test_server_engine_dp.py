@@ -88,7 +88,9 @@ def test_prefixes_are_matched_on_tokens_and_on_text(replicas: Any) -> None:
     )
 
 
-async def _stream(http: httpx.AsyncClient, i: int) -> Any:
+async def _stream(http: httpx.AsyncClient, i: int, started: set[int] | None = None) -> Any:
+    """One long greedy stream; `started` gets `i` at its first chunk. Returns None when it
+    ends normally, else its error."""
     body = {
         "text": f"stream {i}",
         "stream": True,
@@ -103,6 +105,8 @@ async def _stream(http: httpx.AsyncClient, i: int) -> Any:
                     event = json.loads(line[6:])
                     if "error" in event:
                         return event["error"]
+                    if started is not None:
+                        started.add(i)
     except httpx.HTTPError as error:
         return repr(error)
     return None
@@ -117,8 +121,14 @@ def test_a_killed_replica_leaves_the_other_serving(replicas: Any) -> None:
 
         async def main() -> list[Any]:
             async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
-                streams = [asyncio.ensure_future(_stream(http, i)) for i in range(4)]
-                await asyncio.sleep(1.5)  # two streams on each replica, under way
+                started: set[int] = set()
+                streams = [asyncio.ensure_future(_stream(http, i, started)) for i in range(4)]
+                # Two streams on each replica, under way: kill as soon as all four have sent
+                # a chunk (a fixed wait raced the CPU decode path, which can finish one).
+                deadline = time.monotonic() + 30
+                while len(started) < 4 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert len(started) == 4, started
                 victim = replicas.replicas[0].engine_pid
                 os.kill(victim, signal.SIGKILL)
                 return list(await asyncio.wait_for(asyncio.gather(*streams), 60))
