@@ -208,6 +208,63 @@ class RadixCache:
         """
         return self._match(prompt, len(prompt) - 1, extra_key, len(prompt))
 
+    def continuation(
+        self, key: Sequence[int], max_tokens: int, extra_key: Hashable | None = None
+    ) -> list[int]:
+        """Up to `max_tokens` token ids the tree holds right after the whole of `key` in
+        namespace `extra_key`: how an earlier sequence with this prefix went on (at a branch,
+        the most recently used child). Empty when the tree does not hold all of `key`.
+
+        Read-only: no edge is split and no access time, use count or statistic changes (a
+        speculative decoder's draft source, asked every step, must not keep entries alive).
+        """
+        if self._disabled or max_tokens <= 0 or not key:
+            return []
+        if type(key) is not list:
+            key = as_tokens(key)
+        size = len(key)
+        packed = pack_prefix(key, size)
+        page = self._page
+        node = self._root
+        end = 0
+        while True:
+            if end + page <= size:
+                child = node.children.get(
+                    child_key(key, end, page, extra_key if node is self._root else None)
+                )
+            else:  # a partial page is left: any child whose first page starts with it
+                child = self._child_starting(node, packed, end, size, extra_key)
+            if child is None:
+                return []
+            length = min(child.end, size) - end
+            if not packed.startswith(child.key[: 8 * length], 8 * end):
+                return []
+            if child.end >= size:
+                break
+            node, end = child, child.end
+        # The key ends inside (or at the end of) `child`'s edge: the rest of it comes first.
+        found = child.tokens()[size - (child.end - (len(child.key) >> 3)) :]
+        node = child
+        while len(found) < max_tokens and node.children:
+            node = max(node.children.values(), key=_last_use)
+            found += node.tokens(max_tokens - len(found))
+        return found[:max_tokens]
+
+    @staticmethod
+    def _child_starting(
+        node: RadixNode, packed: bytes, start: int, size: int, extra_key: Hashable | None
+    ) -> RadixNode | None:
+        """A child of `node` whose edge begins with tokens `start:size` of the packed key (fewer
+        than a page), the most recently used of them."""
+        head = packed[8 * start : 8 * size]
+        best: RadixNode | None = None
+        for child in node.children.values():
+            if child.namespace != extra_key or not child.key.startswith(head):
+                continue
+            if best is None or child.tick > best.tick:
+                best = child
+        return best
+
     def _match(
         self, key: Sequence[int], limit: int, extra_key: Hashable | None, offered: int
     ) -> MatchResult:
@@ -562,3 +619,7 @@ class RadixCache:
             f"disable={self._disabled}, total_size={self.total_size}, "
             f"protected_size={self._protected})"
         )
+
+
+def _last_use(node: RadixNode) -> int:
+    return node.tick

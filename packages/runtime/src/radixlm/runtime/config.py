@@ -36,11 +36,15 @@ SamplingDefaultsMode = Literal["model", "openai"]
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 #: The torch.distributed backend of tensor parallelism (`auto`: nccl on CUDA, gloo on CPU).
 DistBackend = Literal["auto", "gloo", "nccl"]
+#: `speculative_algorithm` (SGLang's names): drafts from n-grams of the request's own tokens
+#: and of the radix cache, a standalone draft model, or EAGLE heads.
+SpeculativeAlgorithm = Literal["NGRAM", "STANDALONE", "EAGLE", "EAGLE3"]
 
 DTYPES: tuple[str, ...] = get_args(DtypeName)
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 QUANTIZATION_METHODS: tuple[str, ...] = get_args(QuantizationMethod)
 GRAMMAR_BACKENDS: tuple[str, ...] = get_args(GrammarBackendName)
+SPECULATIVE_ALGORITHMS: tuple[str, ...] = get_args(SpeculativeAlgorithm)
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
 _KV_DTYPE_ALIASES = {**_DTYPE_ALIASES, "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
@@ -406,6 +410,83 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (SGLang's `--speculative-*` flags).
+
+    - `algorithm`: None (off) or `NGRAM` — drafts are the tokens that followed the latest
+      earlier occurrence of the sequence's last n-gram in its own tokens, or what the radix
+      cache holds after the whole sequence. `STANDALONE`, `EAGLE` and `EAGLE3` are SGLang's
+      other names; they are refused until this engine has them.
+    - `num_draft_tokens`: tokens one verify step computes per request: its last token and up
+      to `num_draft_tokens - 1` drafts (default `num_steps + 1`).
+    - `num_steps`: draft tokens proposed per step (default 4).
+    - `eagle_topk`: branches per draft position; 1 (a chain) is what is verified so far.
+    - `ngram_min_match_window_size` / `ngram_max_match_window_size`: the n-gram lengths
+      looked up, longest first.
+    - `disable_by_batch_size`: no drafts in a step with more decoding requests than this (a
+      full batch gains nothing from them); None: always draft.
+    """
+
+    algorithm: SpeculativeAlgorithm | None = None
+    draft_model_path: str | None = None
+    num_steps: int | None = None
+    eagle_topk: int = 1
+    num_draft_tokens: int | None = None
+    ngram_min_match_window_size: int = 1
+    ngram_max_match_window_size: int = 12
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.algorithm is None:
+            return
+        _choice("speculative_algorithm", self.algorithm, SpeculativeAlgorithm)
+        if self.algorithm != "NGRAM":
+            raise ValueError(
+                f"speculative_algorithm {self.algorithm} is not available in this version of "
+                "radixlm; use NGRAM (drafts from the request's own tokens and the radix cache)"
+            )
+        if self.draft_model_path is not None:
+            raise ValueError(
+                "speculative_draft_model_path is for STANDALONE / EAGLE drafts; NGRAM drafts "
+                "need no model: drop it"
+            )
+        if self.eagle_topk != 1:
+            raise ValueError(
+                f"speculative_eagle_topk must be 1 (chain drafts); got {self.eagle_topk}: tree "
+                "drafts are not verified by this version"
+            )
+        if self.num_steps is not None and self.num_steps < 1:
+            raise ValueError(f"speculative_num_steps must be >= 1; got {self.num_steps}")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 2:
+            raise ValueError(
+                "speculative_num_draft_tokens must be >= 2 (the last token and at least one "
+                f"draft); got {self.num_draft_tokens}"
+            )
+        low, high = self.ngram_min_match_window_size, self.ngram_max_match_window_size
+        if not 1 <= low <= high:
+            raise ValueError(
+                "need 1 <= speculative_ngram_min_match_window_size <= "
+                f"speculative_ngram_max_match_window_size; got {low} and {high}"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"speculative_disable_by_batch_size must be >= 1; got {self.disable_by_batch_size}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm is not None
+
+    @property
+    def max_draft(self) -> int:
+        """Draft tokens one request may have verified in a step."""
+        if self.num_draft_tokens is not None:
+            drafts = self.num_draft_tokens - 1
+            return drafts if self.num_steps is None else min(drafts, self.num_steps)
+        return self.num_steps if self.num_steps is not None else 4
+
+
+@dataclass(frozen=True)
 class GrammarConfig:
     """Structured output.
 
@@ -514,6 +595,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     sampling_defaults: SamplingDefaultsMode = "model"
     incremental_streaming_output: bool = False
     clamp_max_tokens: bool = False
@@ -587,6 +669,7 @@ class EngineConfig:
             cache=CacheConfig(**sections["cache"]),
             grammar=GrammarConfig(**sections["grammar"]),
             media=MediaConfig(**sections["media"]),
+            speculative=SpeculativeConfig(**sections["speculative"]),
             **top,
         )
 
@@ -623,6 +706,7 @@ _SECTIONS = (
     "grammar",
     "media",
     "lora",
+    "speculative",
 )
 
 #: SGLang-style keyword -> (section, field, conversion).
@@ -696,6 +780,35 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "max_loras_per_batch": ("lora", "max_loras_per_batch", int),
     "max_lora_rank": ("lora", "max_rank", lambda v: None if v is None else int(v)),
     "lora_target_modules": ("lora", "target_modules", _target_modules),
+    # speculative decoding
+    "speculative_algorithm": (
+        "speculative",
+        "algorithm",
+        lambda v: None if v is None else str(v).upper(),
+    ),
+    "speculative_draft_model_path": ("speculative", "draft_model_path", None),
+    "speculative_num_steps": ("speculative", "num_steps", lambda v: None if v is None else int(v)),
+    "speculative_eagle_topk": ("speculative", "eagle_topk", int),
+    "speculative_num_draft_tokens": (
+        "speculative",
+        "num_draft_tokens",
+        lambda v: None if v is None else int(v),
+    ),
+    "speculative_ngram_min_match_window_size": (
+        "speculative",
+        "ngram_min_match_window_size",
+        int,
+    ),
+    "speculative_ngram_max_match_window_size": (
+        "speculative",
+        "ngram_max_match_window_size",
+        int,
+    ),
+    "speculative_disable_by_batch_size": (
+        "speculative",
+        "disable_by_batch_size",
+        lambda v: None if v is None else int(v),
+    ),
     # engine
     "sampling_defaults": ("engine", "sampling_defaults", None),
     "incremental_streaming_output": ("engine", "incremental_streaming_output", None),
@@ -727,4 +840,5 @@ ENGINE_CHOICES: dict[str, tuple[Any, ...]] = {
     "sampling_defaults": get_args(SamplingDefaultsMode),
     "log_level": get_args(LogLevel),
     "dist_backend": get_args(DistBackend),
+    "speculative_algorithm": SPECULATIVE_ALGORITHMS,
 }

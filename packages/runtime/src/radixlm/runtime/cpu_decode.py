@@ -221,7 +221,7 @@ class CpuDecodePath:
         """A mixed step (prefill chunks beside one-token requests) as the path's part and the
         rest, or None when it is not one to split: no request adds one token (or all do, or
         more than `max_batch`), several torch threads, given embeddings, M-RoPE positions,
-        or rows asked for their prompt logprobs or hidden states."""
+        rows asked for their prompt logprobs or hidden states, or for several rows' logits."""
         lengths = batch.extend_lens_cpu
         singles = [i for i, length in enumerate(lengths) if length == 1]
         if (
@@ -232,6 +232,7 @@ class CpuDecodePath:
             or batch.mrope_positions is not None
             or batch.input_logprobs
             or batch.hidden_state_requests
+            or batch.logit_counts is not None
             or torch.get_num_threads() != 1
         ):
             return None

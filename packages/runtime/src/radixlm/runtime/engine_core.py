@@ -9,11 +9,12 @@ a request whose grammar is compiling simply stays in the queue.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from radixlm.cache import RadixCache
@@ -50,6 +51,7 @@ from radixlm.runtime.routed_experts import RoutedExpertsStore
 from radixlm.runtime.sampling_batch import SamplingRequest
 from radixlm.runtime.scheduler import ReqStatus, ScheduledBatch, Scheduler
 from radixlm.runtime.scheduler.adapters import AdapterSlots
+from radixlm.runtime.speculative import NgramDrafter
 from radixlm.runtime.tensor_parallel import StepSender, heartbeat_interval, rank_report
 from radixlm.sampling import EngineOverloaded, EngineUnavailable, InvalidRequest
 
@@ -249,6 +251,22 @@ class EngineCore:
             self._lora_of[rid] = lora[0]
         self._seqs.update((seq.req.rid, seq) for seq in handle.seqs)
         self._compiling.extend(s for s in handle.seqs if s.req.grammar_pending)
+        if self.scheduler.drafter is not None:
+            for seq in handle.seqs:
+                seq.req.speculate = self._may_speculate(seq)
+
+    def _may_speculate(self, seq: SequenceState) -> bool:
+        """Whether a sequence's decodes may carry drafts: not when a step's rows would need
+        what only a one-token step provides (a custom logit processor, a thinking budget's
+        forced token, per-token hidden states, embeddings or media, routed experts)."""
+        handle = seq.handle
+        return (
+            handle.custom_logit_processor is None
+            and seq.thinking is None
+            and _entry_inputs(handle) is None
+            and seq.routed is None
+            and self.executor.routed_store is None
+        )
 
     def abort(self, rid: str) -> bool:
         """End a request: its sequences finish with `abort`, all its memory is freed."""
@@ -295,6 +313,15 @@ class EngineCore:
             "generated_tokens": sched.generated_tokens,
             "jump_forward_tokens": sched.jump_forward_tokens,
             "grammar_rollbacks": sched.grammar_rollbacks,
+            # Speculative decoding: drafts verified, accepted, and tokens per verify step
+            # (SGLang's avg_spec_accept_length: the accepted drafts plus the token after them).
+            "spec_verify_steps": sched.verify_steps,
+            "spec_draft_tokens": sched.draft_tokens,
+            "spec_accepted_tokens": sched.accepted_tokens,
+            "avg_spec_accept_length": (sched.accepted_tokens + sched.verify_steps)
+            / sched.verify_steps
+            if sched.verify_steps
+            else 0.0,
             "finished_requests": self.finished_requests,
             "num_retractions": sched.num_retractions,
             "forward_passes": stats.forward_calls,
@@ -326,9 +353,10 @@ class EngineCore:
             self._emit(handle)
 
     def _run(self, batch: ScheduledBatch, touched: dict[str, RequestHandle]) -> None:
-        sampling: list[SamplingRequest | None] = []
+        sampling: list[SamplingRequest | list[SamplingRequest] | None] = []
         asks: list[InputLogprobAsk | None] = []
         grammars: list[Any] = []
+        drafts: list[Sequence[int]] = []
         inputs: list[EntryInputs | None] = []
         for entry in batch.entries:
             seq = self._seqs[entry.req.rid]
@@ -339,16 +367,21 @@ class EngineCore:
                 if entry.logprob_targets is None
                 else InputLogprobAsk(options.top, options.token_ids)
             )
-            if entry.sample:
+            if entry.draft:
+                sampling.append(self._verify_requests(seq, entry.draft))
+                grammars.append(seq.grammar)
+                drafts.append(entry.draft)
+            elif entry.sample:
                 sampling.append(self._sampling_request(seq))
                 grammars.append(seq.grammar)
+                drafts.append(())
             else:
                 sampling.append(None)
         result = self.executor.run(
             batch,
             sampling,
             asks,
-            self.grammar.bitmask(grammars),
+            self.grammar.bitmask(grammars, drafts),
             inputs if any(inputs) else None,
         )
         store = self.executor.routed_store
@@ -366,7 +399,7 @@ class EngineCore:
         ):
             self._record(batch, result)
         # The one update phase: the scheduler appends, takes back, stops and ends requests.
-        for update in self.scheduler.update(batch, result.tokens):
+        for update in self.scheduler.update(batch, result.tokens, result.accepted):
             seq = self._seqs[update.req.rid]
             # Logprobs of tokens taken back (or of a token the grammar refused) go too.
             if len(seq.output_logprobs) > len(update.req.output_ids):
@@ -378,12 +411,14 @@ class EngineCore:
         """What the forward computed besides tokens (hidden states, logprobs), recorded while
         the rows line up with the batch."""
         hidden = result.hidden_states or [None] * len(batch.entries)
-        for entry, token, logprob, scored, rows in zip(
+        drafted = result.draft_logprobs or [None] * len(batch.entries)
+        for entry, token, logprob, scored, rows, before in zip(
             batch.entries,
             result.tokens,
             result.logprobs,
             result.input_logprobs,
             hidden,
+            drafted,
             strict=True,
         ):
             if entry.req.status is not ReqStatus.RUNNING:
@@ -394,6 +429,8 @@ class EngineCore:
             if entry.logprob_targets is not None:
                 seq.record_input_logprobs(scored or [])
             if logprob is not None and entry.sample and token is not None:
+                for accepted in before or ():  # the accepted drafts come first
+                    seq.record_output_logprob(accepted)
                 seq.record_output_logprob(logprob)
 
     def _sampling_request(self, seq: SequenceState) -> SamplingRequest:
@@ -425,6 +462,17 @@ class EngineCore:
             ),
         )
         return seq.sampling
+
+    def _verify_requests(self, seq: SequenceState, draft: Sequence[int]) -> list[SamplingRequest]:
+        """The sampling inputs of each verify row of a step with drafts: row i sees the first
+        i drafts as output (penalties, bans, seeds and `min_new_tokens` count them)."""
+        base = self._sampling_request(seq)
+        rows = [base]
+        output = list(seq.req.output_ids)
+        for token in draft:
+            output.append(token)
+            rows.append(dataclasses.replace(base, output_ids=list(output)))
+        return rows
 
     # ------------------------------------------------------------------------------ grammar
 
@@ -541,8 +589,25 @@ def create_core(
         registry = AdapterRegistry(runner.lora, slots)
         for adapter in runner.initial_adapters:
             registry.add(adapter)
+    drafter = None
+    spec = config.speculative
+    if spec.enabled:
+        drafter = NgramDrafter(
+            cache,
+            spec.max_draft,
+            spec.ngram_min_match_window_size,
+            spec.ngram_max_match_window_size,
+            spec.disable_by_batch_size,
+        )
     scheduler = Scheduler(
-        config.scheduler, pool, rows, cache, rows.max_requests, runner.context_length, slots
+        config.scheduler,
+        pool,
+        rows,
+        cache,
+        rows.max_requests,
+        runner.context_length,
+        slots,
+        drafter,
     )
     grammar = GrammarService(config.grammar, tokenizer, runner.vocab_size, eos_token_ids)
     moe = info.arch.moe
@@ -582,6 +647,9 @@ def create_core(
         "quantization": quant.describe() if quant else None,
         "kv_cache_dtype": str(pool.dtype).removeprefix("torch."),
         "tp_size": runner.tp.size,
+        # Speculative decoding: the algorithm and drafts per step (None: off).
+        "speculative_algorithm": spec.algorithm,
+        "speculative_num_draft_tokens": spec.max_draft + 1 if spec.enabled else None,
         # A mixture-of-experts model's experts (None: a dense model), and whether the routing
         # is kept for `return_routed_experts`.
         "moe": None

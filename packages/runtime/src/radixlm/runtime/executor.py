@@ -16,6 +16,7 @@ from radixlm.runtime.multimodal.inputs import MultimodalInputs
 from radixlm.runtime.routed_experts import RoutedExpertsStore
 from radixlm.runtime.sampling_batch import SamplingBatch, SamplingRequest
 from radixlm.runtime.scheduler import ScheduledBatch
+from radixlm.runtime.speculative.verify import verify
 
 if TYPE_CHECKING:
     from radixlm.runtime.tensor_parallel import StepSender
@@ -62,6 +63,10 @@ class StepResult:
     input_logprobs: list[list[TokenLogprob] | None]
     #: Per entry: the final hidden states [new tokens, hidden] (float32, CPU) when it asked.
     hidden_states: list[torch.Tensor | None] | None = None
+    #: A step with draft tokens: per entry, how many of its drafts were accepted (they come
+    #: before its token), and their logprobs when it asked (None: a step without drafts).
+    accepted: list[int] | None = None
+    draft_logprobs: list[list[TokenLogprob] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -116,13 +121,14 @@ class ModelExecutor:
     def run(
         self,
         batch: ScheduledBatch,
-        sampling: Sequence[SamplingRequest | None],
+        sampling: Sequence[SamplingRequest | Sequence[SamplingRequest] | None],
         input_asks: Sequence[InputLogprobAsk | None],
         bitmask: torch.Tensor | None = None,
         inputs: Sequence[EntryInputs | None] | None = None,
     ) -> StepResult:
-        """Compute the step. `sampling[i]` describes entry i when it samples (None otherwise);
-        `bitmask` has one row per sampling entry, in order; `inputs[i]` (optional) gives
+        """Compute the step. `sampling[i]` describes entry i when it samples (None otherwise;
+        an entry with draft tokens gives one per verify row, its drafts before the row counted
+        as output); `bitmask` has one row per sampling row, in order; `inputs[i]` (optional) gives
         entry i's prompt embeddings and hidden-state ask. Mutates the KV pool and the
         request table."""
         runner = self.runner
@@ -143,6 +149,7 @@ class ModelExecutor:
                         entry.logprob_start,
                         entry.logprob_targets,
                         lora_slot=entry.lora_slot,
+                        num_logits=1 if entry.draft is None else len(entry.draft) + 1,
                     )
                 )
                 continue
@@ -174,6 +181,7 @@ class ModelExecutor:
                     mrope_positions=mrope,
                     return_hidden_states=extra.return_hidden_states,
                     lora_slot=entry.lora_slot,
+                    num_logits=1 if entry.draft is None else len(entry.draft) + 1,
                 )
             )
         step = ForwardStep(writes, entries, batch.adapter_table)
@@ -189,6 +197,8 @@ class ModelExecutor:
             if ids is not None:
                 slots = [slot for entry in entries for slot in entry.out_slots]
                 self.routed_store.write(slots, ids)
+        if any(entry.draft for entry in batch.entries):
+            return self._verify(batch, out, sampling, bitmask)
         rows = [i for i, s in enumerate(sampling) if s is not None]
         tokens: list[int | None] = [None] * len(entries)
         logprobs: list[TokenLogprob | None] = [None] * len(entries)
@@ -196,7 +206,7 @@ class ModelExecutor:
             logits = out.next_token_logits
             if len(rows) != len(entries):
                 logits = logits[torch.tensor(rows, device=logits.device)]
-            requests = [s for s in sampling if s is not None]
+            requests = [s for s in sampling if isinstance(s, SamplingRequest)]
             sampling_batch = SamplingBatch.build(
                 requests,
                 runner.vocab_size,
@@ -218,6 +228,67 @@ class ModelExecutor:
                         logprobs[row] = sampled.logprobs[k]
         input_logprobs = out.input_logprobs or [None] * len(entries)
         return StepResult(tokens, logprobs, list(input_logprobs), out.hidden_states)
+
+    def _verify(
+        self,
+        batch: ScheduledBatch,
+        out: LogitsOutput,
+        sampling: Sequence[SamplingRequest | Sequence[SamplingRequest] | None],
+        bitmask: torch.Tensor | None,
+    ) -> StepResult:
+        """A step with draft tokens (speculative decoding): every sampling entry's rows are
+        verified together (an entry without drafts has one row: a plain draw)."""
+        runner = self.runner
+        size = len(batch.entries)
+        logits = out.next_token_logits
+        keep: list[int] = []  # logits rows of the entries that sample
+        requests: list[SamplingRequest] = []
+        drafts: list[list[int]] = []
+        at = 0
+        for entry, asked in zip(batch.entries, sampling, strict=True):
+            count = 1 if entry.draft is None else len(entry.draft) + 1
+            if asked is not None:
+                keep.extend(range(at, at + count))
+                rows = [asked] if isinstance(asked, SamplingRequest) else list(asked)
+                if len(rows) != count:
+                    raise ValueError(f"{len(rows)} sampling rows for {count} rows of logits")
+                requests.extend(rows)
+                drafts.append(entry.draft or [])
+            at += count
+        tokens: list[int | None] = [None] * size
+        logprobs: list[TokenLogprob | None] = [None] * size
+        accepted = [0] * size
+        draft_logprobs: list[list[TokenLogprob] | None] = [None] * size
+        if requests:
+            if len(keep) != logits.shape[0]:
+                logits = logits.index_select(0, torch.tensor(keep, device=logits.device))
+            sampling_batch = SamplingBatch.build(
+                requests,
+                runner.vocab_size,
+                runner.device,
+                grammar_bitmask=bitmask,
+                generator=self.generator,
+            )
+            self._last_sampling = None
+            with torch.inference_mode():
+                found = verify(runner.sampler, logits, sampling_batch, drafts, self.generator)
+            sampled = [i for i, s in enumerate(sampling) if s is not None]
+            for k, index in enumerate(sampled):
+                tokens[index] = found.tokens[k]
+                accepted[index] = found.accepted[k]
+                scored = found.logprobs[k]
+                if scored is not None:
+                    logprobs[index] = scored[-1]
+                    draft_logprobs[index] = scored[:-1]
+        input_logprobs = out.input_logprobs or [None] * size
+        return StepResult(
+            tokens,
+            logprobs,
+            list(input_logprobs),
+            out.hidden_states,
+            accepted=accepted,
+            draft_logprobs=draft_logprobs,
+        )
 
     def _media_embeds(
         self, inputs: MultimodalInputs, start: int, count: int

@@ -51,6 +51,9 @@ class BatchEntry:
     return_hidden_states: bool = False
     #: The slot of the request's LoRA adapter in the runner's pool (-1: none).
     lora_slot: int = -1
+    #: Logits wanted after this many of the last new tokens (more than 1: the rows that
+    #: verify draft tokens, speculative decoding).
+    num_logits: int = 1
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,20 @@ class ForwardBatch:
     hidden_state_requests: tuple[int, ...] = ()
     #: [3, T] three-axis positions (M-RoPE) when an entry has them, else None.
     mrope_positions: torch.Tensor | None = None
+    #: Per request, the last new tokens whose logits are wanted (None: 1 each, the last).
+    logit_counts: tuple[int, ...] | None = None
+
+    def logit_rows(self) -> torch.Tensor | None:
+        """The rows of the new tokens whose logits are wanted, in order (None: each request's
+        last row)."""
+        if self.logit_counts is None:
+            return None
+        rows: list[int] = []
+        end = 0
+        for length, count in zip(self.extend_lens_cpu, self.logit_counts, strict=True):
+            end += length
+            rows.extend(range(end - count, end))
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
     @property
     def model_positions(self) -> torch.Tensor:
@@ -136,6 +153,7 @@ class ForwardBatch:
             and not e.media_embeds
             and e.mrope_positions is None
             and not e.return_hidden_states
+            and e.num_logits == 1
             for e in entries
         ):
             return cls._decode(entries, req_to_token, device)
@@ -200,6 +218,14 @@ class ForwardBatch:
                     )
         prefix = [e.prefix_len for e in entries]
         extend = [len(e.input_ids) for e in entries]
+        counts: tuple[int, ...] | None = None
+        if any(e.num_logits != 1 for e in entries):
+            counts = tuple(e.num_logits for e in entries)
+            for index, (count, length) in enumerate(zip(counts, extend, strict=True)):
+                if not 1 <= count <= length:
+                    raise ValueError(
+                        f"request {index}: logits after {count} of its {length} new tokens"
+                    )
         mrope: torch.Tensor | None = None
         if any(e.mrope_positions is not None for e in entries):
             parts = []
@@ -230,6 +256,7 @@ class ForwardBatch:
             input_embeds_rows=tensor(embeds_rows) if embeds else None,
             hidden_state_requests=tuple(i for i, e in enumerate(entries) if e.return_hidden_states),
             mrope_positions=mrope,
+            logit_counts=counts,
         )
 
     @classmethod

@@ -173,17 +173,31 @@ class GrammarService:
             "grammar_compile_timeout": self.config.compile_timeout,
         }
 
-    def bitmask(self, grammars: Sequence[Any]) -> Any:
+    def bitmask(
+        self, grammars: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None
+    ) -> Any:
         """An int32 bitmask [rows, words]: each grammar's allowed tokens (all for None rows);
-        None when no row has a grammar."""
+        None when no row has a grammar. With `drafts` (speculative decoding), grammar i has
+        `len(drafts[i]) + 1` rows: its allowed tokens now and after each of its draft tokens
+        (which it must accept; it is left as it was)."""
         if all(g is None for g in grammars):
             return None
         from radixlm.constrained import allocate_bitmask
 
-        mask = allocate_bitmask(len(grammars), self.vocab_size)
-        for row, grammar in enumerate(grammars):
+        counts = [1] * len(grammars) if drafts is None else [len(d) + 1 for d in drafts]
+        mask = allocate_bitmask(sum(counts), self.vocab_size)
+        row = 0
+        for index, grammar in enumerate(grammars):
             if grammar is not None:
                 grammar.fill_bitmask(mask, row)
+                draft = drafts[index] if drafts is not None else ()
+                for offset, token in enumerate(draft, start=1):
+                    if not grammar.accept_token(token):
+                        raise RuntimeError(f"a draft token the grammar refuses: {token}")
+                    grammar.fill_bitmask(mask, row + offset)
+                if draft:
+                    grammar.rollback(len(draft))
+            row += counts[index]
         return mask
 
     def shutdown(self) -> None:

@@ -43,7 +43,9 @@ logger = logging.getLogger("radixlm.runtime.runner")
 
 @dataclass(frozen=True)
 class LogitsOutput:
-    """`next_token_logits` [B, vocab] float32: the logits after each request's last new token.
+    """`next_token_logits` [B, vocab] float32: the logits after each request's last new token
+    (with the batch's `logit_counts`, after each of that many last new tokens of each request,
+    request after request).
     `input_logprobs[b]` holds request b's prompt logprobs when it asked for them (else None).
 
     With CUDA graphs the logits tensor is the graph's static output: consume (sample) it
@@ -218,7 +220,10 @@ class ModelRunner:
                 batch.input_embeds_rows,
             )
         head = self.model.compute_logits if self.cpu_decode is None else self.cpu_decode.logits
-        if batch.num_tokens == batch.batch_size:  # one token per request: every row is last
+        wanted = batch.logit_rows()
+        if wanted is not None:  # several rows of some requests (they verify drafts)
+            logits = head(hidden.index_select(0, wanted))
+        elif batch.num_tokens == batch.batch_size:  # one token per request: every row is last
             logits = head(hidden)
         else:
             last = torch.cumsum(batch.extend_lens, 0) - 1

@@ -9,10 +9,11 @@ from radixlm.runtime.scheduler.policy import (
     longest_prefix_match,
 )
 from radixlm.runtime.scheduler.request import Req, ReqStatus, Stopper
-from radixlm.runtime.scheduler.scheduler import RowPool, Scheduler, SlotPool
+from radixlm.runtime.scheduler.scheduler import Drafter, RowPool, Scheduler, SlotPool
 
 __all__ = [
     "POLICIES",
+    "Drafter",
     "Policy",
     "Req",
     "ReqStatus",

@@ -19,7 +19,9 @@ class StepEntry:
     given (a cached prefix the row does not hold yet). `sample` says whether the logits after
     the last new token give the request's next token (False for a non-final prefill chunk).
     `logprob_targets`, when given, asks for prompt logprobs: position `logprob_start + i` of
-    the new tokens is scored against `logprob_targets[i]`.
+    the new tokens is scored against `logprob_targets[i]`. With `draft`, the new tokens end
+    with those draft tokens: the logits after each of the last `len(draft) + 1` new tokens are
+    wanted, to verify them and to sample the token after the last accepted one.
     """
 
     req: Req
@@ -34,6 +36,8 @@ class StepEntry:
     logprob_targets: list[int] | None = None
     #: The request's LoRA adapter slot (-1: the base model).
     lora_slot: int = -1
+    #: Draft tokens (speculative decoding), the last `len(draft)` of `input_ids` (None: none).
+    draft: list[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,8 @@ class Req:
         #: False: compute every prompt position, even those the cache holds (the engine wants
         #: an output of each, e.g. its hidden state).
         self.reuse_prefix = reuse_prefix
+        #: Whether its decode steps may carry draft tokens (speculative decoding).
+        self.speculate = False
         #: Its LoRA adapter: (uid, adapter directory), or None for the base model. The cache
         #: key's `extra_key` should name the adapter too (KV differs under each adapter).
         self.lora = lora
@@ -118,6 +120,8 @@ class Req:
         self.cached_tokens: int | None = None  # prefix hit at the first admission
         self.retractions = 0
         self.forward_passes = 0
+        self.draft_tokens = 0  # draft tokens verified
+        self.accepted_tokens = 0  # of which accepted
 
     @property
     def kv_len(self) -> int:

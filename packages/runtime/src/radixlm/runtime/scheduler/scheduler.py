@@ -43,6 +43,18 @@ class SlotPool(Protocol):
         ...
 
 
+class Drafter(Protocol):
+    """Proposes draft tokens for a decoding request (speculative decoding; e.g. the runtime's
+    `NgramDrafter`)."""
+
+    max_draft: int
+    disable_by_batch_size: int | None
+
+    def propose(self, req: Req, count: int) -> list[int]:
+        """Up to `count` tokens likely to follow `req`'s tokens."""
+        ...
+
+
 class RowPool(Protocol):
     """Rows of the request-to-token table (e.g. the runner's `ReqToTokenPool`)."""
 
@@ -68,6 +80,7 @@ class Scheduler:
         max_running_requests: int = 256,
         context_length: int = 1 << 30,
         adapters: AdapterSlots | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         if cache.page_size != pool.page_size:
             raise ValueError("the radix cache and the KV pool must use the same page size")
@@ -83,6 +96,9 @@ class Scheduler:
         #: The LoRA adapter slots (None: the engine serves no adapters). A request is admitted
         #: only when its adapter has a slot, so a step never needs more than the pool holds.
         self.adapters = adapters
+        #: Speculative decoding: proposes draft tokens for the decodes of requests that
+        #: `speculate` (None: no drafts).
+        self.drafter = drafter
         self.policy = Policy(
             config.schedule_policy, config.policy_fallback_queue_len, config.random_seed
         )
@@ -102,6 +118,9 @@ class Scheduler:
         self.generated_tokens = 0
         self.jump_forward_tokens = 0
         self.grammar_rollbacks = 0
+        self.draft_tokens = 0  # draft tokens verified
+        self.accepted_tokens = 0  # of which accepted
+        self.verify_steps = 0  # decode entries that carried drafts
 
     # ---------------------------------------------------------------------------- the queue
 
@@ -273,9 +292,7 @@ class Scheduler:
         keep = req.seq_len - 1 if recompute_last else req.seq_len
         if keep < req.kv_len:
             assert keep >= req.cache_len, "cannot take back tokens the cache owns"
-            req.spare_slots = req.kv_slots[keep:] + req.spare_slots
-            del req.kv_slots[keep:]
-            req.row_synced = min(req.row_synced, keep)
+            self._drop_kv(req, keep)
 
     # -------------------------------------------------------------------------- scheduling
 
@@ -331,14 +348,48 @@ class Scheduler:
         self._mark_finished(req)
         return req
 
+    def _drafts(self, decoding: Sequence[Req]) -> dict[Req, list[int]]:
+        """Draft tokens for this step's decodes (speculative decoding): each request that
+        speculates and has one token to compute gets up to `max_draft` of them, fewer near its
+        `max_new_tokens` or the context's end, only a prefix its grammar allows."""
+        drafter = self.drafter
+        if drafter is None:
+            return {}
+        limit = drafter.disable_by_batch_size
+        if limit is not None and len(decoding) > limit:
+            return {}
+        drafts: dict[Req, list[int]] = {}
+        for req in decoding:
+            if not req.speculate or req.pending != 1:
+                continue
+            room = min(
+                drafter.max_draft,
+                req.max_new_tokens - len(req.output_ids) - 1,
+                self.context_length - req.seq_len - 1,
+            )
+            if room <= 0:
+                continue
+            draft = drafter.propose(req, room)
+            if draft and req.grammar is not None:
+                draft = _grammar_prefix(req.grammar, draft)
+            if draft:
+                drafts[req] = draft
+        return drafts
+
     def _schedule_decodes(self, retracted: list[Req], dropped: list[Req]) -> list[StepEntry]:
         decoding = [r for r in self.running if not r.in_prefill]
         if not decoding:
             return []
+        drafts = self._drafts(decoding)
         while True:
-            fresh = [self._tokens_to_alloc(r, r.pending) for r in decoding]
+            fresh = [
+                self._tokens_to_alloc(r, r.pending + len(drafts.get(r, ()))) for r in decoding
+            ]
             if self._make_room(sum(fresh)):
                 break
+            if drafts:  # drafts never cost another request its place
+                drafts = {}
+                continue
             oldest = min(decoding, key=_arrival)
             victims = [r for r in self.running if r is not oldest]
             if not victims:
@@ -357,6 +408,15 @@ class Scheduler:
         for req, count in zip(decoding, fresh, strict=True):
             start = len(req.kv_slots)
             pending = req.pending
+            draft = drafts.get(req) if drafts else None
+            if draft is not None:
+                pool = req.spare_slots + got[at : at + count] if count else req.spare_slots
+                at += count
+                total = pending + len(draft)
+                slots, req.spare_slots = pool[:total], pool[total:]
+                req.kv_slots.extend(slots)
+                entries.append(self._entry(req, start, slots, is_prefill=False, draft=draft))
+                continue
             if pending == 1 and count == 1 and not req.spare_slots:
                 # The common decode: one fresh slot for the last token.
                 slots = [got[at]]
@@ -387,12 +447,19 @@ class Scheduler:
             entries.append(self._entry(req, start, slots, is_prefill=False))
         return entries
 
-    def _entry(self, req: Req, start: int, slots: list[int], is_prefill: bool) -> StepEntry:
+    def _entry(
+        self,
+        req: Req,
+        start: int,
+        slots: list[int],
+        is_prefill: bool,
+        draft: list[int] | None = None,
+    ) -> StepEntry:
         assert req.row is not None
         row_write = None
         if req.row_synced < start:
             row_write = (req.row_synced, req.kv_slots[req.row_synced : start])
-        end = start + len(slots)
+        end = start + len(slots) - (len(draft) if draft else 0)
         targets: list[int] | None = None
         logprob_start = 0
         if is_prefill and req.input_logprob_next is not None and not req.input_logprobs_done:
@@ -406,7 +473,7 @@ class Scheduler:
                 targets = []
         return StepEntry(
             req=req,
-            input_ids=req.tokens(start, end),
+            input_ids=req.tokens(start, end) + draft if draft else req.tokens(start, end),
             prefix_len=start,
             out_slots=slots,
             row=req.row,
@@ -416,6 +483,7 @@ class Scheduler:
             logprob_start=logprob_start,
             logprob_targets=targets,
             lora_slot=self._lora_slot(req),
+            draft=draft,
         )
 
     def _lora_slot(self, req: Req) -> int:
@@ -572,7 +640,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------------ update phase
 
-    def update(self, batch: ScheduledBatch, tokens: Sequence[int | None]) -> list[SeqUpdate]:
+    def update(
+        self,
+        batch: ScheduledBatch,
+        tokens: Sequence[int | None],
+        accepted: Sequence[int] | None = None,
+    ) -> list[SeqUpdate]:
         """After the forward: record what was computed (`after_forward`), then, for each entry
         that sampled, append its token (`tokens` is row-aligned with `batch.entries`, None where
         nothing was sampled), apply its grammar (a refused token ends the request, a completed
@@ -580,10 +653,14 @@ class Scheduler:
         (jump-forward, re-tokenizing across the boundary), check its stop conditions and the
         context, and end it when it stops: its computed tokens go to the cache, everything else
         back to the pool. Returns one `SeqUpdate` per request whose output changed; after
-        this, nothing but emitting remains to be done for the step."""
+        this, nothing but emitting remains to be done for the step.
+
+        An entry with draft tokens had `accepted[i]` of them accepted (row-aligned, speculative
+        decoding): they are appended before its token, the KV of the rejected ones is dropped
+        (their slots stay with the request)."""
         self.after_forward(batch)
         updates: list[SeqUpdate] = []
-        for entry, token in zip(batch.entries, tokens, strict=True):
+        for index, (entry, token) in enumerate(zip(batch.entries, tokens, strict=True)):
             req = entry.req
             stopper = req.stopper
             if req.status is not ReqStatus.RUNNING or not entry.sample or token is None:
@@ -591,6 +668,10 @@ class Scheduler:
             assert stopper is not None, "a running request that samples has a stopper"
             if req.max_new_tokens == 0:  # prompt scoring: nothing is generated
                 stopper.finish_length()
+            elif entry.draft:
+                assert accepted is not None, "a step with drafts says how many were accepted"
+                if self._append_verified(req, entry.draft, accepted[index], token):
+                    self._jump_forward(req)
             elif self._append(req, token) == "ok" and req.jump_forward and stopper.finish is None:
                 self._jump_forward(req)
             finish = stopper.finish
@@ -601,6 +682,33 @@ class Scheduler:
                     self.finish(req)
             updates.append(SeqUpdate(req, finish))
         return updates
+
+    def _append_verified(self, req: Req, draft: list[int], accepted: int, token: int) -> bool:
+        """Append the first `accepted` draft tokens and then `token`, as far as the request goes
+        on; drop the KV past what it keeps. True when jump-forward should follow."""
+        self.verify_steps += 1
+        self.draft_tokens += len(draft)
+        self.accepted_tokens += accepted
+        req.draft_tokens += len(draft)
+        req.accepted_tokens += accepted
+        # The rejected drafts' K/V are not the sequence's: their slots become spares.
+        self._drop_kv(req, req.kv_len - (len(draft) - accepted))
+        result: Appended = "ok"
+        for tok in (*draft[:accepted], token):
+            result = self._append(req, tok)
+            if result != "ok":
+                break
+        if req.kv_len > req.seq_len:  # it ended on an accepted draft: the later ones go too
+            self._drop_kv(req, req.seq_len)
+        assert req.stopper is not None
+        return result == "ok" and req.jump_forward and req.stopper.finish is None
+
+    @staticmethod
+    def _drop_kv(req: Req, keep: int) -> None:
+        if keep < req.kv_len:
+            req.spare_slots = req.kv_slots[keep:] + req.spare_slots
+            del req.kv_slots[keep:]
+            req.row_synced = min(req.row_synced, keep)
 
     def _append(self, req: Req, token: int) -> Appended:
         """Add one token to a running request (sampled, or forced by its grammar)."""
@@ -706,3 +814,20 @@ def _violation(grammar: Any) -> Any:
     """A grammar's report of a broken keyword or of its own limits (None: nothing)."""
     check = getattr(grammar, "violation", None)
     return check() if check is not None else None
+
+
+def _grammar_prefix(grammar: Any, draft: Sequence[int]) -> list[int]:
+    """The longest prefix of `draft` that `grammar` accepts from its current state: a token it
+    forbids, one past its end or one that breaks a keyword it validates ends it. The grammar
+    is left as it was (the update phase accepts the tokens verified)."""
+    accepted = kept = 0
+    for token in draft:
+        if grammar.is_terminated() or not grammar.accept_token(token):
+            break
+        accepted += 1
+        if _violation(grammar) is not None:
+            break
+        kept += 1
+    if accepted:
+        grammar.rollback(accepted)
+    return list(draft[:kept])
