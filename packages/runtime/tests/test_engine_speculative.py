@@ -1,0 +1,221 @@
+"""Speculative decoding through the engine: greedy outputs equal to decoding without it on every
+tiny architecture (alone, batched, with grammars, logprobs and stops), sampled outputs with
+the same distribution, and no KV slot lost.
+
+Random tiny models rarely repeat themselves, so beside NGRAM's own drafts the tests put in a
+drafter that proposes the reference continuation with every third token wrong: drafts are
+then accepted in full, in part and not at all, step after step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from radixlm.runtime import Engine
+from radixlm.runtime.fixtures import build_tiny_model
+from radixlm.runtime.scheduler import Req
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+PROMPTS = [
+    "the cat sat on the mat and the cat sat on the",
+    "def add(a, b): return a + b\ndef add(a, b):",
+    "hello",
+]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("spec-models")
+    return {
+        arch: build_tiny_model(root / arch, architecture=arch, init_std=0.3)
+        for arch in ARCHITECTURES
+    }
+
+
+class CorruptedOracle:
+    """Proposes what the reference run generated after the request's tokens, every third
+    draft position (by output index) replaced by a wrong token."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], max_draft: int = 4) -> None:
+        self.references = references
+        self.max_draft = max_draft
+        self.disable_by_batch_size = None
+
+    def propose(self, req: Req, count: int) -> list[int]:
+        reference = self.references.get(tuple(req.prompt_ids))
+        if reference is None:
+            return []
+        done = len(req.output_ids)
+        draft = list(reference[done : done + count])
+        return [t if (done + i) % 3 != 2 else (t + 1) % 500 for i, t in enumerate(draft)]
+
+
+def _engine(path: Path, spec: bool, **kwargs: Any) -> Engine:
+    extra = {"speculative_algorithm": "NGRAM"} if spec else {}
+    return Engine(str(path), show_progress=False, max_total_tokens=4096, **extra, **kwargs)
+
+
+def _ids(outputs: Any) -> list[list[int]]:
+    return [o["output_ids"] for o in (outputs if isinstance(outputs, list) else [outputs])]
+
+
+def _use(engine: Engine, drafter: Any) -> None:
+    engine.run_in_loop(lambda core: setattr(core.scheduler, "drafter", drafter))
+
+
+def _stats(engine: Engine) -> dict[str, Any]:
+    return engine.get_server_info()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_outputs_are_the_same_with_speculation(models: dict[str, Path], arch: str) -> None:
+    path = models[arch]
+    with _engine(path, spec=False) as engine:
+        reference = _ids(engine.generate(PROMPTS, GREEDY))
+        prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
+    with _engine(path, spec=True) as engine:
+        # NGRAM's own drafts: alone, then batched (the second time the radix cache holds
+        # every answer: its continuations are accepted whole).
+        assert _ids(engine.generate(PROMPTS[0], GREEDY)) == reference[:1]
+        assert _ids(engine.generate(PROMPTS, GREEDY)) == reference
+        assert _stats(engine)["spec_accepted_tokens"] > 0
+        engine.check_invariants()
+        engine.flush_cache()
+        _use(engine, CorruptedOracle(dict(zip(map(tuple, prompts), reference, strict=True))))
+        before = _stats(engine)
+        assert _ids(engine.generate(PROMPTS, GREEDY)) == reference
+        for prompt, expected in zip(PROMPTS, reference, strict=True):
+            assert _ids(engine.generate(prompt, GREEDY)) == [expected]
+        after = _stats(engine)
+        drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+        accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        assert 0 < accepted < drafted  # accepted in part: the rejections were exercised
+        engine.check_invariants()
+
+
+def test_grammars_logprobs_and_stops_are_kept(models: dict[str, Path]) -> None:
+    path = models["LlamaForCausalLM"]
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+    }
+    cases: list[dict[str, Any]] = [
+        {"temperature": 0.0, "max_new_tokens": 40, "json_schema": json.dumps(schema)},
+        {"temperature": 0.0, "max_new_tokens": 40, "regex": "(ab|cd)+[0-9]{3,6}x"},
+    ]
+    asks = {"return_logprob": True, "top_logprobs_num": 2}
+    with _engine(path, spec=False) as engine:
+        prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
+        constrained = [_ids(engine.generate(PROMPTS, c)) for c in cases]
+        scored = engine.generate(PROMPTS, GREEDY, **asks)
+        # A stop token the answer reaches mid-way: the speculative run must stop there too.
+        stop_at = scored[0]["output_ids"][7]
+        stopped = engine.generate(PROMPTS[0], {**GREEDY, "stop_token_ids": [stop_at]})
+    references = {tuple(p): o for p, o in zip(prompts, _ids(scored), strict=True)}
+    with _engine(path, spec=True) as engine:
+        for case, expected in zip(cases, constrained, strict=True):
+            assert _ids(engine.generate(PROMPTS, case)) == expected
+        for out in engine.generate(PROMPTS, cases[0]):
+            if out["meta_info"]["finish_reason"]["type"] == "stop":  # not cut by the length
+                assert set(json.loads(out["text"])) == {"name", "n"}
+        _use(engine, CorruptedOracle(references))
+        got = engine.generate(PROMPTS, GREEDY, **asks)
+        assert _ids(got) == _ids(scored)
+        for mine, theirs in zip(got, scored, strict=True):
+            a, b = mine["meta_info"], theirs["meta_info"]
+            assert len(a["output_token_logprobs"]) == len(b["output_token_logprobs"])
+            for x, y in zip(a["output_token_logprobs"], b["output_token_logprobs"], strict=True):
+                assert x[1] == y[1] and math.isclose(x[0], y[0], abs_tol=1e-3)
+            assert [[t[1] for t in top] for top in a["output_top_logprobs"]] == [
+                [t[1] for t in top] for top in b["output_top_logprobs"]
+            ]
+        out = engine.generate(PROMPTS[0], {**GREEDY, "stop_token_ids": [stop_at]})
+        assert out["output_ids"] == stopped["output_ids"]
+        assert out["meta_info"]["finish_reason"] == stopped["meta_info"]["finish_reason"]
+        # Constrained runs with the oracle's drafts (a forbidden draft token ends the draft).
+        constrained_refs = {
+            tuple(p): o for p, o in zip(prompts, constrained[1], strict=True)
+        }
+        _use(engine, CorruptedOracle(constrained_refs))
+        assert _ids(engine.generate(PROMPTS, cases[1])) == constrained[1]
+        assert _stats(engine)["spec_accepted_tokens"] > 0
+        engine.check_invariants()
+
+
+def test_max_new_tokens_and_n_are_respected(models: dict[str, Path]) -> None:
+    path = models["Qwen2ForCausalLM"]
+    with _engine(path, spec=True) as engine:
+        prompt = engine.tokenizer(PROMPTS[1]).input_ids
+        with _engine(path, spec=False) as plain:
+            reference = plain.generate(PROMPTS[1], {**GREEDY, "max_new_tokens": 30})["output_ids"]
+        _use(engine, CorruptedOracle({tuple(prompt): reference}))
+        for limit in (1, 2, 3, 5, 9):
+            out = engine.generate(PROMPTS[1], {**GREEDY, "max_new_tokens": limit})
+            assert out["output_ids"] == reference[:limit]
+        outs = engine.generate(
+            PROMPTS[1], {"temperature": 0.8, "max_new_tokens": 12, "n": 3, "seed": 5}
+        )
+        assert len(outs) == 3 and all(len(o["output_ids"]) <= 12 for o in outs)
+        engine.check_invariants()
+
+
+def _two_sample_p(a: Counter[int], b: Counter[int]) -> float:
+    """p-value of the chi-square test that two samples come from one distribution (cells
+    with fewer than 10 expected draws merged)."""
+    total_a, total_b = sum(a.values()), sum(b.values())
+    cells: list[tuple[int, int]] = []
+    small_a = small_b = 0
+    for token in set(a) | set(b):
+        if a[token] + b[token] < 20:
+            small_a += a[token]
+            small_b += b[token]
+        else:
+            cells.append((a[token], b[token]))
+    if small_a + small_b:
+        cells.append((small_a, small_b))
+    stat = 0.0
+    for x, y in cells:
+        row = x + y
+        for observed, total in ((x, total_a), (y, total_b)):
+            expected = row * total / (total_a + total_b)
+            stat += (observed - expected) ** 2 / expected
+    dof = len(cells) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampled_tokens_have_the_same_distribution(tmp_path: Path) -> None:
+    """At temperature 1 (and with top-k), the tokens at the positions drafts decide are
+    distributed as without speculation: a chi-square test of homogeneity over many seeds, on
+    a model with a small vocabulary."""
+    path = build_tiny_model(tmp_path / "small", tokenizer_vocab_size=300, init_std=0.08)
+    count = 900
+    samples: dict[bool, list[Counter[int]]] = {}
+    for spec in (False, True):
+        with _engine(path, spec=spec, max_running_requests=64) as engine:
+            prompt = engine.tokenizer(PROMPTS[0]).input_ids
+            if spec:
+                # Drafts from the greedy answer: likely tokens, accepted often, not always.
+                greedy = engine.generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 4})
+                _use(engine, CorruptedOracle({tuple(prompt): greedy["output_ids"]}, 3))
+            params = [
+                {"temperature": 1.0, "top_k": 40, "max_new_tokens": 4, "seed": seed}
+                for seed in range(count)
+            ]
+            outs = engine.generate([PROMPTS[0]] * count, params)
+            positions = [Counter(o["output_ids"][i] for o in outs) for i in (1, 2, 3)]
+            if spec:
+                assert engine.get_server_info()["spec_accepted_tokens"] > 0
+                engine.check_invariants()
+            samples[spec] = positions
+    for position in range(3):
+        p = _two_sample_p(samples[False][position], samples[True][position])
+        assert p > 1e-4, (position, p, samples[False][position], samples[True][position])
