@@ -153,3 +153,21 @@ def test_the_kernels_can_be_turned_off() -> None:
     env = {**os.environ, "RADIXLM_CPU_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "False"
+
+
+@needs_kernels
+@pytest.mark.parametrize("group", [32, 128])
+def test_a_rows_output_does_not_depend_on_the_other_rows_of_the_call(group: int) -> None:
+    """Bit for bit: a row multiplied alone, among others, at any place in a call (a decode
+    alone or batched, a speculative verify row) gives the same output."""
+    torch.manual_seed(3)
+    qweight, scales, zeros = _weights(24, 512, group)
+    w8, s8 = rk.quantize_int8_grouped(torch.randn(24, 512) / 512**0.5, 32)
+    x = torch.randn(16, 512)
+    for rows in (2, 3, 5, 8, 13, 16):
+        many4 = cpu.int4_linear(x[:rows], qweight, scales, zeros, group)
+        many8 = cpu.int8_linear(x[:rows], w8, s8)
+        for row in range(rows):
+            one = x[row : row + 1]
+            assert torch.equal(many4[row], cpu.int4_linear(one, qweight, scales, zeros, group)[0])
+            assert torch.equal(many8[row], cpu.int8_linear(one, w8, s8)[0])

@@ -47,6 +47,7 @@ class CorruptedOracle:
         self.references = references
         self.max_draft = max_draft
         self.disable_by_batch_size = None
+        self.step_tokens = None
 
     def propose(self, req: Req, count: int) -> list[int]:
         reference = self.references.get(tuple(req.prompt_ids))

@@ -104,66 +104,74 @@ static inline __m256 block_dot(__m256i codes, const int8_t *values) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(codes, v), ones));
 }
 
-/* One output of one activation row, blocks two at a time into two accumulators (so that
- * consecutive blocks do not wait on each other's multiply-add). */
-static inline float row_dot(const uint8_t *q, const float *s, const float *z, const int8_t *xq,
-                            const float *xs, const float *xsum, int groups, int per_group) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float off = 0.0f;
-    if (per_group == 1) {
-        int b = 0;
-        for (; b + 1 < groups; b += 2) {
-            __m256 d0 = block_dot(block_codes(q + (size_t)b * 16), xq + (size_t)b * BLOCK);
-            __m256 d1 = block_dot(block_codes(q + (size_t)(b + 1) * 16), xq + (size_t)(b + 1) * BLOCK);
-            acc0 = _mm256_fmadd_ps(d0, _mm256_set1_ps(s[b] * xs[b]), acc0);
-            acc1 = _mm256_fmadd_ps(d1, _mm256_set1_ps(s[b + 1] * xs[b + 1]), acc1);
-            off += s[b] * z[b] * xsum[b] + s[b + 1] * z[b + 1] * xsum[b + 1];
-        }
-        for (; b < groups; b++) {
-            __m256 d0 = block_dot(block_codes(q + (size_t)b * 16), xq + (size_t)b * BLOCK);
-            acc0 = _mm256_fmadd_ps(d0, _mm256_set1_ps(s[b] * xs[b]), acc0);
-            off += s[b] * z[b] * xsum[b];
-        }
-        return hsum(_mm256_add_ps(acc0, acc1)) - off;
-    }
-    for (int g = 0, b = 0; g < groups; g++) {
-        float scale = s[g], sum = 0.0f;
-        for (int j = 0; j < per_group; j++, b++) {
-            __m256 d = block_dot(block_codes(q + (size_t)b * 16), xq + (size_t)b * BLOCK);
-            if (j & 1)
-                acc1 = _mm256_fmadd_ps(d, _mm256_set1_ps(scale * xs[b]), acc1);
-            else
-                acc0 = _mm256_fmadd_ps(d, _mm256_set1_ps(scale * xs[b]), acc0);
-            sum += xsum[b];
-        }
-        off += scale * z[g] * sum;
-    }
-    return hsum(_mm256_add_ps(acc0, acc1)) - off;
-}
-
 #define TILE 4
 
-/* Outputs of activation rows m0 .. m0 + tile - 1 (tile <= TILE) for one weight row. */
+/* Outputs of activation rows m0 .. m0 + tile - 1 (tile <= TILE) for one weight row: each
+ * block's codes unpacked once per tile, two accumulators per row (consecutive blocks do not
+ * wait on each other's multiply-add). Every row takes the same operations in the same order
+ * whatever the tile and the call's row count: a row's output does not depend on the other
+ * rows of the call (a decode alone, in a batch, or a speculative verify row agree bit for
+ * bit). */
 static inline void tile_dot(const uint8_t *q, const float *s, const float *z, const int8_t *xq,
                             const float *xs, const float *xsum, int blocks, int per_group,
                             int m0, int tile, float *got) {
-    __m256 acc[TILE] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                        _mm256_setzero_ps()};
-    float off[TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int b = 0; b < blocks; b++) {
-        int g = per_group == 1 ? b : b / per_group;
-        float scale = s[g], shift = s[g] * z[g];
-        __m256i codes = block_codes(q + (size_t)b * 16);
-        for (int m = 0; m < TILE; m++) {
-            if (m < tile) {
-                size_t at = (size_t)(m0 + m) * blocks + b;
-                acc[m] = _mm256_fmadd_ps(block_dot(codes, xq + at * BLOCK),
-                                         _mm256_set1_ps(scale * xs[at]), acc[m]);
-                off[m] += shift * xsum[at];
+    __m256 acc0[TILE], acc1[TILE];
+    float off[TILE];
+    for (int m = 0; m < TILE; m++) acc0[m] = acc1[m] = _mm256_setzero_ps(), off[m] = 0.0f;
+    if (per_group == 1) {
+        int b = 0;
+        for (; b + 1 < blocks; b += 2) {
+            __m256i c0 = block_codes(q + (size_t)b * 16), c1 = block_codes(q + (size_t)(b + 1) * 16);
+            for (int m = 0; m < TILE; m++) {
+                if (m < tile) {
+                    size_t at = (size_t)(m0 + m) * blocks + b;
+                    acc0[m] = _mm256_fmadd_ps(block_dot(c0, xq + at * BLOCK),
+                                              _mm256_set1_ps(s[b] * xs[at]), acc0[m]);
+                    acc1[m] = _mm256_fmadd_ps(block_dot(c1, xq + (at + 1) * BLOCK),
+                                              _mm256_set1_ps(s[b + 1] * xs[at + 1]), acc1[m]);
+                    float first = s[b] * z[b] * xsum[at];
+                    float second = s[b + 1] * z[b + 1] * xsum[at + 1];
+                    off[m] += first + second;
+                }
+            }
+        }
+        for (; b < blocks; b++) {
+            __m256i c0 = block_codes(q + (size_t)b * 16);
+            for (int m = 0; m < TILE; m++) {
+                if (m < tile) {
+                    size_t at = (size_t)(m0 + m) * blocks + b;
+                    acc0[m] = _mm256_fmadd_ps(block_dot(c0, xq + at * BLOCK),
+                                              _mm256_set1_ps(s[b] * xs[at]), acc0[m]);
+                    float first = s[b] * z[b] * xsum[at];
+                    off[m] += first;
+                }
+            }
+        }
+    } else {
+        for (int g = 0, b = 0; b < blocks; g++) {
+            float scale = s[g], sum[TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int j = 0; j < per_group; j++, b++) {
+                __m256i codes = block_codes(q + (size_t)b * 16);
+                for (int m = 0; m < TILE; m++) {
+                    if (m < tile) {
+                        size_t at = (size_t)(m0 + m) * blocks + b;
+                        __m256 d = block_dot(codes, xq + at * BLOCK);
+                        __m256 sc = _mm256_set1_ps(scale * xs[at]);
+                        if (j & 1)
+                            acc1[m] = _mm256_fmadd_ps(d, sc, acc1[m]);
+                        else
+                            acc0[m] = _mm256_fmadd_ps(d, sc, acc0[m]);
+                        sum[m] += xsum[at];
+                    }
+                }
+            }
+            for (int m = 0; m < tile; m++) {
+                float shift = scale * z[g] * sum[m];
+                off[m] += shift;
             }
         }
     }
-    for (int m = 0; m < tile; m++) got[m] = hsum(acc[m]) - off[m];
+    for (int m = 0; m < tile; m++) got[m] = hsum(_mm256_add_ps(acc0[m], acc1[m])) - off[m];
 }
 #endif
 
@@ -184,10 +192,6 @@ int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
         const float *s = scales + (size_t)row * groups;
         const float *z = zeros + (size_t)row * groups;
 #ifdef RADIXLM_AVX2
-        if (m_rows == 1) {
-            out[row] = row_dot(q, s, z, xq, xs, xsum, groups, per_group);
-            continue;
-        }
         /* Activation rows four at a time: each block's codes unpacked once per tile, the
          * tile's accumulators in registers. */
         for (int m0 = 0; m0 < m_rows; m0 += TILE) {
@@ -220,37 +224,17 @@ int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
 }
 
 #ifdef RADIXLM_AVX2
-/* One output of one activation row for int8 weights: sum over blocks of
- * ws[block's group] * xs[b] * dot(w[b], xq[b]), two accumulators. */
-static inline float row_dot8(const int8_t *w, const float *ws, const int8_t *xq, const float *xs,
-                             int blocks, int per_group) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int b = 0, g = 0, j = 0; b < blocks; b++) {
-        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (size_t)b * BLOCK));
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)b * BLOCK));
-        /* signed x signed: |w| times x carrying w's sign (|w|, |x| <= 127: no saturation) */
-        __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-        __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        __m256 scale = _mm256_set1_ps(ws[g] * xs[b]);
-        if (b & 1)
-            acc1 = _mm256_fmadd_ps(dot, scale, acc1);
-        else
-            acc0 = _mm256_fmadd_ps(dot, scale, acc0);
-        if (++j == per_group) j = 0, g++;
-    }
-    return hsum(_mm256_add_ps(acc0, acc1));
-}
-
 /* Outputs of activation rows m0 .. m0 + tile - 1 (tile <= TILE) for one int8 weight row:
- * each block's |w| computed once per tile. */
+ * each block's |w| computed once per tile, two accumulators per row by block parity; as in
+ * `tile_dot`, a row's output does not depend on the call's other rows. */
 static inline void tile_dot8(const int8_t *w, const float *ws, const int8_t *xq, const float *xs,
                              int blocks, int per_group, int m0, int tile, float *got) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[TILE] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                        _mm256_setzero_ps()};
+    __m256 acc0[TILE], acc1[TILE];
+    for (int m = 0; m < TILE; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (size_t)b * BLOCK));
+        /* signed x signed: |w| times x carrying w's sign (|w|, |x| <= 127: no saturation) */
         __m256i magnitude = _mm256_sign_epi8(wv, wv);
         float scale = ws[b / per_group];
         for (int m = 0; m < TILE; m++) {
@@ -259,11 +243,15 @@ static inline void tile_dot8(const int8_t *w, const float *ws, const int8_t *xq,
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + at * BLOCK));
                 __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, wv));
                 __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale * xs[at]), acc[m]);
+                __m256 sc = _mm256_set1_ps(scale * xs[at]);
+                if (b & 1)
+                    acc1[m] = _mm256_fmadd_ps(dot, sc, acc1[m]);
+                else
+                    acc0[m] = _mm256_fmadd_ps(dot, sc, acc0[m]);
             }
         }
     }
-    for (int m = 0; m < tile; m++) got[m] = hsum(acc[m]);
+    for (int m = 0; m < tile; m++) got[m] = hsum(_mm256_add_ps(acc0[m], acc1[m]));
 }
 #endif
 
@@ -283,10 +271,6 @@ int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
         const int8_t *w = weight + (size_t)row * k;
         const float *ws = scales + (size_t)row * groups;
 #ifdef RADIXLM_AVX2
-        if (m_rows == 1) {
-            out[row] = row_dot8(w, ws, xq, xs, blocks, per_group);
-            continue;
-        }
         for (int m0 = 0; m0 < m_rows; m0 += TILE) {
             int tile = m_rows - m0 < TILE ? m_rows - m0 : TILE;
             float got[TILE];

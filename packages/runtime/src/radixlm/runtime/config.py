@@ -45,6 +45,8 @@ KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 QUANTIZATION_METHODS: tuple[str, ...] = get_args(QuantizationMethod)
 GRAMMAR_BACKENDS: tuple[str, ...] = get_args(GrammarBackendName)
 SPECULATIVE_ALGORITHMS: tuple[str, ...] = get_args(SpeculativeAlgorithm)
+#: The ones this version runs (the CLI offers only these).
+SPECULATIVE_AVAILABLE: tuple[str, ...] = ("NGRAM",)
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
 _KV_DTYPE_ALIASES = {**_DTYPE_ALIASES, "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
@@ -440,7 +442,7 @@ class SpeculativeConfig:
         if self.algorithm is None:
             return
         _choice("speculative_algorithm", self.algorithm, SpeculativeAlgorithm)
-        if self.algorithm != "NGRAM":
+        if self.algorithm not in SPECULATIVE_AVAILABLE:
             raise ValueError(
                 f"speculative_algorithm {self.algorithm} is not available in this version of "
                 "radixlm; use NGRAM (drafts from the request's own tokens and the radix cache)"
@@ -840,5 +842,5 @@ ENGINE_CHOICES: dict[str, tuple[Any, ...]] = {
     "sampling_defaults": get_args(SamplingDefaultsMode),
     "log_level": get_args(LogLevel),
     "dist_backend": get_args(DistBackend),
-    "speculative_algorithm": SPECULATIVE_ALGORITHMS,
+    "speculative_algorithm": SPECULATIVE_AVAILABLE,
 }

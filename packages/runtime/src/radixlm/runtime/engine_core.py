@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from radixlm import kernels
 from radixlm.cache import RadixCache
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import load_tokenizer
@@ -598,6 +599,9 @@ def create_core(
             spec.ngram_min_match_window_size,
             spec.ngram_max_match_window_size,
             spec.disable_by_batch_size,
+            # On the CPU decode path a step of up to MAX_ROWS tokens is one C call that reads
+            # the weights once; past it the step takes the model's forward: drafts stop there.
+            kernels.cpu.MAX_ROWS if runner.cpu_decode is not None else None,
         )
     scheduler = Scheduler(
         config.scheduler,

@@ -160,6 +160,49 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "help": "seconds a collective may wait for the other ranks before the engine is "
         "declared down (default 300)",
     },
+    # Speculative decoding.
+    "speculative_algorithm": {
+        "type": str.upper,
+        "help": "draft tokens verified in each decode step: NGRAM (the request's own n-grams "
+        "and the radix cache's continuations; greedy outputs unchanged, sampled ones keep "
+        "their distribution); STANDALONE / EAGLE / EAGLE3 are not available yet",
+    },
+    "speculative_num_draft_tokens": {
+        "type": int,
+        "metavar": "N",
+        "help": "tokens a verify step computes per request: its last token and up to N - 1 "
+        "drafts (default --speculative-num-steps + 1)",
+    },
+    "speculative_num_steps": {
+        "type": int,
+        "metavar": "N",
+        "help": "draft tokens proposed per step (default 4)",
+    },
+    "speculative_eagle_topk": {
+        "type": int,
+        "metavar": "K",
+        "help": "branches per draft position (only 1, chain drafts, so far)",
+    },
+    "speculative_draft_model_path": {
+        "metavar": "PATH",
+        "help": "the draft model of STANDALONE / EAGLE (not available yet)",
+    },
+    "speculative_ngram_min_match_window_size": {
+        "type": int,
+        "metavar": "N",
+        "help": "shortest n-gram NGRAM looks up (default 1)",
+    },
+    "speculative_ngram_max_match_window_size": {
+        "type": int,
+        "metavar": "N",
+        "help": "longest n-gram NGRAM looks up (default 12)",
+    },
+    "speculative_disable_by_batch_size": {
+        "type": int,
+        "metavar": "N",
+        "help": "no drafts in a step with more than N decoding requests (a full batch gains "
+        "nothing from them); default: always draft",
+    },
     # Mixture-of-experts models.
     "ep_size": {
         "type": int,

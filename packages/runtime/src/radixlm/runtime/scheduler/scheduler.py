@@ -49,6 +49,9 @@ class Drafter(Protocol):
 
     max_draft: int
     disable_by_batch_size: int | None
+    #: The most tokens (decodes and drafts) a decode step may compute with drafts (None: no
+    #: limit); drafts are cut to fit.
+    step_tokens: int | None
 
     def propose(self, req: Req, count: int) -> list[int]:
         """Up to `count` tokens likely to follow `req`'s tokens."""
@@ -351,19 +354,25 @@ class Scheduler:
     def _drafts(self, decoding: Sequence[Req]) -> dict[Req, list[int]]:
         """Draft tokens for this step's decodes (speculative decoding): each request that
         speculates and has one token to compute gets up to `max_draft` of them, fewer near its
-        `max_new_tokens` or the context's end, only a prefix its grammar allows."""
+        `max_new_tokens` or the context's end, only a prefix its grammar allows, and no more
+        in all than the drafter's `step_tokens` leave room for."""
         drafter = self.drafter
         if drafter is None:
             return {}
         limit = drafter.disable_by_batch_size
         if limit is not None and len(decoding) > limit:
             return {}
+        budget = drafter.step_tokens
+        left = 1 << 30 if budget is None else budget - sum(r.pending for r in decoding)
         drafts: dict[Req, list[int]] = {}
         for req in decoding:
+            if left <= 0:
+                break
             if not req.speculate or req.pending != 1:
                 continue
             room = min(
                 drafter.max_draft,
+                left,
                 req.max_new_tokens - len(req.output_ids) - 1,
                 self.context_length - req.seq_len - 1,
             )
@@ -374,6 +383,7 @@ class Scheduler:
                 draft = _grammar_prefix(req.grammar, draft)
             if draft:
                 drafts[req] = draft
+                left -= len(draft)
         return drafts
 
     def _schedule_decodes(self, retracted: list[Req], dropped: list[Req]) -> list[StepEntry]:

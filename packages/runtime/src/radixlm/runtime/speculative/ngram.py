@@ -51,6 +51,7 @@ class NgramDrafter:
         min_window: int = 1,
         max_window: int = 12,
         disable_by_batch_size: int | None = None,
+        step_tokens: int | None = None,
     ) -> None:
         self.cache = cache
         #: The most draft tokens one request gets per step.
@@ -59,6 +60,8 @@ class NgramDrafter:
         self.max_window = max_window
         #: No drafts in a step with more decoding requests than this (None: always).
         self.disable_by_batch_size = disable_by_batch_size
+        #: The most tokens a decode step with drafts computes (None: no limit).
+        self.step_tokens = step_tokens
 
     def propose(self, req: Req, count: int) -> list[int]:
         """Up to `count` draft tokens to follow `req`'s tokens."""

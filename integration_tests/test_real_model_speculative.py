@@ -1,0 +1,67 @@
+"""Speculative decoding (NGRAM) on the real SmolLM2-135M-Instruct: greedy outputs equal to
+decoding without it, alone and batched, with and without a grammar; and the spec bench runs."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from radixlm.runtime import Engine, smollm2_gguf_path
+
+pytestmark = pytest.mark.real_model
+ASKS = (
+    "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog.",
+    "Rewrite `def add(a, b): return a + b` with `a` renamed to `x`.",
+    "What is the capital of France?",
+)
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+    "required": ["city", "country"],
+}
+
+
+def _outputs(engine: Engine, texts: list[str], params: dict[str, Any]) -> list[list[int]]:
+    alone = [engine.generate(text, params)["output_ids"] for text in texts]
+    batched = [out["output_ids"] for out in engine.generate(texts, params)]
+    return alone + batched
+
+
+def test_greedy_outputs_are_unchanged_by_ngram_drafts() -> None:
+    cases = [
+        {"temperature": 0.0, "max_new_tokens": 48},
+        {"temperature": 0.0, "max_new_tokens": 48, "json_schema": json.dumps(SCHEMA)},
+    ]
+    results = {}
+    for spec in (False, True):
+        extra = {"speculative_algorithm": "NGRAM"} if spec else {}
+        with Engine(smollm2_gguf_path(), cpu_threads=1, show_progress=False, **extra) as engine:
+            texts = [
+                engine.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": ask}], tokenize=False, add_generation_prompt=True
+                )
+                for ask in ASKS
+            ]
+            results[spec] = [_outputs(engine, texts, case) for case in cases]
+            if spec:
+                info = engine.get_server_info()
+                assert info["spec_accepted_tokens"] > 0
+                assert info["avg_spec_accept_length"] > 1.0
+                engine.check_invariants()
+    assert results[True] == results[False]
+
+
+def test_spec_bench_runs(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools" / "bench"))
+    bench = importlib.import_module("spec_bench")
+    out = tmp_path / "spec.json"
+    args = ["--batches", "1,2", "--workloads", "code", "--new-tokens", "8", "--json", str(out)]
+    assert bench.main(args) == 0  # 0: the outputs with and without drafts are the same
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workload"], r["batch"]) for r in rows] == [("code", 1), ("code", 2)]
+    assert all(r["plain_tok_s"] > 0 and r["ngram_tok_s"] > 0 for r in rows)
