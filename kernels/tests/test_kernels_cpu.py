@@ -163,11 +163,14 @@ def test_a_rows_output_does_not_depend_on_the_other_rows_of_the_call(group: int)
     torch.manual_seed(3)
     qweight, scales, zeros = _weights(24, 512, group)
     w8, s8 = rk.quantize_int8_grouped(torch.randn(24, 512) / 512**0.5, 32)
+    w32 = torch.randn(24, 512)
     x = torch.randn(16, 512)
     for rows in (2, 3, 5, 8, 13, 16):
         many4 = cpu.int4_linear(x[:rows], qweight, scales, zeros, group)
         many8 = cpu.int8_linear(x[:rows], w8, s8)
+        many32 = cpu.f32_linear(x[:rows].contiguous(), w32)
         for row in range(rows):
             one = x[row : row + 1]
             assert torch.equal(many4[row], cpu.int4_linear(one, qweight, scales, zeros, group)[0])
             assert torch.equal(many8[row], cpu.int8_linear(one, w8, s8)[0])
+            assert torch.equal(many32[row], cpu.f32_linear(one.contiguous(), w32)[0])

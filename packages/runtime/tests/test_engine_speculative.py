@@ -48,6 +48,7 @@ class CorruptedOracle:
         self.max_draft = max_draft
         self.disable_by_batch_size = None
         self.step_tokens = None
+        self.fixed_cost_rows = 1e9  # drafts always worth it: every path is exercised
 
     def propose(self, req: Req, count: int) -> list[int]:
         reference = self.references.get(tuple(req.prompt_ids))
@@ -101,6 +102,24 @@ def test_greedy_outputs_are_the_same_with_speculation(models: dict[str, Path], a
         engine.check_invariants()
 
 
+def test_drafts_beside_prefill_chunks_on_the_cpu_decode_path(models: dict[str, Path]) -> None:
+    """One torch thread (the CPU decode path on) and small prefill chunks: verify steps share
+    steps with other requests' prefill chunks (the decodes on the path, the chunks through
+    the model's forward); the outputs stay those of decoding without drafts."""
+    path = models["Qwen3ForCausalLM"]
+    texts = [*PROMPTS, " ".join(["a long prompt that keeps being prefilled"] * 6)]
+    settings = {"cpu_threads": 1, "chunked_prefill_size": 8}
+    with _engine(path, spec=False, **settings) as engine:
+        reference = _ids(engine.generate(texts, GREEDY))
+        prompts = [engine.tokenizer(t).input_ids for t in texts]
+    with _engine(path, spec=True, **settings) as engine:
+        assert engine.run_in_loop(lambda core: core.executor.runner.cpu_decode is not None)
+        _use(engine, CorruptedOracle(dict(zip(map(tuple, prompts), reference, strict=True))))
+        assert _ids(engine.generate(texts, GREEDY)) == reference
+        assert _stats(engine)["spec_accepted_tokens"] > 0
+        engine.check_invariants()
+
+
 def test_grammars_logprobs_and_stops_are_kept(models: dict[str, Path]) -> None:
     path = models["LlamaForCausalLM"]
     schema = {
@@ -142,9 +161,7 @@ def test_grammars_logprobs_and_stops_are_kept(models: dict[str, Path]) -> None:
         assert out["output_ids"] == stopped["output_ids"]
         assert out["meta_info"]["finish_reason"] == stopped["meta_info"]["finish_reason"]
         # Constrained runs with the oracle's drafts (a forbidden draft token ends the draft).
-        constrained_refs = {
-            tuple(p): o for p, o in zip(prompts, constrained[1], strict=True)
-        }
+        constrained_refs = {tuple(p): o for p, o in zip(prompts, constrained[1], strict=True)}
         _use(engine, CorruptedOracle(constrained_refs))
         assert _ids(engine.generate(PROMPTS, cases[1])) == constrained[1]
         assert _stats(engine)["spec_accepted_tokens"] > 0

@@ -189,3 +189,11 @@ def test_greedy_rows_accept_exactly_the_argmax_run() -> None:
     assert found.accepted == [1] and found.tokens == [best[1]]
     found = verify(Sampler(), logits, batch, [[best[0], best[1], best[2]]])
     assert found.accepted == [3] and found.tokens == [best[3]]
+
+
+def test_drafts_go_as_deep_as_their_chance_beats_a_rows_share() -> None:
+    from radixlm.runtime.scheduler.scheduler import _worth_drafting
+
+    assert _worth_drafting(0.9, 0.55) == 5  # 0.9 ** 5 = 0.59 > 0.55 > 0.9 ** 6
+    assert _worth_drafting(0.5, 0.55) == 0
+    assert _worth_drafting(0.99, 0.0, most=7) == 7

@@ -195,12 +195,19 @@ class CpuDecodePath:
             raise NotTaken(str(error)) from None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's `compute_logits` of these rows: in C for at most MAX_ROWS rows of a
-        float32 head on one thread, else the model's own product."""
+        """The model's `compute_logits` of these rows: in C (calls of MAX_ROWS rows) for up to
+        `max_batch` rows of a float32 head on one thread, else the model's own product."""
         rows = hidden.shape[0]
-        if self.head is None or rows > kernels.cpu.MAX_ROWS or torch.get_num_threads() != 1:
+        if self.head is None or rows > self.max_batch or torch.get_num_threads() != 1:
             return self.model.compute_logits(hidden)
-        return kernels.cpu.f32_linear(hidden.contiguous(), self.head)
+        hidden = hidden.contiguous()
+        if rows <= kernels.cpu.MAX_ROWS:
+            return kernels.cpu.f32_linear(hidden, self.head)
+        # A decode batch in calls of MAX_ROWS: each row's logits the same bits at any count.
+        step = kernels.cpu.MAX_ROWS
+        return torch.cat(
+            [kernels.cpu.f32_linear(hidden[i : i + step], self.head) for i in range(0, rows, step)]
+        )
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether this step is one the path takes: a decode step of at most `max_batch`
@@ -218,21 +225,29 @@ class CpuDecodePath:
         )
 
     def split(self, batch: ForwardBatch) -> MixedStep | None:
-        """A mixed step (prefill chunks beside one-token requests) as the path's part and the
-        rest, or None when it is not one to split: no request adds one token (or all do, or
-        more than `max_batch`), several torch threads, given embeddings, M-RoPE positions,
-        rows asked for their prompt logprobs or hidden states, or for several rows' logits."""
+        """A mixed step (prefill chunks beside decodes) as the path's part and the rest, or
+        None when it is not one to split: no decode (or nothing else, or more than
+        `max_batch` of them), several torch threads, given embeddings, M-RoPE positions, or
+        rows asked for their prompt logprobs or hidden states. A decode is a request adding
+        one token, or one whose every new token wants its logits (it verifies drafts:
+        speculative decoding), up to `kernels.cpu.MAX_ROWS` tokens of them in all."""
         lengths = batch.extend_lens_cpu
-        singles = [i for i, length in enumerate(lengths) if length == 1]
+        counts = batch.logit_counts or (1,) * len(lengths)
+        singles = [
+            i
+            for i, (length, count) in enumerate(zip(lengths, counts, strict=True))
+            if length == 1 or count == length
+        ]
+        path_tokens = sum(lengths[i] for i in singles)
         if (
             not singles
             or len(singles) == len(lengths)
             or len(singles) > self.max_batch
+            or (path_tokens > len(singles) and path_tokens > kernels.cpu.MAX_ROWS)
             or batch.input_embeds is not None
             or batch.mrope_positions is not None
             or batch.input_logprobs
             or batch.hidden_state_requests
-            or batch.logit_counts is not None
             or torch.get_num_threads() != 1
         ):
             return None
@@ -245,7 +260,9 @@ class CpuDecodePath:
         device = batch.device
         single_rows = torch.tensor(singles, device=device)
         other_rows = torch.tensor(others, device=device)
-        tokens = torch.tensor([starts[i] for i in singles], device=device)
+        tokens = torch.tensor(
+            [t for i in singles for t in range(starts[i], starts[i] + lengths[i])], device=device
+        )
         other_tokens = torch.tensor(
             [t for i in others for t in range(starts[i], starts[i] + lengths[i])], device=device
         )
@@ -262,7 +279,12 @@ class CpuDecodePath:
             extend_lens_cpu=tuple(lengths[i] for i in others),
             req_pool_indices_cpu=tuple(batch.req_pool_indices_cpu[i] for i in others),
         )
-        return MixedStep(single_rows, tokens, other_rows, rest)
+        token_rows = torch.repeat_interleave(
+            batch.req_pool_indices.index_select(0, single_rows),
+            batch.extend_lens.index_select(0, single_rows),
+            output_size=path_tokens,
+        )
+        return MixedStep(single_rows, tokens, other_rows, rest, token_rows)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The final hidden states [T, hidden] of the new tokens (after the final norm), as
@@ -288,14 +310,15 @@ class CpuDecodePath:
         )
 
     def forward_part(self, batch: ForwardBatch, step: MixedStep) -> torch.Tensor:
-        """`forward` over the one-token requests of a split mixed step: [len(rows), hidden]."""
+        """`forward` over the decodes of a split mixed step: [their tokens, hidden]."""
+        positions = batch.positions.index_select(0, step.tokens)
         return self.run(
             batch.input_ids.index_select(0, step.tokens),
-            batch.positions.index_select(0, step.tokens),
+            positions,
             batch.out_cache_loc.index_select(0, step.tokens),
             batch.req_to_token,
-            batch.req_pool_indices.index_select(0, step.rows),
-            batch.seq_lens.index_select(0, step.rows),
+            step.token_rows,
+            positions + 1,
         )
 
     def run(
@@ -332,11 +355,13 @@ class CpuDecodePath:
 
 @dataclass(frozen=True)
 class MixedStep:
-    """A mixed step split in two (`CpuDecodePath.split`): its one-token requests (batch
-    indices `rows`, their tokens' indices `tokens`) for the path, and the other requests
+    """A mixed step split in two (`CpuDecodePath.split`): its decodes (batch indices `rows`,
+    their tokens' indices `tokens`) for the path, and the other requests
     (batch indices `other_rows`) as a batch of their own for the model's forward."""
 
     rows: torch.Tensor
     tokens: torch.Tensor
     other_rows: torch.Tensor
     rest: ForwardBatch
+    #: The table row of each of the path's tokens.
+    token_rows: torch.Tensor

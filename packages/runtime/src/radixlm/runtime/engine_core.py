@@ -62,6 +62,11 @@ logger = logging.getLogger("radixlm.runtime.engine")
 _GRAMMAR_POLL_S = 0.002
 #: Seconds between the live statistics a busy core sends (process mode).
 _STATS_S = 0.05
+#: What a decode step costs besides its rows, in rows' cost (speculative decoding drafts a
+#: row while its chance of acceptance beats a row's share of the step): on the CPU decode
+#: path, and on the model's forward (bound by reading the weights).
+_CPU_FIXED_COST_ROWS = 0.8
+_FIXED_COST_ROWS = 16.0
 
 Emit = Callable[[list[Output]], None]
 
@@ -602,6 +607,10 @@ def create_core(
             # On the CPU decode path a step of up to MAX_ROWS tokens is one C call that reads
             # the weights once; past it the step takes the model's forward: drafts stop there.
             kernels.cpu.MAX_ROWS if runner.cpu_decode is not None else None,
+            # The CPU decode path computes each row of its int4 / int8 products on its own:
+            # a step of R rows costs about 0.8 + R rows (SmolLM2 int4 on an AVX-512 EPYC,
+            # tools/bench/spec_bench.py). Elsewhere reading the weights dominates a step.
+            _CPU_FIXED_COST_ROWS if runner.cpu_decode is not None else _FIXED_COST_ROWS,
         )
     scheduler = Scheduler(
         config.scheduler,

@@ -235,17 +235,32 @@ class ModelRunner:
     def _forward_mixed(
         self, batch: ForwardBatch, path: CpuDecodePath, step: MixedStep
     ) -> LogitsOutput:
-        """A mixed step on the CPU decode path: its one-token requests through the path, the
-        prefill chunks through the model's forward (requests never attend to each other's
-        tokens, so the two parts are what the whole step computes), then one LM head over
-        every request's last row, in batch order."""
+        """A mixed step on the CPU decode path: its decodes through the path, the prefill
+        chunks through the model's forward (requests never attend to each other's tokens, so
+        the two parts are what the whole step computes), then one LM head over every
+        request's last row (every row of a decode that verifies drafts), in batch order."""
         rest = step.rest
         self.attention.prepare(rest)
         hidden = self.model(rest.input_ids, rest.model_positions, self.attention, None, None)
-        last = hidden.new_empty(batch.batch_size, hidden.shape[-1])
-        last[step.other_rows] = hidden.index_select(0, torch.cumsum(rest.extend_lens, 0) - 1)
-        last[step.rows] = path.forward_part(batch, step)
-        return LogitsOutput(path.logits(last))
+        part = path.forward_part(batch, step)
+        rest_last = hidden.index_select(0, torch.cumsum(rest.extend_lens, 0) - 1)
+        if batch.logit_counts is None:  # every decode adds one token
+            last = hidden.new_empty(batch.batch_size, hidden.shape[-1])
+            last[step.other_rows] = rest_last
+            last[step.rows] = part
+            return LogitsOutput(path.logits(last))
+        # Decodes that verify drafts want every row; the rest their last one, in batch order.
+        pieces: list[torch.Tensor] = []
+        taken = set(step.rows.tolist())
+        at_part = at_rest = 0
+        for index, length in enumerate(batch.extend_lens_cpu):
+            if index in taken:
+                pieces.append(part[at_part : at_part + length])
+                at_part += length
+            else:
+                pieces.append(rest_last[at_rest : at_rest + 1])
+                at_rest += 1
+        return LogitsOutput(path.logits(torch.cat(pieces)))
 
     @staticmethod
     def _hidden_states(hidden: torch.Tensor, batch: ForwardBatch) -> list[torch.Tensor | None]:

@@ -79,7 +79,7 @@ def _processes(batch: SamplingBatch) -> bool:
     )
 
 
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """The first token (in id order) whose running mass exceeds u * total mass."""
     cumulative = probs.cumsum(dim=-1)
     target = uniforms * cumulative[:, -1]
@@ -123,7 +123,7 @@ class Sampler:
                     probs, batch.top_ks, batch.top_ps, batch.min_ps, batch.uniforms
                 )
             else:
-                drawn = _inverse_cdf(probs, batch.uniforms)
+                drawn = inverse_cdf(probs, batch.uniforms)
             next_ids = torch.where(batch.greedy, greedy_ids, drawn)
         logprobs = None
         if batch.return_logprob:

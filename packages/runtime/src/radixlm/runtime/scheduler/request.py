@@ -97,8 +97,12 @@ class Req:
         #: False: compute every prompt position, even those the cache holds (the engine wants
         #: an output of each, e.g. its hidden state).
         self.reuse_prefix = reuse_prefix
-        #: Whether its decode steps may carry draft tokens (speculative decoding).
+        #: Whether its decode steps may carry draft tokens (speculative decoding), and how
+        #: many at most next time (it follows how many it has had accepted).
         self.speculate = False
+        self.draft_cap = 1 << 30
+        #: Its drafts' acceptance rate so far (a moving average, per draft position).
+        self.accept_rate = 0.75  # the scheduler's _PRIOR_ACCEPT_RATE
         #: Its LoRA adapter: (uid, adapter directory), or None for the base model. The cache
         #: key's `extra_key` should name the adapter too (KV differs under each adapter).
         self.lora = lora

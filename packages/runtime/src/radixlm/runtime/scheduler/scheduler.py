@@ -52,6 +52,10 @@ class Drafter(Protocol):
     #: The most tokens (decodes and drafts) a decode step may compute with drafts (None: no
     #: limit); drafts are cut to fit.
     step_tokens: int | None
+    #: What a step costs besides its rows, in rows (the weights read once, the step's own
+    #: work): a draft row pays for itself when its chance of acceptance beats the share of a
+    #: step's cost one of its B tokens takes, B / (fixed_cost_rows + B).
+    fixed_cost_rows: float
 
     def propose(self, req: Req, count: int) -> list[int]:
         """Up to `count` tokens likely to follow `req`'s tokens."""
@@ -354,7 +358,8 @@ class Scheduler:
     def _drafts(self, decoding: Sequence[Req]) -> dict[Req, list[int]]:
         """Draft tokens for this step's decodes (speculative decoding): each request that
         speculates and has one token to compute gets up to `max_draft` of them, fewer near its
-        `max_new_tokens` or the context's end, only a prefix its grammar allows, and no more
+        `max_new_tokens` or the context's end or its `draft_cap`, only a prefix its grammar
+        allows, and no more
         in all than the drafter's `step_tokens` leave room for."""
         drafter = self.drafter
         if drafter is None:
@@ -364,14 +369,25 @@ class Scheduler:
             return {}
         budget = drafter.step_tokens
         left = 1 << 30 if budget is None else budget - sum(r.pending for r in decoding)
+        # A draft j tokens deep is accepted with chance about rate ** j: worth a row while
+        # that beats what a row of the step yields without drafts.
+        worth = len(decoding) / (drafter.fixed_cost_rows + len(decoding))
         drafts: dict[Req, list[int]] = {}
         for req in decoding:
             if left <= 0:
                 break
             if not req.speculate or req.pending != 1:
                 continue
+            deep = _worth_drafting(req.accept_rate, worth)
+            if deep == 0:
+                # Not worth a row now; the rate drifts back so that the request tries again
+                # (what it writes may start to repeat).
+                req.accept_rate += 0.1 * (_PRIOR_ACCEPT_RATE - req.accept_rate)
+                continue
             room = min(
                 drafter.max_draft,
+                req.draft_cap,
+                deep,
                 left,
                 req.max_new_tokens - len(req.output_ids) - 1,
                 self.context_length - req.seq_len - 1,
@@ -392,9 +408,7 @@ class Scheduler:
             return []
         drafts = self._drafts(decoding)
         while True:
-            fresh = [
-                self._tokens_to_alloc(r, r.pending + len(drafts.get(r, ()))) for r in decoding
-            ]
+            fresh = [self._tokens_to_alloc(r, r.pending + len(drafts.get(r, ()))) for r in decoding]
             if self._make_room(sum(fresh)):
                 break
             if drafts:  # drafts never cost another request its place
@@ -701,6 +715,15 @@ class Scheduler:
         self.accepted_tokens += accepted
         req.draft_tokens += len(draft)
         req.accepted_tokens += accepted
+        # Drafts cost a row each: after a refusal the next draft stops one past the accepted
+        # run; each draft accepted whole allows one more (a verify row pays for itself only
+        # when it is likely to be accepted).
+        if accepted == len(draft):
+            req.draft_cap = len(draft) + 1
+        else:
+            req.draft_cap = accepted + 1
+        tried = accepted + (accepted < len(draft))
+        req.accept_rate = 0.7 * req.accept_rate + 0.3 * (accepted / tried)
         # The rejected drafts' K/V are not the sequence's: their slots become spares.
         self._drop_kv(req, req.kv_len - (len(draft) - accepted))
         result: Appended = "ok"
@@ -841,3 +864,17 @@ def _grammar_prefix(grammar: Any, draft: Sequence[int]) -> list[int]:
     if accepted:
         grammar.rollback(accepted)
     return list(draft[:kept])
+
+
+#: A request's drafts' acceptance rate before it has any (and what an idle one drifts back to).
+_PRIOR_ACCEPT_RATE = 0.75
+
+
+def _worth_drafting(rate: float, worth: float, most: int = 64) -> int:
+    """How many drafts deep the chance of acceptance (about rate ** depth) stays above
+    `worth`."""
+    depth, chance = 0, rate
+    while depth < most and chance > worth:
+        depth += 1
+        chance *= rate
+    return depth

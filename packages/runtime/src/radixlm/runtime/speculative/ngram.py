@@ -52,6 +52,7 @@ class NgramDrafter:
         max_window: int = 12,
         disable_by_batch_size: int | None = None,
         step_tokens: int | None = None,
+        fixed_cost_rows: float = 16.0,
     ) -> None:
         self.cache = cache
         #: The most draft tokens one request gets per step.
@@ -62,6 +63,8 @@ class NgramDrafter:
         self.disable_by_batch_size = disable_by_batch_size
         #: The most tokens a decode step with drafts computes (None: no limit).
         self.step_tokens = step_tokens
+        #: A step's cost besides its rows, in rows (see the scheduler's `Drafter`).
+        self.fixed_cost_rows = fixed_cost_rows
 
     def propose(self, req: Req, count: int) -> list[int]:
         """Up to `count` draft tokens to follow `req`'s tokens."""

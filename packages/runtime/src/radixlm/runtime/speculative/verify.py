@@ -20,7 +20,7 @@ import torch
 
 from radixlm.kernels import reference
 from radixlm.runtime.logprobs import TokenLogprob, collect_logprobs
-from radixlm.runtime.sampler import Sampler
+from radixlm.runtime.sampler import Sampler, inverse_cdf
 from radixlm.runtime.sampling_batch import SamplingBatch, seeded_uniform
 
 #: Seeded rows draw their acceptance uniforms from (seed + this, step): apart from the draws.
@@ -80,7 +80,9 @@ def verify(
             probs = torch.where(probs >= threshold[:, None], probs, torch.zeros_like(probs))
         weights = probs / probs.sum(dim=-1, keepdim=True).clamp(min=1e-30)
         chance = weights.gather(1, safe[:, None]).squeeze(1)
-        ok = torch.where(batch.greedy, greedy_ids == proposed_t, _accept_uniforms(batch, generator) < chance)
+        ok = torch.where(
+            batch.greedy, greedy_ids == proposed_t, _accept_uniforms(batch, generator) < chance
+        )
     ok &= verifies
     passed = ok.tolist()
     accepted: list[int] = []
@@ -102,7 +104,7 @@ def verify(
         # A draft refused on a row that gave it all the mass leaves nothing else to draw:
         # keep the draft then (the chance of this is below float rounding).
         empty = residual.sum(dim=-1) <= 0
-        drawn = _inverse_cdf(residual, batch.uniforms.index_select(0, final))
+        drawn = inverse_cdf(residual, batch.uniforms.index_select(0, final))
         drawn = torch.where(empty, refused, drawn)
         tokens_t = torch.where(batch.greedy.index_select(0, final), tokens_t, drawn)
     tokens = tokens_t.tolist()
@@ -127,14 +129,6 @@ def _accept_uniforms(batch: SamplingBatch, generator: torch.Generator | None) ->
         ]
         uniforms[rows] = torch.tensor(values, dtype=torch.float32)
     return uniforms.to(batch.device)
-
-
-def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """The first token (in id order) whose running mass exceeds u * total mass."""
-    cumulative = weights.cumsum(dim=-1)
-    target = uniforms * cumulative[:, -1]
-    chosen = torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
-    return chosen.clamp_(max=weights.shape[1] - 1)
 
 
 def _logprobs(
