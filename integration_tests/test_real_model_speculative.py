@@ -60,7 +60,8 @@ def test_spec_bench_runs(tmp_path: Path) -> None:
     sys.path.insert(0, str(Path(__file__).parents[1] / "tools" / "bench"))
     bench = importlib.import_module("spec_bench")
     out = tmp_path / "spec.json"
-    args = ["--batches", "1,2", "--workloads", "code", "--new-tokens", "8", "--json", str(out)]
+    args = ["--batches", "1,2", "--workloads", "code", "--new-tokens", "8", "--repeats", "1",
+            "--json", str(out)]  # fmt: skip
     assert bench.main(args) == 0  # 0: the outputs with and without drafts are the same
     rows = json.loads(out.read_text())["rows"]
     assert [(r["workload"], r["batch"]) for r in rows] == [("code", 1), ("code", 2)]
