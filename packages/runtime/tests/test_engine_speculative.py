@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,17 @@ PROMPTS = [
     "hello",
 ]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads() -> Iterator[None]:
+    """An engine with `cpu_threads` sets this process's torch threads: put them back, so that
+    later tests run as they would alone."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
