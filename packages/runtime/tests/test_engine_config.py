@@ -88,9 +88,30 @@ def test_invalid_values_are_errors_naming_the_keyword(
 def test_every_choice_the_cli_offers_is_accepted() -> None:
     from radixlm.runtime.config import ENGINE_CHOICES
 
+    # Choices that need a companion setting get it.
+    companions = {("speculative_algorithm", "STANDALONE"): {"speculative_draft_model_path": "/d"}}
     for keyword, choices in ENGINE_CHOICES.items():
         for value in choices:
-            EngineConfig.from_kwargs("/m", **{keyword: value})
+            EngineConfig.from_kwargs(
+                "/m", **{keyword: value}, **companions.get((keyword, value), {})
+            )
+
+
+def test_standalone_speculation_needs_a_draft_model() -> None:
+    with pytest.raises(ValueError, match="speculative_draft_model_path"):
+        EngineConfig.from_kwargs("/m", speculative_algorithm="STANDALONE")
+    with pytest.raises(ValueError, match="NGRAM drafts need no model"):
+        EngineConfig.from_kwargs(
+            "/m", speculative_algorithm="NGRAM", speculative_draft_model_path="/d"
+        )
+    config = EngineConfig.from_kwargs(
+        "/m",
+        speculative_algorithm="standalone",
+        speculative_draft_model_path="/d",
+        speculative_draft_model_quantization="int4",
+    )
+    assert config.speculative.algorithm == "STANDALONE"
+    assert config.speculative.draft_model_quantization == "int4"
 
 
 def test_unknown_argument_names_the_closest_known_one() -> None:

@@ -1,6 +1,6 @@
 """Speculative decoding through the engine: greedy outputs equal to decoding without it on every
 tiny architecture (alone, batched, with grammars, logprobs and stops), sampled outputs with
-the same distribution, and no KV slot lost.
+the same distribution, and no KV slot lost; with NGRAM drafts and with a draft model (STANDALONE).
 
 Random tiny models rarely repeat themselves, so beside NGRAM's own drafts the tests put in a
 drafter that proposes the reference continuation with every third token wrong: drafts are
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +61,15 @@ class CorruptedOracle:
         self.disable_by_batch_size = None
         self.step_tokens = None
         self.fixed_cost_rows = 1e9  # drafts always worth it: every path is exercised
+        self.draft_cost_rows = 0.0
 
-    def propose(self, req: Req, count: int) -> list[int]:
+    def propose(self, asks: Sequence[tuple[Req, int]]) -> list[list[int]]:
+        return [self._one(req, count) for req, count in asks]
+
+    def accepted(self, req: Req, slots: Sequence[int]) -> None:
+        pass
+
+    def _one(self, req: Req, count: int) -> list[int]:
         reference = self.references.get(tuple(req.prompt_ids))
         if reference is None:
             return []
@@ -249,3 +256,143 @@ def test_sampled_tokens_have_the_same_distribution(tmp_path: Path) -> None:
     for position in range(3):
         p = _two_sample_p(samples[False][position], samples[True][position])
         assert p > 1e-4, (position, p, samples[False][position], samples[True][position])
+
+
+# ----------------------------------------------------------------- STANDALONE (a draft model)
+#
+# The draft model keeps K/V for the target's slots. A draft that is the target itself proposes
+# what the target would pick, so nearly every draft is accepted — unless that K/V is stale or
+# in the wrong slots, which these tests see as refusals. A draft of other random weights is
+# refused nearly always: the outputs must not change either way.
+
+DRAFT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+LONG = " ".join(["a longer prompt that is prefilled in chunks"] * 5)
+
+
+@pytest.fixture(scope="module")
+def draft_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("draft-models")
+    found = {
+        arch: build_tiny_model(root / arch, architecture=arch, init_std=0.3)
+        for arch in DRAFT_ARCHITECTURES
+    }
+    # Another model with the same tokenizer: one layer, other weights.
+    found["other"] = build_tiny_model(root / "other", num_layers=1, seed=11, init_std=0.3)
+    return found
+
+
+def _standalone(path: Path, draft: Path | None, **kwargs: Any) -> Engine:
+    extra: dict[str, Any] = {}
+    if draft is not None:
+        extra = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(draft)}
+    kwargs.setdefault("max_total_tokens", 4096)
+    engine = Engine(str(path), show_progress=False, **extra, **kwargs)
+    if draft is not None:
+        # A draft as large as the target is never worth its cost: draft anyway.
+        engine.run_in_loop(lambda core: setattr(core.scheduler.drafter, "draft_cost_rows", 0.0))
+    return engine
+
+
+def _spec(engine: Engine) -> tuple[int, int]:
+    info = engine.get_server_info()
+    return info["spec_draft_tokens"], info["spec_accepted_tokens"]
+
+
+@pytest.mark.parametrize("arch", DRAFT_ARCHITECTURES)
+@pytest.mark.parametrize("cpu_threads", [None, 1])
+def test_greedy_outputs_are_the_same_with_a_draft_model(
+    draft_models: dict[str, Path], arch: str, cpu_threads: int | None
+) -> None:
+    """Alone, batched with a prompt prefilled in chunks, and again from the radix cache;
+    with one torch thread both models take the CPU decode path."""
+    path = draft_models[arch]
+    texts = [*PROMPTS, LONG]
+    settings: dict[str, Any] = {"chunked_prefill_size": 8}
+    if cpu_threads is not None:
+        settings["cpu_threads"] = cpu_threads
+    with _standalone(path, None, **settings) as engine:
+        reference = _ids(engine.generate(texts, GREEDY))
+    with _standalone(path, path, **settings) as engine:
+        assert _ids(engine.generate(texts[0], GREEDY)) == reference[:1]
+        assert _ids(engine.generate(texts, GREEDY)) == reference
+        assert _ids(engine.generate(texts, GREEDY)) == reference  # prefixes from the cache
+        drafted, accepted = _spec(engine)
+        # The target as its own draft: a refusal means the draft's K/V was wrong.
+        assert drafted > 50 and accepted >= 0.95 * drafted, (drafted, accepted)
+        engine.check_invariants()
+    with _standalone(path, draft_models["other"], **settings) as engine:
+        assert _ids(engine.generate(texts, GREEDY)) == reference
+        drafted, accepted = _spec(engine)
+        assert drafted > 0 and accepted < drafted
+        engine.check_invariants()
+
+
+def test_a_quantized_copy_of_the_target_drafts(draft_models: dict[str, Path]) -> None:
+    path = draft_models["LlamaForCausalLM"]
+    with _standalone(path, None) as engine:
+        reference = _ids(engine.generate(PROMPTS, GREEDY))
+    with _standalone(path, path, speculative_draft_model_quantization="int4") as engine:
+        assert _ids(engine.generate(PROMPTS, GREEDY)) == reference
+        drafted, accepted = _spec(engine)
+        # int4 noise flips many of a tiny random model's close calls: some are accepted.
+        assert 0 < accepted < drafted, (drafted, accepted)
+        assert engine.get_server_info()["speculative_algorithm"] == "STANDALONE"
+        engine.check_invariants()
+
+
+def test_draft_model_with_grammars_logprobs_and_retraction(draft_models: dict[str, Path]) -> None:
+    """A JSON schema, logprobs, and a pool small enough that requests are retracted and
+    recomputed (their slots, and the draft's K/V of them, change under them)."""
+    path = draft_models["Qwen3ForCausalLM"]
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+    }
+    constrained = {"temperature": 0.0, "max_new_tokens": 40, "json_schema": json.dumps(schema)}
+    long = {**GREEDY, "max_new_tokens": 60}
+    asks = {"return_logprob": True}
+    small = {"max_total_tokens": 160, "chunked_prefill_size": 16}
+    with _standalone(path, None) as engine:
+        expected = _ids(engine.generate(PROMPTS, constrained))
+        scored = engine.generate(PROMPTS, GREEDY, **asks)
+    with _standalone(path, None, **small) as engine:
+        crowded = _ids(engine.generate(PROMPTS * 2, long))
+    with _standalone(path, path) as engine:
+        assert _ids(engine.generate(PROMPTS, constrained)) == expected
+        got = engine.generate(PROMPTS, GREEDY, **asks)
+        assert _ids(got) == _ids(scored)
+        for mine, theirs in zip(got, scored, strict=True):
+            a = mine["meta_info"]["output_token_logprobs"]
+            b = theirs["meta_info"]["output_token_logprobs"]
+            assert [t[1] for t in a] == [t[1] for t in b]
+            assert all(abs(x[0] - y[0]) < 1e-3 for x, y in zip(a, b, strict=True))
+        engine.check_invariants()
+    with _standalone(path, path, **small) as engine:
+        assert _ids(engine.generate(PROMPTS * 2, long)) == crowded
+        assert engine.get_server_info()["num_retractions"] > 0
+        drafted, accepted = _spec(engine)
+        assert accepted >= 0.9 * drafted, (drafted, accepted)
+        engine.check_invariants()
+
+
+def test_sampled_tokens_keep_their_distribution_with_a_draft_model(tmp_path: Path) -> None:
+    """At temperature 1 with top-k: the tokens at the positions drafts decide are
+    distributed as without speculation (chi-square over many seeds, small vocabulary)."""
+    path = build_tiny_model(tmp_path / "small", tokenizer_vocab_size=300, init_std=0.08)
+    count = 900
+    samples: dict[bool, list[Counter[int]]] = {}
+    for spec in (False, True):
+        with _standalone(path, path if spec else None, max_running_requests=64) as engine:
+            params = [
+                {"temperature": 1.0, "top_k": 40, "max_new_tokens": 4, "seed": seed}
+                for seed in range(count)
+            ]
+            outs = engine.generate([PROMPTS[0]] * count, params)
+            samples[spec] = [Counter(o["output_ids"][i] for o in outs) for i in (1, 2, 3)]
+            if spec:
+                assert _spec(engine)[1] > 0
+                engine.check_invariants()
+    for position in range(3):
+        p = _two_sample_p(samples[False][position], samples[True][position])
+        assert p > 1e-4, (position, p)

@@ -64,12 +64,12 @@ def test_the_drafter_takes_the_cache_continuation_over_an_ngram() -> None:
     drafter = NgramDrafter(cache, max_draft=4)
     # Its own tokens repeat "6 7" -> 1 2, but the cache saw the whole sequence go on 8 9 ...
     req = _req([6, 7, 1, 2, 5, 6, 7], prompt=3)
-    assert drafter.propose(req, 3) == [1, 2, 5]  # the cache holds nothing after 6 7 1 2 5 6 7
+    assert drafter.propose_one(req, 3) == [1, 2, 5]  # the cache holds nothing after 6 7 1 2 5 6 7
     req = _req([5, 6, 7], prompt=2)
-    assert drafter.propose(req, 3) == [8, 9, 10]
+    assert drafter.propose_one(req, 3) == [8, 9, 10]
     req = _req([5, 6, 7, 1, 5, 6, 7], prompt=2)
-    assert drafter.propose(req, 2) == [1, 5]
-    assert NgramDrafter(RadixCache(disable=True), 4).propose(_req([5, 6, 5], 1), 3) == [6, 5]
+    assert drafter.propose_one(req, 2) == [1, 5]
+    assert NgramDrafter(RadixCache(disable=True), 4).propose_one(_req([5, 6, 5], 1), 3) == [6, 5]
 
 
 @pytest.mark.parametrize(

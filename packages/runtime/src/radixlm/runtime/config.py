@@ -46,7 +46,7 @@ QUANTIZATION_METHODS: tuple[str, ...] = get_args(QuantizationMethod)
 GRAMMAR_BACKENDS: tuple[str, ...] = get_args(GrammarBackendName)
 SPECULATIVE_ALGORITHMS: tuple[str, ...] = get_args(SpeculativeAlgorithm)
 #: The ones this version runs (the CLI offers only these).
-SPECULATIVE_AVAILABLE: tuple[str, ...] = ("NGRAM",)
+SPECULATIVE_AVAILABLE: tuple[str, ...] = ("NGRAM", "STANDALONE")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
 _KV_DTYPE_ALIASES = {**_DTYPE_ALIASES, "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
@@ -415,10 +415,14 @@ class CacheConfig:
 class SpeculativeConfig:
     """Speculative decoding (SGLang's `--speculative-*` flags).
 
-    - `algorithm`: None (off) or `NGRAM` — drafts are the tokens that followed the latest
+    - `algorithm`: None (off), `NGRAM` — drafts are the tokens that followed the latest
       earlier occurrence of the sequence's last n-gram in its own tokens, or what the radix
-      cache holds after the whole sequence. `STANDALONE`, `EAGLE` and `EAGLE3` are SGLang's
-      other names; they are refused until this engine has them.
+      cache holds after the whole sequence — or `STANDALONE`: a draft model
+      (`draft_model_path`, any model this engine loads that shares the target's tokenizer,
+      e.g. the target itself quantized with `draft_model_quantization="int4"`) proposes its
+      greedy continuation. `EAGLE` and `EAGLE3` are SGLang's other names; they are refused
+      until this engine has them.
+    - `draft_model_quantization`: how the draft model's weights load (as `quantization`).
     - `num_draft_tokens`: tokens one verify step computes per request: its last token and up
       to `num_draft_tokens - 1` drafts (default `num_steps + 1`).
     - `num_steps`: draft tokens proposed per step (default 4).
@@ -431,6 +435,7 @@ class SpeculativeConfig:
 
     algorithm: SpeculativeAlgorithm | None = None
     draft_model_path: str | None = None
+    draft_model_quantization: QuantizationMethod | None = None
     num_steps: int | None = None
     eagle_topk: int = 1
     num_draft_tokens: int | None = None
@@ -447,10 +452,22 @@ class SpeculativeConfig:
                 f"speculative_algorithm {self.algorithm} is not available in this version of "
                 "radixlm; use NGRAM (drafts from the request's own tokens and the radix cache)"
             )
-        if self.draft_model_path is not None:
+        if self.algorithm == "NGRAM" and self.draft_model_path is not None:
             raise ValueError(
                 "speculative_draft_model_path is for STANDALONE / EAGLE drafts; NGRAM drafts "
                 "need no model: drop it"
+            )
+        if self.algorithm == "STANDALONE" and self.draft_model_path is None:
+            raise ValueError(
+                "speculative_algorithm STANDALONE needs speculative_draft_model_path: a model "
+                "with the target's tokenizer (the target's own path with "
+                "speculative_draft_model_quantization='int4' makes a quantized copy)"
+            )
+        if self.draft_model_quantization is not None:
+            _choice(
+                "speculative_draft_model_quantization",
+                self.draft_model_quantization,
+                QuantizationMethod,
             )
         if self.eagle_topk != 1:
             raise ValueError(
@@ -789,6 +806,7 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
         lambda v: None if v is None else str(v).upper(),
     ),
     "speculative_draft_model_path": ("speculative", "draft_model_path", None),
+    "speculative_draft_model_quantization": ("speculative", "draft_model_quantization", None),
     "speculative_num_steps": ("speculative", "num_steps", lambda v: None if v is None else int(v)),
     "speculative_eagle_topk": ("speculative", "eagle_topk", int),
     "speculative_num_draft_tokens": (
@@ -843,4 +861,5 @@ ENGINE_CHOICES: dict[str, tuple[Any, ...]] = {
     "log_level": get_args(LogLevel),
     "dist_backend": get_args(DistBackend),
     "speculative_algorithm": SPECULATIVE_AVAILABLE,
+    "speculative_draft_model_quantization": QUANTIZATION_METHODS,
 }

@@ -53,6 +53,7 @@ from radixlm.runtime.sampling_batch import SamplingRequest
 from radixlm.runtime.scheduler import ReqStatus, ScheduledBatch, Scheduler
 from radixlm.runtime.scheduler.adapters import AdapterSlots
 from radixlm.runtime.speculative import NgramDrafter
+from radixlm.runtime.speculative.draft_model import DraftModel, DraftModelDrafter
 from radixlm.runtime.tensor_parallel import StepSender, heartbeat_interval, rank_report
 from radixlm.sampling import EngineOverloaded, EngineUnavailable, InvalidRequest
 
@@ -570,8 +571,15 @@ def create_core(
     service, and the core over them; with what the front end needs to know of them.
     Under tensor parallelism (`tp`, rank 0 of a group whose other ranks are starting) the
     runner holds rank 0's shard."""
+    spec = config.speculative
+    # A draft model loads first: the target's KV budget leaves room for its K/V.
+    draft = DraftModel(config) if spec.algorithm == "STANDALONE" else None
     if runner is None:
-        runner = ModelRunner(config.runner, tp=tp or SINGLE)
+        runner = ModelRunner(
+            config.runner,
+            tp=tp or SINGLE,
+            extra_kv_bytes_per_token=draft.kv_bytes_per_token() if draft else 0,
+        )
     ranks = rank_report(runner)
     sender = None
     if runner.tp.enabled:
@@ -595,22 +603,27 @@ def create_core(
         registry = AdapterRegistry(runner.lora, slots)
         for adapter in runner.initial_adapters:
             registry.add(adapter)
-    drafter = None
-    spec = config.speculative
-    if spec.enabled:
+    drafter: NgramDrafter | DraftModelDrafter | None = None
+    # On the CPU decode path a step of up to MAX_ROWS tokens is one C call that reads the
+    # weights once; past it the step takes the model's forward: drafts stop there.
+    step_tokens = kernels.cpu.MAX_ROWS if runner.cpu_decode is not None else None
+    # The CPU decode path computes each row of its int4 / int8 products on its own: a step of
+    # R rows costs about 0.8 + R rows (SmolLM2 int4 on an AVX-512 EPYC,
+    # tools/bench/spec_bench.py). Elsewhere reading the weights dominates a step.
+    fixed_cost = _CPU_FIXED_COST_ROWS if runner.cpu_decode is not None else _FIXED_COST_ROWS
+    if draft is not None:
+        drafter = draft.drafter(
+            runner, spec.max_draft, spec.disable_by_batch_size, step_tokens, fixed_cost
+        )
+    elif spec.enabled:
         drafter = NgramDrafter(
             cache,
             spec.max_draft,
             spec.ngram_min_match_window_size,
             spec.ngram_max_match_window_size,
             spec.disable_by_batch_size,
-            # On the CPU decode path a step of up to MAX_ROWS tokens is one C call that reads
-            # the weights once; past it the step takes the model's forward: drafts stop there.
-            kernels.cpu.MAX_ROWS if runner.cpu_decode is not None else None,
-            # The CPU decode path computes each row of its int4 / int8 products on its own:
-            # a step of R rows costs about 0.8 + R rows (SmolLM2 int4 on an AVX-512 EPYC,
-            # tools/bench/spec_bench.py). Elsewhere reading the weights dominates a step.
-            _CPU_FIXED_COST_ROWS if runner.cpu_decode is not None else _FIXED_COST_ROWS,
+            step_tokens,
+            fixed_cost,
         )
     scheduler = Scheduler(
         config.scheduler,
@@ -640,6 +653,7 @@ def create_core(
             sender=sender,
             encoder_cache_size=config.media.encoder_cache_size,
             routed_store=routed_store,
+            draft=drafter if isinstance(drafter, DraftModelDrafter) else None,
         ),
         grammar,
         eos_token_ids,

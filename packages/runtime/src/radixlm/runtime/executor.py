@@ -16,6 +16,7 @@ from radixlm.runtime.multimodal.inputs import MultimodalInputs
 from radixlm.runtime.routed_experts import RoutedExpertsStore
 from radixlm.runtime.sampling_batch import SamplingBatch, SamplingRequest
 from radixlm.runtime.scheduler import ScheduledBatch
+from radixlm.runtime.speculative.draft_model import DraftModelDrafter
 from radixlm.runtime.speculative.verify import verify
 
 if TYPE_CHECKING:
@@ -103,8 +104,11 @@ class ModelExecutor:
         sender: StepSender | None = None,
         encoder_cache_size: int = 128,
         routed_store: RoutedExpertsStore | None = None,
+        draft: DraftModelDrafter | None = None,
     ) -> None:
         self.runner = runner
+        #: A STANDALONE draft model's drafter: it follows every step's K/V (rank 0 alone).
+        self.draft = draft
         #: The experts each KV slot's token was routed to (`enable_return_routed_experts`).
         self.routed_store = routed_store
         #: Vision-encoder outputs by image hash. The encoder runs here, on rank 0 alone: under
@@ -192,6 +196,8 @@ class ModelExecutor:
                 out = run_forward(runner, step)
         else:
             out = run_forward(runner, step)
+        if self.draft is not None:
+            self.draft.follow(batch)
         if self.routed_store is not None:
             ids = runner.model.model.routed.take()
             if ids is not None:

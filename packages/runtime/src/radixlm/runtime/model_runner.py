@@ -76,11 +76,19 @@ class ModelRunner:
         model: DecoderForCausalLM | None = None,
         info: ModelInfo | None = None,
         tp: TensorParallel = SINGLE,
+        kv_slots: int | None = None,
+        req_to_token_pool: ReqToTokenPool | None = None,
+        extra_kv_bytes_per_token: int = 0,
     ) -> None:
         """Load the model (or use a given one with its info), size the pools, pick the backend,
         and capture CUDA graphs on CUDA. Under tensor parallelism (`tp`) this is one rank's
         runner: its shard of the weights, its heads' K/V; every rank's runner must run the
-        same forwards in the same order (collectives pair them up)."""
+        same forwards in the same order (collectives pair them up).
+
+        A speculative draft model's runner takes `kv_slots` (its pool's size, instead of the
+        memory budget's) and the target's `req_to_token_pool` (its slots are the target's);
+        the target's takes `extra_kv_bytes_per_token` (the draft's K/V per token, which shares
+        the budget)."""
         self.config = config
         self.tp = tp
         if model is None or info is None:
@@ -102,13 +110,18 @@ class ModelRunner:
             self.lora, self.initial_adapters = build_lora(config.lora, model, info)
         arch = info.arch
         memory = config.memory
-        kv_dtype = self.dtype if memory.kv_cache_dtype == "auto" else _dtype(memory.kv_cache_dtype)
+        kv_dtype = kv_cache_dtype(memory.kv_cache_dtype, self.dtype)
         # This rank's K/V heads (split across ranks, or one replicated head each).
         kv_heads = arch.num_kv_heads // min(arch.num_kv_heads, tp.size)
         bytes_per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * kv_dtype.itemsize
-        num_slots, _budget = kv_pool_capacity(bytes_per_token, self.device, memory)
-        # Slot indices are shared by every rank (the scheduler on rank 0 hands them out).
-        num_slots = tp.min_int(num_slots)
+        if kv_slots is None:
+            num_slots, _budget = kv_pool_capacity(
+                bytes_per_token + extra_kv_bytes_per_token, self.device, memory
+            )
+            # Slot indices are shared by every rank (the scheduler on rank 0 hands them out).
+            num_slots = tp.min_int(num_slots)
+        else:
+            num_slots = kv_slots
         self.kv_pool = KVPool(
             arch.num_layers,
             num_slots,
@@ -119,9 +132,11 @@ class ModelRunner:
             memory.page_size,
         )
         self.context_length = min(info.context_length, self.kv_pool.num_slots)
-        self.req_to_token_pool = ReqToTokenPool(
-            memory.max_running_requests, self.context_length, self.device
-        )
+        if req_to_token_pool is None:
+            req_to_token_pool = ReqToTokenPool(
+                memory.max_running_requests, self.context_length, self.device
+            )
+        self.req_to_token_pool = req_to_token_pool
         self.attention: AttentionBackend = create_backend(config.attention.backend, self.kv_pool)
         if self.attention.name == "triton" and kv_dtype != self.dtype:
             raise ValueError(
@@ -347,5 +362,6 @@ def build_lora(
     return LoraManager(model, info.arch, shape, info.dtype, info.device), initial
 
 
-def _dtype(name: str) -> torch.dtype:
-    return _KV_DTYPES[name]
+def kv_cache_dtype(name: str, compute: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype for the `kv_cache_dtype` setting `name` (auto: `compute`)."""
+    return compute if name == "auto" else _KV_DTYPES[name]

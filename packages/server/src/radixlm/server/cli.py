@@ -164,8 +164,9 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "speculative_algorithm": {
         "type": str.upper,
         "help": "draft tokens verified in each decode step: NGRAM (the request's own n-grams "
-        "and the radix cache's continuations; greedy outputs unchanged, sampled ones keep "
-        "their distribution); STANDALONE / EAGLE / EAGLE3 are not available yet",
+        "and the radix cache's continuations) or STANDALONE (a draft model's greedy "
+        "continuation, --speculative-draft-model-path); greedy outputs unchanged, sampled "
+        "ones keep their distribution. EAGLE / EAGLE3 are not available yet",
     },
     "speculative_num_draft_tokens": {
         "type": int,
@@ -185,7 +186,13 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     },
     "speculative_draft_model_path": {
         "metavar": "PATH",
-        "help": "the draft model of STANDALONE / EAGLE (not available yet)",
+        "help": "the draft model of STANDALONE: a model directory, GGUF file, hub id or "
+        "built-in name sharing the target's tokenizer",
+    },
+    "speculative_draft_model_quantization": {
+        "metavar": "METHOD",
+        "help": "how the draft model's weights load (as --quantization; int4 of the target's "
+        "own path makes a quantized copy as the draft)",
     },
     "speculative_ngram_min_match_window_size": {
         "type": int,

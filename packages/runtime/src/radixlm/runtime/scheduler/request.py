@@ -119,6 +119,9 @@ class Req:
         self.last_node: Any = None
         self.row: int | None = None
         self.row_synced = 0  # leading positions whose slots are written in the row
+        #: Leading positions whose slots a draft model has its own K/V of (speculative
+        #: decoding; lowered with `row_synced` wherever the slots change).
+        self.draft_kv_len = 0
         self.in_prefill = False
         # Statistics.
         self.cached_tokens: int | None = None  # prefix hit at the first admission

@@ -56,9 +56,18 @@ class Drafter(Protocol):
     #: work): a draft row pays for itself when its chance of acceptance beats the share of a
     #: step's cost one of its B tokens takes, B / (fixed_cost_rows + B).
     fixed_cost_rows: float
+    #: What proposing one draft token costs, in rows of the target's step (0: nothing worth
+    #: counting, as a lookup; a draft model's share of the target's cost).
+    draft_cost_rows: float
 
-    def propose(self, req: Req, count: int) -> list[int]:
-        """Up to `count` tokens likely to follow `req`'s tokens."""
+    def propose(self, asks: Sequence[tuple[Req, int]]) -> list[list[int]]:
+        """Per (request, count): up to `count` tokens likely to follow the request's tokens
+        (its last one has no KV yet). Asked once per step, for every request it drafts for."""
+        ...
+
+    def accepted(self, req: Req, slots: Sequence[int]) -> None:
+        """The step verified `req`'s drafts: `slots` now hold the K/V of the token before them
+        and of the drafts accepted, in order (a draft model keeps its own K/V of them)."""
         ...
 
 
@@ -248,6 +257,7 @@ class Scheduler:
         req.last_node = None
         req.row = None
         req.row_synced = 0
+        req.draft_kv_len = 0
         req.in_prefill = False
 
     def _cache_computed(self, req: Req) -> None:
@@ -264,6 +274,7 @@ class Scheduler:
         if inserted.prefix_len > req.cache_len:
             self.pool.free(req.kv_slots[req.cache_len : inserted.prefix_len])
             req.row_synced = min(req.row_synced, req.cache_len)
+            req.draft_kv_len = min(req.draft_kv_len, req.cache_len)
         self.cache.lock(inserted.node)
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
@@ -369,10 +380,11 @@ class Scheduler:
             return {}
         budget = drafter.step_tokens
         left = 1 << 30 if budget is None else budget - sum(r.pending for r in decoding)
-        # A draft j tokens deep is accepted with chance about rate ** j: worth a row while
-        # that beats what a row of the step yields without drafts.
+        # A draft j tokens deep is accepted with chance about rate ** j: worth a row (and its
+        # proposal) while that beats what a row of the step yields without drafts.
         worth = len(decoding) / (drafter.fixed_cost_rows + len(decoding))
-        drafts: dict[Req, list[int]] = {}
+        worth += drafter.draft_cost_rows
+        asks: list[tuple[Req, int]] = []
         for req in decoding:
             if left <= 0:
                 break
@@ -392,14 +404,17 @@ class Scheduler:
                 req.max_new_tokens - len(req.output_ids) - 1,
                 self.context_length - req.seq_len - 1,
             )
-            if room <= 0:
-                continue
-            draft = drafter.propose(req, room)
+            if room > 0:
+                asks.append((req, room))
+                left -= room
+        drafts: dict[Req, list[int]] = {}
+        if not asks:
+            return drafts
+        for (req, _room), draft in zip(asks, drafter.propose(asks), strict=True):
             if draft and req.grammar is not None:
                 draft = _grammar_prefix(req.grammar, draft)
             if draft:
                 drafts[req] = draft
-                left -= len(draft)
         return drafts
 
     def _schedule_decodes(self, retracted: list[Req], dropped: list[Req]) -> list[StepEntry]:
@@ -637,6 +652,7 @@ class Scheduler:
         req.cache_len = len(prefix_slots)
         req.row = row
         req.row_synced = 0
+        req.draft_kv_len = 0
         if req.lora is not None and self.adapters is not None:
             self.adapters.acquire(*req.lora)
         if req.cached_tokens is None:
@@ -725,7 +741,10 @@ class Scheduler:
         tried = accepted + (accepted < len(draft))
         req.accept_rate = 0.7 * req.accept_rate + 0.3 * (accepted / tried)
         # The rejected drafts' K/V are not the sequence's: their slots become spares.
-        self._drop_kv(req, req.kv_len - (len(draft) - accepted))
+        kept = req.kv_len - (len(draft) - accepted)
+        assert self.drafter is not None, "drafts come from the drafter"
+        self.drafter.accepted(req, req.kv_slots[kept - accepted - 1 : kept])
+        self._drop_kv(req, kept)
         result: Appended = "ok"
         for tok in (*draft[:accepted], token):
             result = self._append(req, tok)
@@ -742,6 +761,7 @@ class Scheduler:
             req.spare_slots = req.kv_slots[keep:] + req.spare_slots
             del req.kv_slots[keep:]
             req.row_synced = min(req.row_synced, keep)
+            req.draft_kv_len = min(req.draft_kv_len, keep)
 
     def _append(self, req: Req, token: int) -> Appended:
         """Add one token to a running request (sampled, or forced by its grammar)."""

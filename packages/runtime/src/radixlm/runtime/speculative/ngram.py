@@ -9,6 +9,7 @@ are matched as packed int64 (`array("q")`), one `bytes.rfind` per window length,
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from radixlm.cache import RadixCache
@@ -65,8 +66,17 @@ class NgramDrafter:
         self.step_tokens = step_tokens
         #: A step's cost besides its rows, in rows (see the scheduler's `Drafter`).
         self.fixed_cost_rows = fixed_cost_rows
+        #: A lookup costs nothing next to a row of the step.
+        self.draft_cost_rows = 0.0
 
-    def propose(self, req: Req, count: int) -> list[int]:
+    def propose(self, asks: Sequence[tuple[Req, int]]) -> list[list[int]]:
+        """Per (request, count): up to `count` draft tokens to follow its tokens."""
+        return [self.propose_one(req, count) for req, count in asks]
+
+    def accepted(self, req: Req, slots: Sequence[int]) -> None:
+        """Nothing to keep: drafts are looked up afresh each step."""
+
+    def propose_one(self, req: Req, count: int) -> list[int]:
         """Up to `count` draft tokens to follow `req`'s tokens."""
         key = req.key()
         # A whole-sequence match is stronger evidence than an n-gram's: it wins a tie.
