@@ -1,5 +1,6 @@
-"""Speculative decoding (NGRAM) on the real SmolLM2-135M-Instruct: greedy outputs equal to
-decoding without it, alone and batched, with and without a grammar; and the spec bench runs."""
+"""Speculative decoding on the real SmolLM2-135M-Instruct: greedy outputs equal to decoding
+without it, alone and batched, with and without a grammar — NGRAM drafts on the int4 model,
+and STANDALONE drafts of the int4 copy on the float32 model; and the spec bench runs."""
 
 from __future__ import annotations
 
@@ -32,14 +33,30 @@ def _outputs(engine: Engine, texts: list[str], params: dict[str, Any]) -> list[l
     return alone + batched
 
 
-def test_greedy_outputs_are_unchanged_by_ngram_drafts() -> None:
+FP32 = {"quantization": "none", "dtype": "float32"}
+SETUPS = {
+    "ngram": ({}, {"speculative_algorithm": "NGRAM"}),
+    "standalone": (
+        FP32,
+        {
+            **FP32,
+            "speculative_algorithm": "STANDALONE",
+            "speculative_draft_model_path": "smollm2",
+            "speculative_draft_model_quantization": "gguf",
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("algorithm", list(SETUPS))
+def test_greedy_outputs_are_unchanged_by_drafts(algorithm: str) -> None:
+    tokens = 48 if algorithm == "ngram" else 24  # the float32 model decodes slower
     cases = [
-        {"temperature": 0.0, "max_new_tokens": 48},
-        {"temperature": 0.0, "max_new_tokens": 48, "json_schema": json.dumps(SCHEMA)},
+        {"temperature": 0.0, "max_new_tokens": tokens},
+        {"temperature": 0.0, "max_new_tokens": tokens, "json_schema": json.dumps(SCHEMA)},
     ]
     results = {}
-    for spec in (False, True):
-        extra = {"speculative_algorithm": "NGRAM"} if spec else {}
+    for spec, extra in enumerate(SETUPS[algorithm]):
         with Engine(smollm2_gguf_path(), cpu_threads=1, show_progress=False, **extra) as engine:
             texts = [
                 engine.tokenizer.apply_chat_template(
@@ -50,19 +67,21 @@ def test_greedy_outputs_are_unchanged_by_ngram_drafts() -> None:
             results[spec] = [_outputs(engine, texts, case) for case in cases]
             if spec:
                 info = engine.get_server_info()
+                assert info["speculative_algorithm"] == algorithm.upper()
                 assert info["spec_accepted_tokens"] > 0
                 assert info["avg_spec_accept_length"] > 1.0
                 engine.check_invariants()
-    assert results[True] == results[False]
+    assert results[1] == results[0]
 
 
 def test_spec_bench_runs(tmp_path: Path) -> None:
     sys.path.insert(0, str(Path(__file__).parents[1] / "tools" / "bench"))
     bench = importlib.import_module("spec_bench")
     out = tmp_path / "spec.json"
-    args = ["--batches", "1,2", "--workloads", "code", "--new-tokens", "8", "--repeats", "1",
-            "--json", str(out)]  # fmt: skip
+    # One algorithm: the two share the bench's code (and four engines would take a minute).
+    args = ["--algorithms", "ngram", "--batches", "2", "--workloads", "code",
+            "--new-tokens", "8", "--repeats", "1", "--json", str(out)]  # fmt: skip
     assert bench.main(args) == 0  # 0: the outputs with and without drafts are the same
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["workload"], r["batch"]) for r in rows] == [("code", 1), ("code", 2)]
-    assert all(r["plain_tok_s"] > 0 and r["ngram_tok_s"] > 0 for r in rows)
+    assert [(r["algorithm"], r["batch"]) for r in rows] == [("ngram", 2)]
+    assert all(r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 for r in rows)

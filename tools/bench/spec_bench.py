@@ -1,18 +1,25 @@
 #!/usr/bin/env python3
 """Speculative decoding on the real SmolLM2-135M-Instruct: decode tok/s and acceptance length
-with `--speculative-algorithm NGRAM` side by side with no speculation, at batch 1, 4 and 16,
-greedy, one CPU thread, on workloads whose answers repeat their prompts: code edits (rewrite
-a function of this repository with a name changed) and summaries that quote the text.
+side by side with no speculation, at batch 1, 4 and 16, greedy, one CPU thread, on workloads
+whose answers repeat their prompts: code edits (rewrite a function of this repository with a
+name changed) and summaries that quote the text.
 
-Both engines are loaded at once and their runs alternate (the best of `--repeats`). Each case
-runs B requests at once on a flushed cache (so NGRAM's drafts come from the
+- `ngram`: `--speculative-algorithm NGRAM` on the built-in model (the package's Q4_1 GGUF,
+  int4 weights), against the same model without drafts.
+- `standalone`: `--speculative-algorithm STANDALONE` on the float32 model (the GGUF
+  dequantized), its int4 copy (the GGUF's own 4-bit weights) as the draft, against the
+  float32 model without drafts.
+
+Each pair of engines is loaded at once and their runs alternate (the best of `--repeats`).
+Each case runs B requests at once on a flushed cache (so NGRAM's drafts come from the
 requests' own tokens, never from an earlier run's answers), first with max_new_tokens 1
 (the prefill alone) and then with the full budget; decode tok/s is the tokens after the
 first over the difference of the two times. The greedy outputs of the two engines are
 compared token by token (they must be equal).
 
-    .venv/bin/python tools/bench/spec_bench.py                         # ~16 min on one core
+    .venv/bin/python tools/bench/spec_bench.py                         # ~35 min on one core
     .venv/bin/python tools/bench/spec_bench.py --batches 1 --new-tokens 64 --workloads code
+    .venv/bin/python tools/bench/spec_bench.py --algorithms standalone
 """
 
 from __future__ import annotations
@@ -118,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--workloads", default="code,summary")
+    parser.add_argument("--algorithms", default="ngram,standalone")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=5)
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
@@ -131,55 +139,72 @@ def main(argv: list[str] | None = None) -> int:
 
     path = smollm2_gguf_path()
     common: dict[str, Any] = {"cpu_threads": 1, "show_progress": False}
-    spec: dict[str, Any] = {
-        "speculative_algorithm": "NGRAM",
-        "speculative_num_draft_tokens": args.num_draft_tokens,
-    }
+    spec: dict[str, Any] = {"speculative_num_draft_tokens": args.num_draft_tokens}
     if args.disable_by_batch_size is not None:
         spec["speculative_disable_by_batch_size"] = args.disable_by_batch_size
-    results: dict[str, dict[tuple[str, int], dict[str, Any]]] = {"plain": {}, "ngram": {}}
-    # Both engines at once, their runs alternated (--repeats times, the best kept): a shared
-    # machine's load then falls on both alike.
-    with Engine(path, **common) as plain, Engine(path, **common, **spec) as ngram:
-        engines = {"plain": plain, "ngram": ngram}
-        for workload in workloads:
-            for batch in batches:
-                key = (workload, batch)
-                texts = prompts(workload, batch, plain.tokenizer)
-                for engine in engines.values():
-                    run_case(engine, texts[:1], 4)  # warm-up
-                for _ in range(args.repeats):
-                    for name, engine in engines.items():
-                        got = run_case(engine, texts, args.new_tokens)
-                        best = results[name].get(key)
-                        if best is None or got["decode_tok_s"] > best["decode_tok_s"]:
-                            results[name][key] = got
-    print(f"SmolLM2-135M-Instruct (Q4_1 GGUF, float32 activations), one thread, {cpu_flags()}")
-    print(f"NGRAM, {args.num_draft_tokens} tokens per verify step, greedy, "
-          f"{args.new_tokens} new tokens per request")  # fmt: skip
-    print(f"{'workload':9} {'batch':>5} {'plain tok/s':>12} {'ngram tok/s':>12} {'ratio':>6} "
-          f"{'accept len':>10} {'same output':>11}")  # fmt: skip
-    rows = []
-    for (workload, batch), plain in results["plain"].items():
-        fast = results["ngram"][(workload, batch)]
-        same = plain["outputs"] == fast["outputs"]
-        ratio = fast["decode_tok_s"] / plain["decode_tok_s"]
-        length = fast["accept_length"]
-        print(f"{workload:9} {batch:>5} {plain['decode_tok_s']:>12.1f} "
-              f"{fast['decode_tok_s']:>12.1f} {ratio:>5.2f}x "
-              f"{length if length is not None else float('nan'):>10.2f} "
-              f"{'yes' if same else 'NO':>11}")  # fmt: skip
-        rows.append(
+    fp32 = {"quantization": "none", "dtype": "float32"}
+    setups = {
+        "ngram": ({}, {"speculative_algorithm": "NGRAM"}),
+        "standalone": (
+            fp32,
             {
-                "workload": workload,
-                "batch": batch,
-                "plain_tok_s": plain["decode_tok_s"],
-                "ngram_tok_s": fast["decode_tok_s"],
-                "ratio": ratio,
-                "accept_length": length,
-                "same_output": same,
-            }
-        )
+                **fp32,
+                "speculative_algorithm": "STANDALONE",
+                "speculative_draft_model_path": path,
+                "speculative_draft_model_quantization": "gguf",
+            },
+        ),
+    }
+    print(f"SmolLM2-135M-Instruct, one thread, {cpu_flags()}; greedy, {args.new_tokens} new "
+          f"tokens per request, {args.num_draft_tokens} tokens per verify step")  # fmt: skip
+    print("ngram: int4 (Q4_1 GGUF) with and without NGRAM drafts; standalone: float32 with "
+          "and without drafts of its int4 copy")  # fmt: skip
+    print(f"{'algorithm':10} {'workload':9} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} "
+          f"{'ratio':>6} {'accept len':>10} {'same output':>11}")  # fmt: skip
+    rows = []
+    for algorithm in args.algorithms.split(","):
+        plain_kwargs, spec_kwargs = setups[algorithm]
+        results: dict[str, dict[tuple[str, int], dict[str, Any]]] = {"plain": {}, "spec": {}}
+        # Both engines at once, their runs alternated (--repeats times, the best kept): a
+        # shared machine's load then falls on both alike.
+        with (
+            Engine(path, **common, **plain_kwargs) as plain,
+            Engine(path, **common, **spec, **spec_kwargs) as fast,
+        ):
+            engines = {"plain": plain, "spec": fast}
+            for workload in workloads:
+                for batch in batches:
+                    key = (workload, batch)
+                    texts = prompts(workload, batch, plain.tokenizer)
+                    for engine in engines.values():
+                        run_case(engine, texts[:1], 4)  # warm-up
+                    for _ in range(args.repeats):
+                        for name, engine in engines.items():
+                            got = run_case(engine, texts, args.new_tokens)
+                            best = results[name].get(key)
+                            if best is None or got["decode_tok_s"] > best["decode_tok_s"]:
+                                results[name][key] = got
+        for (workload, batch), base in results["plain"].items():
+            quick = results["spec"][(workload, batch)]
+            same = base["outputs"] == quick["outputs"]
+            ratio = quick["decode_tok_s"] / base["decode_tok_s"]
+            length = quick["accept_length"]
+            print(f"{algorithm:10} {workload:9} {batch:>5} {base['decode_tok_s']:>12.1f} "
+                  f"{quick['decode_tok_s']:>11.1f} {ratio:>5.2f}x "
+                  f"{length if length is not None else float('nan'):>10.2f} "
+                  f"{'yes' if same else 'NO':>11}", flush=True)  # fmt: skip
+            rows.append(
+                {
+                    "algorithm": algorithm,
+                    "workload": workload,
+                    "batch": batch,
+                    "plain_tok_s": base["decode_tok_s"],
+                    "spec_tok_s": quick["decode_tok_s"],
+                    "ratio": ratio,
+                    "accept_length": length,
+                    "same_output": same,
+                }
+            )
     if args.json is not None:
         args.json.write_text(json.dumps({"cpu": cpu_flags(), "rows": rows}, indent=2))
     return 0 if all(r["same_output"] for r in rows) else 1

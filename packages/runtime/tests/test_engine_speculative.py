@@ -62,6 +62,7 @@ class CorruptedOracle:
         self.step_tokens = None
         self.fixed_cost_rows = 1e9  # drafts always worth it: every path is exercised
         self.draft_cost_rows = 0.0
+        self.draft_fixed_rows = 0.0
 
     def propose(self, asks: Sequence[tuple[Req, int]]) -> list[list[int]]:
         return [self._one(req, count) for req, count in asks]

@@ -53,6 +53,7 @@ from radixlm.runtime.sampling_batch import SamplingRequest
 from radixlm.runtime.scheduler import ReqStatus, ScheduledBatch, Scheduler
 from radixlm.runtime.scheduler.adapters import AdapterSlots
 from radixlm.runtime.speculative import NgramDrafter
+from radixlm.runtime.speculative.costs import measure_step_cost
 from radixlm.runtime.speculative.draft_model import DraftModel, DraftModelDrafter
 from radixlm.runtime.tensor_parallel import StepSender, heartbeat_interval, rank_report
 from radixlm.sampling import EngineOverloaded, EngineUnavailable, InvalidRequest
@@ -64,9 +65,8 @@ _GRAMMAR_POLL_S = 0.002
 #: Seconds between the live statistics a busy core sends (process mode).
 _STATS_S = 0.05
 #: What a decode step costs besides its rows, in rows' cost (speculative decoding drafts a
-#: row while its chance of acceptance beats a row's share of the step): on the CPU decode
-#: path, and on the model's forward (bound by reading the weights).
-_CPU_FIXED_COST_ROWS = 0.8
+#: row while its chance of acceptance beats a row's share of the step), where it is not
+#: measured: on GPUs and under tensor parallelism (reading the weights dominates).
 _FIXED_COST_ROWS = 16.0
 
 Emit = Callable[[list[Output]], None]
@@ -607,13 +607,15 @@ def create_core(
     # On the CPU decode path a step of up to MAX_ROWS tokens is one C call that reads the
     # weights once; past it the step takes the model's forward: drafts stop there.
     step_tokens = kernels.cpu.MAX_ROWS if runner.cpu_decode is not None else None
-    # The CPU decode path computes each row of its int4 / int8 products on its own: a step of
-    # R rows costs about 0.8 + R rows (SmolLM2 int4 on an AVX-512 EPYC,
-    # tools/bench/spec_bench.py). Elsewhere reading the weights dominates a step.
-    fixed_cost = _CPU_FIXED_COST_ROWS if runner.cpu_decode is not None else _FIXED_COST_ROWS
+    # A CPU step's cost is measured: the C kernels' int4 rows cost nearly a step each, float32
+    # ones next to nothing (see `speculative.costs`).
+    cost = None
+    if spec.enabled and runner.device.type == "cpu" and not runner.tp.enabled:
+        cost = measure_step_cost(runner)
+    fixed_cost = _FIXED_COST_ROWS if cost is None else cost.fixed_rows
     if draft is not None:
         drafter = draft.drafter(
-            runner, spec.max_draft, spec.disable_by_batch_size, step_tokens, fixed_cost
+            runner, spec.max_draft, spec.disable_by_batch_size, step_tokens, cost
         )
     elif spec.enabled:
         drafter = NgramDrafter(

@@ -56,9 +56,11 @@ class Drafter(Protocol):
     #: work): a draft row pays for itself when its chance of acceptance beats the share of a
     #: step's cost one of its B tokens takes, B / (fixed_cost_rows + B).
     fixed_cost_rows: float
-    #: What proposing one draft token costs, in rows of the target's step (0: nothing worth
-    #: counting, as a lookup; a draft model's share of the target's cost).
+    #: A draft model's row, in rows of the target (0: proposals cost nothing worth counting,
+    #: as a lookup), and what a draft forward costs besides its rows, in its own rows: a
+    #: draft position for B requests costs about draft_cost_rows * (draft_fixed_rows + B).
     draft_cost_rows: float
+    draft_fixed_rows: float
 
     def propose(self, asks: Sequence[tuple[Req, int]]) -> list[list[int]]:
         """Per (request, count): up to `count` tokens likely to follow the request's tokens
@@ -380,10 +382,12 @@ class Scheduler:
             return {}
         budget = drafter.step_tokens
         left = 1 << 30 if budget is None else budget - sum(r.pending for r in decoding)
-        # A draft j tokens deep is accepted with chance about rate ** j: worth a row (and its
-        # proposal) while that beats what a row of the step yields without drafts.
-        worth = len(decoding) / (drafter.fixed_cost_rows + len(decoding))
-        worth += drafter.draft_cost_rows
+        # A draft j tokens deep is accepted with chance about rate ** j: worth its row and
+        # its share of a draft forward while that beats what a row of the step yields
+        # without drafts.
+        size = len(decoding)
+        proposing = drafter.draft_cost_rows * (drafter.draft_fixed_rows + size)
+        worth = (size + proposing) / (drafter.fixed_cost_rows + size)
         asks: list[tuple[Req, int]] = []
         for req in decoding:
             if left <= 0:

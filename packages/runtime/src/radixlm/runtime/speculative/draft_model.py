@@ -40,11 +40,16 @@ from radixlm.runtime.forward_batch import BatchEntry, ForwardBatch
 from radixlm.runtime.loader import ModelInfo, load_model
 from radixlm.runtime.model_runner import ModelRunner, kv_cache_dtype
 from radixlm.runtime.models import DecoderForCausalLM
+from radixlm.runtime.speculative.costs import StepCost, measure_step_cost
 
 if TYPE_CHECKING:
     from radixlm.runtime.scheduler import Req, ScheduledBatch
 
 logger = logging.getLogger("radixlm.runtime.speculative")
+
+#: What a step costs besides its rows, in rows, where it is not measured (on GPUs: reading
+#: the weights dominates a decode step).
+_FIXED_COST_ROWS = 16.0
 
 
 class DraftModel:
@@ -87,10 +92,13 @@ class DraftModel:
         max_draft: int,
         disable_by_batch_size: int | None,
         step_tokens: int | None,
-        fixed_cost_rows: float,
+        target_cost: StepCost | None,
     ) -> DraftModelDrafter:
         """The drafter over a runner of the draft model whose pool mirrors `target`'s slots
-        (and has scratch room for every running request's drafts) over `target`'s table."""
+        (and has scratch room for every running request's drafts) over `target`'s table.
+        With `target_cost` (measured), the draft's own cost is measured too; without, a
+        draft row costs its weights' share of the target's and both steps cost 16 rows
+        besides (reading the weights dominates)."""
         page = target.kv_pool.page_size
         scratch = target.req_to_token_pool.max_requests * max_draft
         scratch += -scratch % page
@@ -108,13 +116,20 @@ class DraftModel:
                 self.info.arch.vocab_size,
                 target.vocab_size,
             )
-        # Decode steps read the weights: a draft row costs about the weights' share.
-        cost = runner.weight_bytes / max(target.weight_bytes, 1)
+        if target_cost is None:
+            target_fixed, draft_fixed = _FIXED_COST_ROWS, _FIXED_COST_ROWS
+            row_cost = runner.weight_bytes / max(target.weight_bytes, 1)
+        else:
+            own = measure_step_cost(runner)
+            target_fixed, draft_fixed = target_cost.fixed_rows, own.fixed_rows
+            row_cost = own.row_seconds / target_cost.row_seconds
         logger.info(
-            "STANDALONE draft %s: %.0f MB of weights (%.2f of the target's)",
+            "STANDALONE draft %s: a row costs %.2f of the target's; steps cost %.1f (target) "
+            "and %.1f (draft) rows besides",
             self.config.model.model_path,
-            runner.weight_bytes / 1e6,
-            cost,
+            row_cost,
+            target_fixed,
+            draft_fixed,
         )
         return DraftModelDrafter(
             runner,
@@ -123,8 +138,9 @@ class DraftModel:
             max_draft,
             disable_by_batch_size,
             step_tokens,
-            fixed_cost_rows,
-            cost,
+            target_fixed,
+            row_cost,
+            draft_fixed,
         )
 
 
@@ -140,8 +156,9 @@ class DraftModelDrafter:
         max_draft: int,
         disable_by_batch_size: int | None = None,
         step_tokens: int | None = None,
-        fixed_cost_rows: float = 16.0,
-        draft_cost_rows: float = 0.0,
+        fixed_cost_rows: float = _FIXED_COST_ROWS,
+        draft_cost_rows: float = 1.0,
+        draft_fixed_rows: float = _FIXED_COST_ROWS,
     ) -> None:
         pool = runner.kv_pool
         if pool.num_slots < target_slots + max_draft:
@@ -155,6 +172,7 @@ class DraftModelDrafter:
         self.step_tokens = step_tokens
         self.fixed_cost_rows = fixed_cost_rows
         self.draft_cost_rows = draft_cost_rows
+        self.draft_fixed_rows = draft_fixed_rows
         self._table = runner.req_to_token_pool
         self._vocab = target_vocab_size
         self._scratch_base = target_slots

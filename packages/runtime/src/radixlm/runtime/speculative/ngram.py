@@ -68,6 +68,7 @@ class NgramDrafter:
         self.fixed_cost_rows = fixed_cost_rows
         #: A lookup costs nothing next to a row of the step.
         self.draft_cost_rows = 0.0
+        self.draft_fixed_rows = 0.0
 
     def propose(self, asks: Sequence[tuple[Req, int]]) -> list[list[int]]:
         """Per (request, count): up to `count` draft tokens to follow its tokens."""
