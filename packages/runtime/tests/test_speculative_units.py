@@ -8,6 +8,7 @@ import math
 import random
 from array import array
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -197,3 +198,23 @@ def test_drafts_go_as_deep_as_their_chance_beats_a_rows_share() -> None:
     assert _worth_drafting(0.9, 0.55) == 5  # 0.9 ** 5 = 0.59 > 0.55 > 0.9 ** 6
     assert _worth_drafting(0.5, 0.55) == 0
     assert _worth_drafting(0.99, 0.0, most=7) == 7
+
+
+def test_measuring_a_step_touches_no_slot_a_request_could_hold(
+    runners: dict[str, Any],
+) -> None:
+    """The start-up measurement writes the pool's padding slot and the table's padding row
+    alone, and leaves the runner's counters as they were."""
+    from radixlm.runtime.speculative.costs import measure_step_cost
+
+    runner = next(iter(runners.values()))
+    pool, table = runner.kv_pool, runner.req_to_token_pool
+    before = [layer[: pool.num_slots].clone() for layer in (*pool.k_buffers, *pool.v_buffers)]
+    rows = table.req_to_token[: table.padding_row].clone()
+    calls = runner.stats.forward_calls
+    cost = measure_step_cost(runner)
+    assert cost.row_seconds > 0 and cost.fixed_rows >= 0
+    assert runner.stats.forward_calls == calls
+    assert torch.equal(table.req_to_token[: table.padding_row], rows)
+    after = [layer[: pool.num_slots] for layer in (*pool.k_buffers, *pool.v_buffers)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
