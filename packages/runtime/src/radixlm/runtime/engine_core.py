@@ -611,7 +611,8 @@ def create_core(
     # ones next to nothing (see `speculative.costs`).
     cost = None
     if spec.enabled and runner.device.type == "cpu" and not runner.tp.enabled:
-        cost = measure_step_cost(runner)
+        # Over the rows a step with drafts may take: the cost per row grows past a few.
+        cost = measure_step_cost(runner, step_tokens or 8)
     fixed_cost = _FIXED_COST_ROWS if cost is None else cost.fixed_rows
     if draft is not None:
         drafter = draft.drafter(

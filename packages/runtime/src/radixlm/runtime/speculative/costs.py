@@ -27,11 +27,15 @@ class StepCost:
 
     row_seconds: float
     fixed_rows: float
+    #: The step size it was fitted up to (from one token).
+    rows: int
 
 
 def measure_step_cost(runner: ModelRunner, rows: int = 8, repeats: int = 3) -> StepCost:
-    """Time one-token and `rows`-token forwards on `runner` (the best of `repeats` each).
-    Not under tensor parallelism (the other ranks would not run them)."""
+    """Time one-token and `rows`-token forwards on `runner` (the best of `repeats` each): the
+    line through the two (a row costs more past a few rows on CPUs, so measure up to the
+    largest step drafts may make). Not under tensor parallelism (the other ranks would not
+    run them)."""
     table = runner.req_to_token_pool
     row, slot = table.padding_row, runner.kv_pool.padding_slot
 
@@ -52,4 +56,4 @@ def measure_step_cost(runner: ModelRunner, rows: int = 8, repeats: int = 3) -> S
     one, many = best(1), best(rows)
     runner.stats = counters  # these forwards are not the engine's
     per_row = max((many - one) / (rows - 1), one * 1e-3)
-    return StepCost(per_row, max(one / per_row - 1.0, 0.0))
+    return StepCost(per_row, max(one / per_row - 1.0, 0.0), rows)

@@ -120,7 +120,7 @@ class DraftModel:
             target_fixed, draft_fixed = _FIXED_COST_ROWS, _FIXED_COST_ROWS
             row_cost = runner.weight_bytes / max(target.weight_bytes, 1)
         else:
-            own = measure_step_cost(runner)
+            own = measure_step_cost(runner, target_cost.rows)
             target_fixed, draft_fixed = target_cost.fixed_rows, own.fixed_rows
             row_cost = own.row_seconds / target_cost.row_seconds
         logger.info(
