@@ -173,6 +173,9 @@ class DraftModelDrafter:
         self.fixed_cost_rows = fixed_cost_rows
         self.draft_cost_rows = draft_cost_rows
         self.draft_fixed_rows = draft_fixed_rows
+        #: A request missing the draft's K/V of more than this many of its tokens (outside a
+        #: prefill: it decoded without drafts) drafts no more.
+        self.max_catch_up = 8 * max_draft
         self._table = runner.req_to_token_pool
         self._vocab = target_vocab_size
         self._scratch_base = target_slots
@@ -203,6 +206,10 @@ class DraftModelDrafter:
         for index, (req, count) in enumerate(asks):
             count = min(count, context - req.seq_len)
             if count <= 0 or count > room:
+                continue
+            if req.kv_len - self._first_missing(req, req.kv_len) > self.max_catch_up:
+                # It decoded long without drafts (a full batch): computing the draft's K/V
+                # of all that would cost more than its drafts are likely to save.
                 continue
             room -= count
             live.append((index, req, count))
