@@ -308,9 +308,10 @@ class ToyCore:
             self._cache.append(ids + chunk.output_ids)
         return chunk.to_json()
 
-    def generate(self, body: dict[str, Any]) -> Any:
-        """A /generate body -> its JSON answer. Raises InvalidRequest / re.error for a 400."""
-        self.requests.append(body)
+    def generate(self, body: dict[str, Any], record: dict[str, Any] | None = None) -> Any:
+        """A /generate body -> its JSON answer. Raises InvalidRequest / re.error for a 400.
+        `record` is what `requests` keeps of it (default: the body)."""
+        self.requests.append(body if record is None else record)
         request = GenerateRequest.parse(body)
         self._enter()
         try:
@@ -323,8 +324,8 @@ class ToyCore:
         return outputs[0] if len(outputs) == 1 and request.is_single else outputs
 
     def stream(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        final = self.generate({**body, "stream": False})
-        self.requests[-1] = body
+        # Kept as sent, in one append: another thread's request may come in between.
+        final = self.generate({**body, "stream": False}, record=body)
         text = final["text"]
         pieces = tokenize(text) or [""]
         sent = ""

@@ -82,7 +82,9 @@ def test_tracing_does_not_run_nested_programs(backend):
     @sgl.function
     def outer(s, question):
         s += FEW_SHOT
-        inner.run(backend=backend)
+        # Read its answer: a run's requests go out from its own thread, and the check below
+        # must not race the last one.
+        _answer = inner.run(backend=backend)["x"]
         s += question + sgl.gen("answer", max_tokens=1)
 
     outer.run_batch([{"question": "a"}, {"question": "b"}], backend=backend)

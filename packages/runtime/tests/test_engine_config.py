@@ -89,7 +89,10 @@ def test_every_choice_the_cli_offers_is_accepted() -> None:
     from radixlm.runtime.config import ENGINE_CHOICES
 
     # Choices that need a companion setting get it.
-    companions = {("speculative_algorithm", "STANDALONE"): {"speculative_draft_model_path": "/d"}}
+    draft = {"speculative_draft_model_path": "/d"}
+    companions = {
+        ("speculative_algorithm", kind): draft for kind in ("STANDALONE", "EAGLE", "EAGLE3")
+    }
     for keyword, choices in ENGINE_CHOICES.items():
         for value in choices:
             EngineConfig.from_kwargs(

@@ -397,3 +397,150 @@ def test_sampled_tokens_keep_their_distribution_with_a_draft_model(tmp_path: Pat
     for position in range(3):
         p = _two_sample_p(samples[False][position], samples[True][position])
         assert p > 1e-4, (position, p)
+
+
+# ----------------------------------------------------------------------- EAGLE / EAGLE-3 heads
+#
+# Random heads in the published layouts propose tokens the target rarely picks, so the
+# outputs are checked against decoding without drafts, and each proposal against the head
+# run from scratch over the whole sequence (the target's features from transformers): the
+# engine's head K/V, kept per slot, caught up and reused across steps and the radix cache,
+# must give what a fresh computation gives.
+
+EAGLE_KINDS = ("EAGLE", "EAGLE3")
+
+
+@pytest.fixture(scope="module")
+def eagle_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from radixlm.runtime.fixtures import build_random_eagle_head
+
+    root = tmp_path_factory.mktemp("eagle")
+    target = build_tiny_model(root / "target", num_layers=6, init_std=0.3)
+    return {
+        "target": target,
+        "EAGLE": build_random_eagle_head(target, root / "eagle", "EAGLE", num_layers=2),
+        "EAGLE3": build_random_eagle_head(target, root / "eagle3", "EAGLE3", draft_vocab_size=300),
+    }
+
+
+def _reference_drafts(
+    target: Path, head_dir: Path, kind: str, sequences: list[tuple[tuple[int, ...], int]]
+) -> list[list[int]]:
+    """Each (sequence, count): the head's greedy chain after the sequence, computed from
+    scratch — the target's features by transformers, the head over every position at once
+    with a pool of its own."""
+    import torch
+    import transformers
+
+    from radixlm.runtime.attention import create_backend
+    from radixlm.runtime.memory import KVPool, ReqToTokenPool
+    from radixlm.runtime.speculative.eagle import EagleHead, _tensors
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    config = json.loads((head_dir / "config.json").read_text())
+    hf = transformers.LlamaConfig.from_pretrained(str(head_dir))
+    from radixlm.runtime.models.arch import ArchConfig
+
+    arch = ArchConfig.from_hf(hf, vocab_size=model.config.vocab_size)
+    head = EagleHead(
+        arch, kind, arch.hidden_size, config.get("draft_vocab_size"), False, torch.float32
+    )
+    head.load_weights(_tensors(head_dir))
+    layers = model.config.num_hidden_layers
+    capture = (2, layers // 2, layers - 3)
+    results = []
+    for sequence, count in sequences:
+        ids = torch.tensor([sequence])
+        with torch.no_grad():
+            states = model(ids, output_hidden_states=True).hidden_states
+        if kind == "EAGLE":
+            features = states[-1][0, :-1]
+        else:
+            features = head.project(torch.cat([states[i][0, :-1] for i in capture], dim=-1))
+        size = len(sequence) + count
+        pool = KVPool(
+            head.num_layers, size + 1, arch.num_kv_heads, arch.head_dim, torch.float32, "cpu"
+        )
+        table = ReqToTokenPool(1, size + 1, "cpu")
+        backend = create_backend("torch_native", pool)
+
+        step = (model, head, table, backend)
+        p = len(sequence) - 1
+        token, feature = _head_step(*step, list(sequence[1:]), 0, features)
+        chain = [token]
+        for depth in range(1, count):
+            token, feature = _head_step(*step, [chain[-1]], p + depth - 1, feature)
+            chain.append(token)
+        results.append(chain)
+    return results
+
+
+def _head_step(
+    model: Any, head: Any, table: Any, backend: Any, tokens: list[int], start: int, feats: Any
+) -> tuple[int, Any]:
+    """One from-scratch head forward over `tokens` at positions `start..`: the greedy token
+    after the last and the feature it predicts there."""
+    import torch
+
+    from radixlm.runtime.forward_batch import BatchEntry, ForwardBatch
+
+    entry = BatchEntry(0, tokens, start, list(range(start, start + len(tokens))))
+    batch = ForwardBatch.build([entry], table.req_to_token)
+    batch.write_req_to_token()
+    backend.prepare(batch)
+    with torch.no_grad():
+        embeds = model.model.embed_tokens(batch.input_ids)
+        hidden, feature = head(embeds, feats, batch.positions, backend)
+        if head.lm_head is not None:
+            draft = int(head.lm_head(hidden[-1]).argmax())
+            return draft + int(head.d2t[draft]), feature[-1:]
+        return int(model.lm_head(hidden[-1]).argmax()), feature[-1:]
+
+
+@pytest.mark.parametrize("kind", EAGLE_KINDS)
+def test_eagle_heads_keep_greedy_outputs_and_propose_what_a_fresh_run_does(
+    eagle_models: dict[str, Path], kind: str
+) -> None:
+    target = eagle_models["target"]
+    texts = [*PROMPTS, LONG]
+    settings: dict[str, Any] = {"chunked_prefill_size": 8, "max_total_tokens": 4096}
+    with Engine(str(target), show_progress=False, **settings) as engine:
+        reference = _ids(engine.generate(texts, GREEDY))
+        prompts = [engine.tokenizer(t).input_ids for t in texts]
+    # The head proposes (and is checked), but the steps verify the oracle's drafts, so that
+    # drafts are accepted in full, in part and not at all: the head then catches up on
+    # several accepted tokens at once.
+    oracle = CorruptedOracle(dict(zip(map(tuple, prompts), reference, strict=True)))
+    spec = {"speculative_algorithm": kind, "speculative_draft_model_path": str(eagle_models[kind])}
+    with Engine(str(target), show_progress=False, **settings, **spec) as engine:
+        proposed: list[tuple[tuple[int, ...], int, list[int]]] = []
+
+        def record(core: Any) -> None:
+            drafter = core.scheduler.drafter
+            drafter.draft_cost_rows = 0.0  # draft in every step
+            propose = drafter.propose
+
+            def logged(asks: Any) -> list[list[int]]:
+                out = propose(asks)
+                proposed.extend(
+                    (tuple(req.tokens()), count, draft)
+                    for (req, count), draft in zip(asks, out, strict=True)
+                )
+                return [oracle._one(req, len(d)) for (req, _c), d in zip(asks, out, strict=True)]
+
+            drafter.propose = logged
+
+        engine.run_in_loop(record)
+        assert _ids(engine.generate(texts, GREEDY)) == reference
+        assert _ids(engine.generate(texts, GREEDY)) == reference  # prefixes from the cache
+        info = engine.get_server_info()
+        assert info["speculative_algorithm"] == kind
+        assert 0 < info["spec_accepted_tokens"] < info["spec_draft_tokens"]
+        engine.check_invariants()
+    assert len(proposed) > 50
+    picked = proposed[:: max(len(proposed) // 40, 1)]
+    fresh = _reference_drafts(
+        target, eagle_models[kind], kind, [(seq, len(d)) for seq, _c, d in picked]
+    )
+    same = sum(draft == expected for (_s, _c, draft), expected in zip(picked, fresh, strict=True))
+    assert same >= 0.9 * len(picked), (same, len(picked))

@@ -76,7 +76,7 @@ def test_the_drafter_takes_the_cache_continuation_over_an_ngram() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"speculative_algorithm": "EAGLE"}, "not available"),
+        ({"speculative_algorithm": "EAGLE"}, "EAGLE head"),
         ({"speculative_algorithm": "bogus"}, "speculative_algorithm"),
         ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 2}, "eagle_topk"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, "draft_tokens"),

@@ -46,7 +46,7 @@ QUANTIZATION_METHODS: tuple[str, ...] = get_args(QuantizationMethod)
 GRAMMAR_BACKENDS: tuple[str, ...] = get_args(GrammarBackendName)
 SPECULATIVE_ALGORITHMS: tuple[str, ...] = get_args(SpeculativeAlgorithm)
 #: The ones this version runs (the CLI offers only these).
-SPECULATIVE_AVAILABLE: tuple[str, ...] = ("NGRAM", "STANDALONE")
+SPECULATIVE_AVAILABLE: tuple[str, ...] = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
 _KV_DTYPE_ALIASES = {**_DTYPE_ALIASES, "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
@@ -420,8 +420,8 @@ class SpeculativeConfig:
       cache holds after the whole sequence — or `STANDALONE`: a draft model
       (`draft_model_path`, any model this engine loads that shares the target's tokenizer,
       e.g. the target itself quantized with `draft_model_quantization="int4"`) proposes its
-      greedy continuation. `EAGLE` and `EAGLE3` are SGLang's other names; they are refused
-      until this engine has them.
+      greedy continuation — or `EAGLE` / `EAGLE3`: a draft head trained over the target's
+      features (`draft_model_path`, the published checkpoint layouts).
     - `draft_model_quantization`: how the draft model's weights load (as `quantization`).
     - `num_draft_tokens`: tokens one verify step computes per request: its last token and up
       to `num_draft_tokens - 1` drafts (default `num_steps + 1`).
@@ -462,6 +462,11 @@ class SpeculativeConfig:
                 "speculative_algorithm STANDALONE needs speculative_draft_model_path: a model "
                 "with the target's tokenizer (the target's own path with "
                 "speculative_draft_model_quantization='int4' makes a quantized copy)"
+            )
+        if self.algorithm in ("EAGLE", "EAGLE3") and self.draft_model_path is None:
+            raise ValueError(
+                f"speculative_algorithm {self.algorithm} needs speculative_draft_model_path: "
+                "the directory of an EAGLE head trained for the target model"
             )
         if self.draft_model_quantization is not None:
             _choice(

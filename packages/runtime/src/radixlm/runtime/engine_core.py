@@ -55,6 +55,7 @@ from radixlm.runtime.scheduler.adapters import AdapterSlots
 from radixlm.runtime.speculative import NgramDrafter
 from radixlm.runtime.speculative.costs import measure_step_cost
 from radixlm.runtime.speculative.draft_model import DraftModel, DraftModelDrafter
+from radixlm.runtime.speculative.eagle import EagleDrafter, load_eagle_head
 from radixlm.runtime.tensor_parallel import StepSender, heartbeat_interval, rank_report
 from radixlm.sampling import EngineOverloaded, EngineUnavailable, InvalidRequest
 
@@ -559,6 +560,34 @@ def _entry_inputs(handle: RequestHandle) -> EntryInputs | None:
     return EntryInputs(handle.input_embeds, handle.return_hidden_states, multimodal)
 
 
+def _eagle_drafter(
+    config: EngineConfig, runner: ModelRunner, step_tokens: int | None, fixed_cost: float
+) -> EagleDrafter:
+    """An EAGLE / EAGLE-3 head over `runner`, which from now on keeps its features."""
+    spec = config.speculative
+    assert spec.draft_model_path is not None and spec.algorithm is not None
+    if runner.tp.enabled:
+        raise ValueError(
+            f"speculative_algorithm {spec.algorithm} is not available under tensor "
+            "parallelism yet (the head reads the target's sharded embedding); use NGRAM or "
+            "STANDALONE"
+        )
+    head, layers = load_eagle_head(spec.draft_model_path, spec.algorithm, runner)
+    runner.capture_features("final" if spec.algorithm == "EAGLE" else "aux", layers)
+    # A head row reads its weights: their share of the target's.
+    share = sum(p.numel() * p.element_size() for p in head.parameters())
+    return EagleDrafter(
+        head,
+        runner,
+        spec.max_draft,
+        spec.disable_by_batch_size,
+        step_tokens,
+        fixed_cost,
+        share / max(runner.weight_bytes, 1),
+        fixed_cost,
+    )
+
+
 def create_core(
     config: EngineConfig,
     emit: Emit,
@@ -603,7 +632,7 @@ def create_core(
         registry = AdapterRegistry(runner.lora, slots)
         for adapter in runner.initial_adapters:
             registry.add(adapter)
-    drafter: NgramDrafter | DraftModelDrafter | None = None
+    drafter: NgramDrafter | DraftModelDrafter | EagleDrafter | None = None
     # On the CPU decode path a step of up to MAX_ROWS tokens is one C call that reads the
     # weights once; past it the step takes the model's forward: drafts stop there.
     step_tokens = kernels.cpu.MAX_ROWS if runner.cpu_decode is not None else None
@@ -618,6 +647,8 @@ def create_core(
         drafter = draft.drafter(
             runner, spec.max_draft, spec.disable_by_batch_size, step_tokens, cost
         )
+    elif spec.algorithm in ("EAGLE", "EAGLE3"):
+        drafter = _eagle_drafter(config, runner, step_tokens, fixed_cost)
     elif spec.enabled:
         drafter = NgramDrafter(
             cache,
@@ -656,7 +687,7 @@ def create_core(
             sender=sender,
             encoder_cache_size=config.media.encoder_cache_size,
             routed_store=routed_store,
-            draft=drafter if isinstance(drafter, DraftModelDrafter) else None,
+            draft=drafter if isinstance(drafter, DraftModelDrafter | EagleDrafter) else None,
         ),
         grammar,
         eos_token_ids,

@@ -17,6 +17,7 @@ from radixlm.runtime.routed_experts import RoutedExpertsStore
 from radixlm.runtime.sampling_batch import SamplingBatch, SamplingRequest
 from radixlm.runtime.scheduler import ScheduledBatch
 from radixlm.runtime.speculative.draft_model import DraftModelDrafter
+from radixlm.runtime.speculative.eagle import EagleDrafter
 from radixlm.runtime.speculative.verify import verify
 
 if TYPE_CHECKING:
@@ -104,10 +105,11 @@ class ModelExecutor:
         sender: StepSender | None = None,
         encoder_cache_size: int = 128,
         routed_store: RoutedExpertsStore | None = None,
-        draft: DraftModelDrafter | None = None,
+        draft: DraftModelDrafter | EagleDrafter | None = None,
     ) -> None:
         self.runner = runner
-        #: A STANDALONE draft model's drafter: it follows every step's K/V (rank 0 alone).
+        #: A STANDALONE draft model's or an EAGLE head's drafter: it follows every step's
+        #: K/V (and features) on rank 0 alone.
         self.draft = draft
         #: The experts each KV slot's token was routed to (`enable_return_routed_experts`).
         self.routed_store = routed_store
@@ -197,7 +199,7 @@ class ModelExecutor:
         else:
             out = run_forward(runner, step)
         if self.draft is not None:
-            self.draft.follow(batch)
+            self.draft.follow(batch, out.captured)
         if self.routed_store is not None:
             ids = runner.model.model.routed.take()
             if ids is not None:

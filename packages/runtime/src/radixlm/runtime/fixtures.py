@@ -255,6 +255,97 @@ def build_random_lora(
     return path
 
 
+def build_random_eagle_head(
+    model_dir: str | Path,
+    path: str | Path,
+    kind: str = "EAGLE",
+    num_layers: int = 1,
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+    scale: float = 0.3,
+) -> Path:
+    """Write a random EAGLE (`kind="EAGLE"`) or EAGLE-3 head for the model at `model_dir`
+    into `path`, with the published layouts' config.json and tensor names (EAGLE: `fc` with
+    a bias, `layers.N.*` without the first input norm; EAGLE-3: `fc` over three hidden states,
+    `midlayer.*`, `norm`, `lm_head` over `draft_vocab_size` tokens, `d2t`, `t2d`)."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q = config.num_attention_heads * head_dim
+    kv = config.num_key_value_heads * head_dim
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        drawn: torch.Tensor = torch.randn(*shape, generator=generator)
+        factor = float(scale / max(shape[-1], 1) ** 0.5)
+        return drawn.mul(factor)
+
+    def layer(stem: str, fan_in: int) -> dict[str, torch.Tensor]:
+        return {
+            f"{stem}.self_attn.q_proj.weight": rand(q, fan_in),
+            f"{stem}.self_attn.k_proj.weight": rand(kv, fan_in),
+            f"{stem}.self_attn.v_proj.weight": rand(kv, fan_in),
+            f"{stem}.self_attn.o_proj.weight": rand(hidden, q),
+            f"{stem}.mlp.gate_proj.weight": rand(inter, hidden),
+            f"{stem}.mlp.up_proj.weight": rand(inter, hidden),
+            f"{stem}.mlp.down_proj.weight": rand(hidden, inter),
+            f"{stem}.post_attention_layernorm.weight": 1 + rand(hidden) * 0.1,
+        }
+
+    vocab = config.vocab_size
+    tensors: dict[str, torch.Tensor] = {"embed_tokens.weight": rand(vocab, hidden)}
+    extra: dict[str, Any] = {}
+    if kind == "EAGLE":
+        tensors["fc.weight"] = rand(hidden, 2 * hidden)
+        tensors["fc.bias"] = rand(hidden) * 0.1
+        for index in range(num_layers):
+            tensors.update(layer(f"layers.{index}", hidden))
+            if index:
+                tensors[f"layers.{index}.input_layernorm.weight"] = torch.ones(hidden)
+        architecture = "LlamaForCausalLMEagle"
+    else:
+        draft = draft_vocab_size or vocab
+        tensors["fc.weight"] = rand(hidden, 3 * hidden)
+        tensors.update(layer("midlayer", 2 * hidden))
+        tensors["midlayer.input_layernorm.weight"] = torch.ones(hidden)
+        tensors["midlayer.hidden_norm.weight"] = torch.ones(hidden)
+        tensors["norm.weight"] = torch.ones(hidden)
+        tensors["lm_head.weight"] = rand(draft, hidden)
+        # The draft vocabulary: the first `draft` ids, spread over the target's.
+        target_ids = torch.linspace(0, vocab - 1, draft).round().to(torch.int64)
+        tensors["d2t"] = target_ids - torch.arange(draft)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[target_ids] = True
+        tensors["t2d"] = t2d
+        architecture, num_layers = "LlamaForCausalLMEagle3", 1
+        extra = {"draft_vocab_size": draft, "target_hidden_size": hidden}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    head_config = {
+        "architectures": [architecture],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": head_dim,
+        "num_hidden_layers": num_layers,
+        "vocab_size": vocab,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": getattr(config, "rope_theta", 10000.0),
+        "tie_word_embeddings": False,
+        **extra,
+    }
+    (path / "config.json").write_text(json.dumps(head_config), encoding="utf-8")
+    return path
+
+
 def sample_texts(count: int, seed: int = 0, words: int = 12) -> list[str]:
     """`count` random sentences over the tiny tokenizer's training words."""
     rng = random.Random(seed)

@@ -56,6 +56,10 @@ class LogitsOutput:
     #: `hidden_states[b]`: request b's final hidden states [its new tokens, hidden] (float32,
     #: on the CPU) when the batch asked for them (`hidden_state_requests`), else None.
     hidden_states: list[torch.Tensor | None] | None = None
+    #: With the runner's `capture` set (EAGLE drafts): per new token, in batch order, its
+    #: final hidden state ("final") or the residual stream entering the model's
+    #: `capture_layers`, side by side ("aux"); None otherwise.
+    captured: torch.Tensor | None = None
 
 
 @dataclass
@@ -169,13 +173,30 @@ class ModelRunner:
                     sizes,
                 )
                 self.graph_runner.capture()
+        #: What each forward keeps of every new token for an EAGLE draft head: "none",
+        #: "final" (its final hidden state) or "aux" (see `LogitsOutput.captured`).
+        self.capture = "none"
         #: Decode steps in one C call on the CPU (`radixlm.runtime.cpu_decode`), or None.
         self.cpu_decode: CpuDecodePath | None = None
         self._build_cpu_decode()
 
+    def capture_features(self, mode: str, layers: tuple[int, ...] = ()) -> None:
+        """Keep every new token's features in each forward's output (`LogitsOutput.captured`):
+        "final" hidden states, or "aux", the inputs of `layers`. Captured steps take neither
+        CUDA graphs nor split mixed steps; "aux" also leaves the CPU decode path (its C call
+        runs all layers at once)."""
+        self.capture = mode
+        self.graph_runner = None
+        if mode == "aux":
+            self.model.model.capture_layers = layers
+            if self.cpu_decode is not None:
+                logger.info("CPU decode path off: EAGLE-3 reads the hidden states of layers %s",
+                            list(layers))  # fmt: skip
+            self.cpu_decode = None
+
     def _build_cpu_decode(self) -> None:
         self.cpu_decode = None
-        if self.device.type != "cpu" or self.tp.enabled:
+        if self.device.type != "cpu" or self.tp.enabled or self.capture == "aux":
             return
         if self.lora is not None:
             logger.info("CPU decode path off: LoRA adapters are served")
@@ -223,7 +244,11 @@ class ModelRunner:
             return LogitsOutput(self.graph_runner.replay(batch))
         if self.cpu_decode is not None and self.cpu_decode.can_run(batch):
             hidden = self.cpu_decode.forward(batch)
-        elif self.cpu_decode is not None and (mixed := self.cpu_decode.split(batch)):
+        elif (
+            self.cpu_decode is not None
+            and self.capture == "none"
+            and (mixed := self.cpu_decode.split(batch))
+        ):
             return self._forward_mixed(batch, self.cpu_decode, mixed)
         else:
             self.attention.prepare(batch)
@@ -245,7 +270,13 @@ class ModelRunner:
             logits = head(hidden.index_select(0, last))
         input_logprobs = self._input_logprobs(hidden, batch) if batch.input_logprobs else None
         hidden_states = self._hidden_states(hidden, batch) if batch.hidden_state_requests else None
-        return LogitsOutput(logits, input_logprobs, hidden_states)
+        captured = None
+        if self.capture == "final":
+            captured = hidden
+        elif self.capture == "aux":
+            captured = torch.cat(self.model.model.captured, dim=-1)
+            self.model.model.captured = []
+        return LogitsOutput(logits, input_logprobs, hidden_states, captured)
 
     def _forward_mixed(
         self, batch: ForwardBatch, path: CpuDecodePath, step: MixedStep

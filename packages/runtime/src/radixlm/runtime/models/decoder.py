@@ -175,6 +175,10 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope, arch.max_position_embeddings)
+        #: The layers whose inputs a forward keeps in `captured` (EAGLE-3's features: the
+        #: residual stream entering each), in order; () keeps none.
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: list[torch.Tensor] = []
 
     def forward(
         self,
@@ -188,7 +192,12 @@ class DecoderModel(nn.Module):
         if input_embeds is not None and input_embeds_rows is not None:
             hidden[input_embeds_rows] = input_embeds.to(hidden.dtype)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer in self.layers:
+        capture = self.capture_layers
+        if capture:
+            self.captured = []
+        for index, layer in enumerate(self.layers):
+            if index in capture:
+                self.captured.extend([hidden] * capture.count(index))
             hidden = layer(hidden, cos, sin, backend)
         normed: torch.Tensor = self.norm(hidden)
         return normed

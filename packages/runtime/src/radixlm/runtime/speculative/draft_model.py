@@ -282,7 +282,7 @@ class DraftModelDrafter:
             self._copies.extend(zip(scratch, slots, strict=False))
 
     @torch.inference_mode()
-    def follow(self, batch: ScheduledBatch) -> None:
+    def follow(self, batch: ScheduledBatch, captured: torch.Tensor | None = None) -> None:
         """After a target forward: the slots it wrote hold new tokens, whose draft K/V is not
         there; the prefill chunks of requests that speculate get theirs now (with whatever
         came before them that was missing)."""
