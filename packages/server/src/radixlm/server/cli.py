@@ -166,7 +166,8 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "help": "draft tokens verified in each decode step: NGRAM (the request's own n-grams "
         "and the radix cache's continuations) or STANDALONE (a draft model's greedy "
         "continuation, --speculative-draft-model-path); greedy outputs unchanged, sampled "
-        "ones keep their distribution. EAGLE / EAGLE3 are not available yet",
+        "ones keep their distribution. EAGLE / EAGLE3: a head trained over the target's "
+        "hidden states (--speculative-draft-model-path: its directory)",
     },
     "speculative_num_draft_tokens": {
         "type": int,
@@ -186,8 +187,9 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     },
     "speculative_draft_model_path": {
         "metavar": "PATH",
-        "help": "the draft model of STANDALONE: a model directory, GGUF file, hub id or "
-        "built-in name sharing the target's tokenizer",
+        "help": "the draft model of STANDALONE (a model directory, GGUF file, hub id or "
+        "built-in name sharing the target's tokenizer) or the head of EAGLE / EAGLE3 (its "
+        "directory)",
     },
     "speculative_draft_model_quantization": {
         "metavar": "METHOD",
