@@ -544,3 +544,53 @@ def test_eagle_heads_keep_greedy_outputs_and_propose_what_a_fresh_run_does(
     )
     same = sum(draft == expected for (_s, _c, draft), expected in zip(picked, fresh, strict=True))
     assert same >= 0.9 * len(picked), (same, len(picked))
+
+
+# ----------------------------------------------------------------- tensor parallelism, LoRA
+
+
+def test_drafts_under_tensor_parallelism(draft_models: dict[str, Path], tmp_path: Path) -> None:
+    """TP=2 over gloo: NGRAM's drafts from the radix cache (the same prompts again: their
+    answers are cached, the drafts accepted whole), and a draft model on rank 0 (one layer,
+    other weights: mostly refused); the outputs of the unsplit engine without drafts."""
+    path = build_tiny_model(tmp_path / "deep", "Qwen2ForCausalLM", num_layers=12, init_std=0.3)
+    split = {"tp_size": 2, "dist_timeout": 30, "show_progress": False, "max_total_tokens": 4096}
+    with _engine(path, spec=False) as engine:
+        reference = _ids(engine.generate(PROMPTS, GREEDY))
+    with Engine(str(path), speculative_algorithm="NGRAM", **split) as engine:
+        assert engine.server_info()["tp_size"] == 2
+        assert _ids(engine.generate(PROMPTS, GREEDY)) == reference
+        assert _ids(engine.generate(PROMPTS, GREEDY)) == reference
+        assert engine.server_info()["spec_accepted_tokens"] > 0
+        engine.check_invariants()
+    draft = {
+        "speculative_algorithm": "STANDALONE",
+        "speculative_draft_model_path": str(draft_models["other"]),
+    }
+    with Engine(str(path), **draft, **split) as engine:
+        assert _ids(engine.generate(PROMPTS * 2, GREEDY)) == reference * 2
+        assert engine.server_info()["spec_draft_tokens"] > 0
+        engine.check_invariants()
+
+
+def test_drafts_with_lora_adapters(tmp_path: Path) -> None:
+    """Requests under an adapter and without one, batched, verify drafts with their own
+    adapter's weights: the outputs of decoding without drafts."""
+    from radixlm.runtime.fixtures import build_random_lora
+
+    path = build_tiny_model(tmp_path / "base", init_std=0.3)
+    adapter = build_random_lora(path, tmp_path / "adapter", scale=0.3)
+    settings = {"lora_paths": {"a": str(adapter)}, "max_loras_per_batch": 2}
+    adapters = ["a", None, "a"]
+    with _engine(path, spec=False, **settings) as engine:
+        reference = _ids(engine.generate(PROMPTS, GREEDY, lora_path=adapters))
+        plain = _ids(engine.generate(PROMPTS, GREEDY))
+        prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
+    assert reference != plain  # the adapter changes the answers
+    with _engine(path, spec=True, **settings) as engine:
+        # The oracle knows each prompt's answer under its own adapter.
+        _use(engine, CorruptedOracle(dict(zip(map(tuple, prompts), reference, strict=True))))
+        assert _ids(engine.generate(PROMPTS, GREEDY, lora_path=adapters)) == reference
+        drafted, accepted = _spec(engine)
+        assert 0 < accepted < drafted
+        engine.check_invariants()
