@@ -60,9 +60,9 @@ class CorruptedOracle:
         self.max_draft = max_draft
         self.disable_by_batch_size = None
         self.step_tokens = None
-        self.fixed_cost_rows = 1e9  # drafts always worth it: every path is exercised
-        self.draft_cost_rows = 0.0
-        self.draft_fixed_rows = 0.0
+
+    def threshold(self, size: int) -> float:
+        return 0.0  # drafts always worth it: every path is exercised
 
     def propose(self, asks: Sequence[tuple[Req, int]]) -> list[list[int]]:
         return [self._one(req, count) for req, count in asks]
@@ -282,6 +282,11 @@ def draft_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return found
 
 
+def _always_draft(core: Any) -> None:
+    """Draft in every step (a draft as large as the target is never worth its cost)."""
+    core.scheduler.drafter.threshold = lambda size: 0.0
+
+
 def _standalone(path: Path, draft: Path | None, **kwargs: Any) -> Engine:
     extra: dict[str, Any] = {}
     if draft is not None:
@@ -289,8 +294,7 @@ def _standalone(path: Path, draft: Path | None, **kwargs: Any) -> Engine:
     kwargs.setdefault("max_total_tokens", 4096)
     engine = Engine(str(path), show_progress=False, **extra, **kwargs)
     if draft is not None:
-        # A draft as large as the target is never worth its cost: draft anyway.
-        engine.run_in_loop(lambda core: setattr(core.scheduler.drafter, "draft_cost_rows", 0.0))
+        engine.run_in_loop(_always_draft)
     return engine
 
 
@@ -517,7 +521,7 @@ def test_eagle_heads_keep_greedy_outputs_and_propose_what_a_fresh_run_does(
 
         def record(core: Any) -> None:
             drafter = core.scheduler.drafter
-            drafter.draft_cost_rows = 0.0  # draft in every step
+            _always_draft(core)
             propose = drafter.propose
 
             def logged(asks: Any) -> list[list[int]]:

@@ -213,8 +213,26 @@ def test_measuring_a_step_touches_no_slot_a_request_could_hold(
     rows = table.req_to_token[: table.padding_row].clone()
     calls = runner.stats.forward_calls
     cost = measure_step_cost(runner)
-    assert cost.row_seconds > 0 and cost.fixed_rows >= 0
+    assert [rows for rows, _ in cost.points] == [1, 2, 4, 8]
+    assert all(a[1] < b[1] for a, b in zip(cost.points, cost.points[1:], strict=False))
     assert runner.stats.forward_calls == calls
     assert torch.equal(table.req_to_token[: table.padding_row], rows)
     after = [layer[: pool.num_slots] for layer in (*pool.k_buffers, *pool.v_buffers)]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_a_draft_row_must_beat_its_marginal_cost() -> None:
+    """The threshold a draft's chance must beat: the marginal cost of the rows drafts add and
+    of proposing one draft, over what a token costs without drafts."""
+    from radixlm.runtime.speculative.costs import DraftCosts, StepCost
+
+    # A step of R rows: 10 + R (ms) up to 4 rows, then 4 ms a row.
+    cost = StepCost(((1, 11.0), (2, 12.0), (4, 14.0), (8, 30.0)))
+    assert cost.seconds(3) == 13.0 and cost.seconds(16) == 62.0  # between, and past the last
+    lookup = DraftCosts(cost, None, step_tokens=16)
+    assert lookup.threshold(1) == 1.0 / 11.0  # one more row: 1 ms, a token costs 11 ms
+    assert lookup.threshold(4) == (16.0 / 4) / (14.0 / 4)  # 4 rows more past 4: 4 ms each
+    assert lookup.threshold(16) == 1.0  # no room left in the step: never
+    model = DraftCosts(cost, cost.scaled(0.5), step_tokens=16)
+    assert model.threshold(1) == (1.0 + 5.5) / 11.0
+    assert StepCost.assumed(16.0).seconds(5) == 21.0

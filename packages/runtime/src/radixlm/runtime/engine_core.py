@@ -53,7 +53,7 @@ from radixlm.runtime.sampling_batch import SamplingRequest
 from radixlm.runtime.scheduler import ReqStatus, ScheduledBatch, Scheduler
 from radixlm.runtime.scheduler.adapters import AdapterSlots
 from radixlm.runtime.speculative import NgramDrafter
-from radixlm.runtime.speculative.costs import measure_step_cost
+from radixlm.runtime.speculative.costs import DraftCosts, StepCost, measure_step_cost
 from radixlm.runtime.speculative.draft_model import DraftModel, DraftModelDrafter
 from radixlm.runtime.speculative.eagle import EagleDrafter, load_eagle_head
 from radixlm.runtime.tensor_parallel import StepSender, heartbeat_interval, rank_report
@@ -65,10 +65,6 @@ logger = logging.getLogger("radixlm.runtime.engine")
 _GRAMMAR_POLL_S = 0.002
 #: Seconds between the live statistics a busy core sends (process mode).
 _STATS_S = 0.05
-#: What a decode step costs besides its rows, in rows' cost (speculative decoding drafts a
-#: row while its chance of acceptance beats a row's share of the step), where it is not
-#: measured: on GPUs and under tensor parallelism (reading the weights dominates).
-_FIXED_COST_ROWS = 16.0
 
 Emit = Callable[[list[Output]], None]
 
@@ -561,7 +557,7 @@ def _entry_inputs(handle: RequestHandle) -> EntryInputs | None:
 
 
 def _eagle_drafter(
-    config: EngineConfig, runner: ModelRunner, step_tokens: int | None, fixed_cost: float
+    config: EngineConfig, runner: ModelRunner, step_tokens: int | None, cost: StepCost
 ) -> EagleDrafter:
     """An EAGLE / EAGLE-3 head over `runner`, which from now on keeps its features."""
     spec = config.speculative
@@ -574,17 +570,16 @@ def _eagle_drafter(
         )
     head, layers = load_eagle_head(spec.draft_model_path, spec.algorithm, runner)
     runner.capture_features("final" if spec.algorithm == "EAGLE" else "aux", layers)
-    # A head row reads its weights: their share of the target's.
+    # A head step costs about its weights' share of the target's.
     share = sum(p.numel() * p.element_size() for p in head.parameters())
+    head_cost = cost.scaled(share / max(runner.weight_bytes, 1))
     return EagleDrafter(
         head,
         runner,
         spec.max_draft,
         spec.disable_by_batch_size,
         step_tokens,
-        fixed_cost,
-        share / max(runner.weight_bytes, 1),
-        fixed_cost,
+        DraftCosts(cost, head_cost, step_tokens),
     )
 
 
@@ -640,15 +635,14 @@ def create_core(
     # ones next to nothing (see `speculative.costs`).
     cost = None
     if spec.enabled and runner.device.type == "cpu" and not runner.tp.enabled:
-        # Over the rows a step with drafts may take: the cost per row grows past a few.
+        # Up to the rows a step with drafts may take: a row costs more past a few.
         cost = measure_step_cost(runner, step_tokens or 8)
-    fixed_cost = _FIXED_COST_ROWS if cost is None else cost.fixed_rows
     if draft is not None:
         drafter = draft.drafter(
             runner, spec.max_draft, spec.disable_by_batch_size, step_tokens, cost
         )
     elif spec.algorithm in ("EAGLE", "EAGLE3"):
-        drafter = _eagle_drafter(config, runner, step_tokens, fixed_cost)
+        drafter = _eagle_drafter(config, runner, step_tokens, cost or StepCost.assumed())
     elif spec.enabled:
         drafter = NgramDrafter(
             cache,
@@ -657,7 +651,7 @@ def create_core(
             spec.ngram_max_match_window_size,
             spec.disable_by_batch_size,
             step_tokens,
-            fixed_cost,
+            cost,
         )
     scheduler = Scheduler(
         config.scheduler,

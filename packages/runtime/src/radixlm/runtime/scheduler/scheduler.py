@@ -52,15 +52,11 @@ class Drafter(Protocol):
     #: The most tokens (decodes and drafts) a decode step may compute with drafts (None: no
     #: limit); drafts are cut to fit.
     step_tokens: int | None
-    #: What a step costs besides its rows, in rows (the weights read once, the step's own
-    #: work): a draft row pays for itself when its chance of acceptance beats the share of a
-    #: step's cost one of its B tokens takes, B / (fixed_cost_rows + B).
-    fixed_cost_rows: float
-    #: A draft model's row, in rows of the target (0: proposals cost nothing worth counting,
-    #: as a lookup), and what a draft forward costs besides its rows, in its own rows: a
-    #: draft position for B requests costs about draft_cost_rows * (draft_fixed_rows + B).
-    draft_cost_rows: float
-    draft_fixed_rows: float
+
+    def threshold(self, size: int) -> float:
+        """The chance of acceptance a draft row must beat in a step of `size` decodes (what
+        the row and its proposal cost against what a token costs without drafts)."""
+        ...
 
     def propose(self, asks: Sequence[tuple[Req, int]]) -> list[list[int]]:
         """Per (request, count): up to `count` tokens likely to follow the request's tokens
@@ -383,11 +379,8 @@ class Scheduler:
         budget = drafter.step_tokens
         left = 1 << 30 if budget is None else budget - sum(r.pending for r in decoding)
         # A draft j tokens deep is accepted with chance about rate ** j: worth its row and
-        # its share of a draft forward while that beats what a row of the step yields
-        # without drafts.
-        size = len(decoding)
-        proposing = drafter.draft_cost_rows * (drafter.draft_fixed_rows + size)
-        worth = (size + proposing) / (drafter.fixed_cost_rows + size)
+        # its proposal while that beats the drafter's threshold.
+        worth = drafter.threshold(len(decoding))
         asks: list[tuple[Req, int]] = []
         for req in decoding:
             if left <= 0:

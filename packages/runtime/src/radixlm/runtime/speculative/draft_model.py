@@ -40,16 +40,12 @@ from radixlm.runtime.forward_batch import BatchEntry, ForwardBatch
 from radixlm.runtime.loader import ModelInfo, load_model
 from radixlm.runtime.model_runner import ModelRunner, kv_cache_dtype
 from radixlm.runtime.models import DecoderForCausalLM
-from radixlm.runtime.speculative.costs import StepCost, measure_step_cost
+from radixlm.runtime.speculative.costs import DraftCosts, StepCost, measure_step_cost
 
 if TYPE_CHECKING:
     from radixlm.runtime.scheduler import Req, ScheduledBatch
 
 logger = logging.getLogger("radixlm.runtime.speculative")
-
-#: What a step costs besides its rows, in rows, where it is not measured (on GPUs: reading
-#: the weights dominates a decode step).
-_FIXED_COST_ROWS = 16.0
 
 
 class DraftModel:
@@ -97,8 +93,7 @@ class DraftModel:
         """The drafter over a runner of the draft model whose pool mirrors `target`'s slots
         (and has scratch room for every running request's drafts) over `target`'s table.
         With `target_cost` (measured), the draft's own cost is measured too; without, a
-        draft row costs its weights' share of the target's and both steps cost 16 rows
-        besides (reading the weights dominates)."""
+        draft step costs its weights' share of the target's."""
         page = target.kv_pool.page_size
         scratch = target.req_to_token_pool.max_requests * max_draft
         scratch += -scratch % page
@@ -117,19 +112,15 @@ class DraftModel:
                 target.vocab_size,
             )
         if target_cost is None:
-            target_fixed, draft_fixed = _FIXED_COST_ROWS, _FIXED_COST_ROWS
-            row_cost = runner.weight_bytes / max(target.weight_bytes, 1)
+            # Unmeasured: reading the weights dominates both steps.
+            target_cost = StepCost.assumed()
+            own = target_cost.scaled(runner.weight_bytes / max(target.weight_bytes, 1))
         else:
-            own = measure_step_cost(runner, target_cost.rows)
-            target_fixed, draft_fixed = target_cost.fixed_rows, own.fixed_rows
-            row_cost = own.row_seconds / target_cost.row_seconds
+            own = measure_step_cost(runner, target_cost.points[-1][0])
         logger.info(
-            "STANDALONE draft %s: a row costs %.2f of the target's; steps cost %.1f (target) "
-            "and %.1f (draft) rows besides",
+            "STANDALONE draft %s: a draft step of one row costs %.2f of the target's",
             self.config.model.model_path,
-            row_cost,
-            target_fixed,
-            draft_fixed,
+            own.seconds(1) / target_cost.seconds(1),
         )
         return DraftModelDrafter(
             runner,
@@ -138,9 +129,7 @@ class DraftModel:
             max_draft,
             disable_by_batch_size,
             step_tokens,
-            target_fixed,
-            row_cost,
-            draft_fixed,
+            DraftCosts(target_cost, own, step_tokens),
         )
 
 
@@ -156,9 +145,7 @@ class DraftModelDrafter:
         max_draft: int,
         disable_by_batch_size: int | None = None,
         step_tokens: int | None = None,
-        fixed_cost_rows: float = _FIXED_COST_ROWS,
-        draft_cost_rows: float = 1.0,
-        draft_fixed_rows: float = _FIXED_COST_ROWS,
+        costs: DraftCosts | None = None,
     ) -> None:
         pool = runner.kv_pool
         if pool.num_slots < target_slots + max_draft:
@@ -170,9 +157,8 @@ class DraftModelDrafter:
         self.max_draft = max_draft
         self.disable_by_batch_size = disable_by_batch_size
         self.step_tokens = step_tokens
-        self.fixed_cost_rows = fixed_cost_rows
-        self.draft_cost_rows = draft_cost_rows
-        self.draft_fixed_rows = draft_fixed_rows
+        #: The target's and the draft model's step costs (unmeasured: the same).
+        self.costs = costs or DraftCosts(StepCost.assumed(), StepCost.assumed(), step_tokens)
         #: A request missing the draft's K/V of more than this many of its tokens (outside a
         #: prefill: it decoded without drafts) drafts no more.
         self.max_catch_up = 8 * max_draft
@@ -190,6 +176,10 @@ class DraftModelDrafter:
         #: Counters: draft forwards and the tokens they computed (catch-up ones included).
         self.forwards = 0
         self.tokens_forwarded = 0
+
+    def threshold(self, size: int) -> float:
+        """See the scheduler's `Drafter`."""
+        return self.costs.threshold(size)
 
     # ------------------------------------------------------------------------------ drafting
 

@@ -52,6 +52,7 @@ from radixlm.runtime.models.decoder import (
 )
 from radixlm.runtime.models.linear import HeadLayout, ReplicatedLinears
 from radixlm.runtime.models.rope import RotaryEmbedding
+from radixlm.runtime.speculative.costs import DraftCosts, StepCost
 
 if TYPE_CHECKING:
     from radixlm.runtime.attention import AttentionBackend
@@ -310,18 +311,15 @@ class EagleDrafter:
         max_draft: int,
         disable_by_batch_size: int | None = None,
         step_tokens: int | None = None,
-        fixed_cost_rows: float = 16.0,
-        draft_cost_rows: float = 0.0,
-        draft_fixed_rows: float = 0.0,
+        costs: DraftCosts | None = None,
     ) -> None:
         self.head = head
         self.target = target
         self.max_draft = max_draft
         self.disable_by_batch_size = disable_by_batch_size
         self.step_tokens = step_tokens
-        self.fixed_cost_rows = fixed_cost_rows
-        self.draft_cost_rows = draft_cost_rows
-        self.draft_fixed_rows = draft_fixed_rows
+        #: The target's step cost and the head's (a share of it).
+        self.costs = costs or DraftCosts(StepCost.assumed(), None, step_tokens)
         self.max_catch_up = 8 * max_draft
         arch = head.arch
         slots = target.kv_pool.num_slots
@@ -350,6 +348,10 @@ class EagleDrafter:
         self._next = torch.full((slots + 1,), -1, dtype=torch.int64)
         self.forwards = 0
         self.tokens_forwarded = 0
+
+    def threshold(self, size: int) -> float:
+        """See the scheduler's `Drafter`."""
+        return self.costs.threshold(size)
 
     # ------------------------------------------------------------------------------ drafting
 

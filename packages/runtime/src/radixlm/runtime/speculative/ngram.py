@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from radixlm.cache import RadixCache
+from radixlm.runtime.speculative.costs import DraftCosts, StepCost
 
 if TYPE_CHECKING:
     from radixlm.runtime.scheduler.request import Req
@@ -53,7 +54,7 @@ class NgramDrafter:
         max_window: int = 12,
         disable_by_batch_size: int | None = None,
         step_tokens: int | None = None,
-        fixed_cost_rows: float = 16.0,
+        cost: StepCost | None = None,
     ) -> None:
         self.cache = cache
         #: The most draft tokens one request gets per step.
@@ -64,11 +65,12 @@ class NgramDrafter:
         self.disable_by_batch_size = disable_by_batch_size
         #: The most tokens a decode step with drafts computes (None: no limit).
         self.step_tokens = step_tokens
-        #: A step's cost besides its rows, in rows (see the scheduler's `Drafter`).
-        self.fixed_cost_rows = fixed_cost_rows
-        #: A lookup costs nothing next to a row of the step.
-        self.draft_cost_rows = 0.0
-        self.draft_fixed_rows = 0.0
+        #: The target's step cost (a lookup costs nothing next to it).
+        self.costs = DraftCosts(cost or StepCost.assumed(), None, step_tokens)
+
+    def threshold(self, size: int) -> float:
+        """See the scheduler's `Drafter`."""
+        return self.costs.threshold(size)
 
     def propose(self, asks: Sequence[tuple[Req, int]]) -> list[list[int]]:
         """Per (request, count): up to `count` draft tokens to follow its tokens."""
