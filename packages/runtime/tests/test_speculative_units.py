@@ -203,20 +203,20 @@ def test_drafts_go_as_deep_as_their_chance_beats_a_rows_share() -> None:
 def test_measuring_a_step_touches_no_slot_a_request_could_hold(
     runners: dict[str, Any],
 ) -> None:
-    """The start-up measurement writes the pool's padding slot and the table's padding row
-    alone, and leaves the runner's counters as they were."""
+    """The start-up measurement writes the pool's padding slot alone (the table's padding row
+    is put back), and leaves the runner's counters as they were."""
     from radixlm.runtime.speculative.costs import measure_step_cost
 
     runner = next(iter(runners.values()))
     pool, table = runner.kv_pool, runner.req_to_token_pool
     before = [layer[: pool.num_slots].clone() for layer in (*pool.k_buffers, *pool.v_buffers)]
-    rows = table.req_to_token[: table.padding_row].clone()
+    rows = table.req_to_token.clone()
     calls = runner.stats.forward_calls
     cost = measure_step_cost(runner)
     assert [rows for rows, _ in cost.points] == [1, 2, 4, 8]
     assert all(a[1] < b[1] for a, b in zip(cost.points, cost.points[1:], strict=False))
     assert runner.stats.forward_calls == calls
-    assert torch.equal(table.req_to_token[: table.padding_row], rows)
+    assert torch.equal(table.req_to_token, rows)  # the padding row too: it is put back
     after = [layer[: pool.num_slots] for layer in (*pool.k_buffers, *pool.v_buffers)]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 

@@ -94,12 +94,16 @@ def measure_step_cost(runner: ModelRunner, up_to: int = 8, repeats: int = 3) -> 
         return fastest
 
     counters = dataclasses.replace(runner.stats)
+    # The padding row is put back (a CUDA graph's padded rows read it; a draft model's
+    # runner shares the target's table).
+    padding = table.req_to_token[row].clone()
     best(1)  # warm-up (packing, first-call allocations)
     sizes = [1]
     while sizes[-1] * 2 <= max(up_to, 2):
         sizes.append(sizes[-1] * 2)
     points = [(size, best(size)) for size in sizes]
     runner.stats = counters  # these forwards are not the engine's
+    table.req_to_token[row].copy_(padding)
     # Noise must not make a row look free or negative: times grow with the rows.
     steady = [points[0]]
     for size, seconds in points[1:]:
