@@ -598,3 +598,23 @@ def test_drafts_with_lora_adapters(tmp_path: Path) -> None:
         drafted, accepted = _spec(engine)
         assert 0 < accepted < drafted
         engine.check_invariants()
+
+
+def test_an_eagle_head_named_by_hub_id_is_downloaded(
+    eagle_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A head path that is no local directory but reads as `org/name` is downloaded (with
+    EAGLE-1's pytorch_model.bin, which model downloads skip); no hub is reached here."""
+    from radixlm.runtime.speculative import eagle
+
+    asked: list[tuple[str, list[str]]] = []
+
+    def download(repo: str, revision: Any, directory: Any, patterns: list[str]) -> Path:
+        asked.append((repo, patterns))
+        return eagle_models["EAGLE"]
+
+    monkeypatch.setattr(eagle, "download_from_hub", download)
+    spec = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "someone/head"}
+    with Engine(str(eagle_models["target"]), show_progress=False, **spec) as engine:
+        assert len(engine.generate("hello", GREEDY)["output_ids"]) == GREEDY["max_new_tokens"]
+    assert asked == [("someone/head", ["*.json", "*.safetensors", "pytorch_model*.bin"])]

@@ -39,6 +39,7 @@ from torch import nn
 from radixlm.runtime.attention import create_backend
 from radixlm.runtime.forward_batch import BatchEntry, ForwardBatch
 from radixlm.runtime.memory import KVPool
+from radixlm.runtime.model_files import download_from_hub, looks_like_hub_id
 from radixlm.runtime.model_runner import ModelRunner, kv_cache_dtype
 from radixlm.runtime.models.arch import ArchConfig
 from radixlm.runtime.models.decoder import (
@@ -242,11 +243,16 @@ def _tensors(path: Path) -> Iterable[tuple[str, torch.Tensor]]:
 
 
 def load_eagle_head(path: str, kind: str, target: ModelRunner) -> tuple[EagleHead, tuple[int, ...]]:
-    """The head in directory `path` (config.json and weights) for `target`, and the target
-    layers whose inputs EAGLE-3 reads (() for EAGLE)."""
+    """The head in directory `path` (config.json and weights; a hub id `org/name` is
+    downloaded, as models are) for `target`, and the target layers whose inputs EAGLE-3
+    reads (() for EAGLE)."""
     import transformers
 
-    root = Path(path)
+    root = Path(path).expanduser()
+    if not root.exists() and looks_like_hub_id(path):
+        # EAGLE-1 heads ship pytorch_model.bin, which model downloads skip.
+        patterns = ["*.json", "*.safetensors", "pytorch_model*.bin"]
+        root = download_from_hub(path, None, target.config.model.download_dir, patterns)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(
             f"speculative_draft_model_path {path!r} is not a directory with a config.json"
