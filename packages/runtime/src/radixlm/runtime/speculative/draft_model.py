@@ -173,9 +173,6 @@ class DraftModelDrafter:
         self._scratch: dict[Req, list[int]] = {}
         #: Verified K/V to copy from scratch slots into real ones, before the next forward.
         self._copies: list[tuple[int, int]] = []
-        #: Counters: draft forwards and the tokens they computed (catch-up ones included).
-        self.forwards = 0
-        self.tokens_forwarded = 0
 
     def threshold(self, size: int) -> float:
         """See the scheduler's `Drafter`."""
@@ -256,8 +253,6 @@ class DraftModelDrafter:
 
     def _forward(self, entries: list[BatchEntry]) -> list[int]:
         """Run the draft model over `entries`; the argmax after each one's last token."""
-        self.forwards += 1
-        self.tokens_forwarded += sum(len(e.input_ids) for e in entries)
         out = self.runner.forward(ForwardBatch.build(entries, self._table.req_to_token))
         logits = out.next_token_logits[:, : self._vocab]
         return logits.argmax(dim=-1).tolist()

@@ -352,8 +352,6 @@ class EagleDrafter:
         #: Per slot: the token after it that the head's K/V there was computed with (-1:
         #: none; the K/V reads that token's embedding).
         self._next = torch.full((slots + 1,), -1, dtype=torch.int64)
-        self.forwards = 0
-        self.tokens_forwarded = 0
 
     def threshold(self, size: int) -> float:
         """See the scheduler's `Drafter`."""
@@ -436,8 +434,6 @@ class EagleDrafter:
     ) -> tuple[list[int], torch.Tensor]:
         """Run the head over `entries` (`features`: one row per new token); the argmax after
         each entry's last token and the feature it predicts there."""
-        self.forwards += 1
-        self.tokens_forwarded += sum(len(e.input_ids) for e in entries)
         batch = ForwardBatch.build(entries, self._table.req_to_token)
         batch.write_req_to_token()
         self.backend.prepare(batch)
