@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from radixlm.server.openai_models import NamedToolChoice, Tool
@@ -213,6 +213,12 @@ _PIECES = [
 
 
 @settings(max_examples=400, deadline=None)
+@example(  # the tag alone in a chunk: it was sent as content before its call arrived
+    mode="llama3",
+    pieces=['<|python_tag|>{"name": "get_time", "parameters": {}}; '],
+    cuts=[14],
+    one_call=False,
+)
 @given(
     mode=st.sampled_from(["hermes", "llama3", "required", "named"]),
     pieces=st.lists(st.sampled_from(_PIECES), max_size=7),

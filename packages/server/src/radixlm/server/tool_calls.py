@@ -188,6 +188,8 @@ def llama3_view(text: str, final: bool) -> OutputView:
     stripped = text.lstrip()
     if stripped.startswith(tag):
         stripped = stripped[len(tag) :].lstrip()
+        if not stripped and not final:
+            return OutputView()  # the tag alone: its call is still arriving
     elif not final and tag.startswith(stripped):
         return OutputView()  # possibly the tag, still arriving
     if not stripped.startswith("{"):
