@@ -215,3 +215,51 @@ def test_shapes_that_do_not_fit_are_named() -> None:
     step = _step([3] * 17, shape.head_dim)
     with pytest.raises(RuntimeError, match=r"takes 1\.\.16 rows"):
         run(torch.zeros(17, shape.hidden), *step)
+
+
+def _verify_step(
+    length: int, rows_of_first: int, other: int, head_dim: int
+) -> tuple[torch.Tensor, ...]:
+    """A step whose first request computes `rows_of_first` tokens (a token and its drafts:
+    one table row, lengths `length`, `length` + 1, ...) beside a second request's decode."""
+    gen = torch.Generator().manual_seed(4)
+    order = torch.randperm(SLOTS, generator=gen).to(torch.int32)
+    table = torch.zeros(4, 40, dtype=torch.int32)
+    last = length + rows_of_first - 1
+    table[1, :last] = order[:last]
+    table[2, :other] = order[last : last + other]
+    lengths = [length + j for j in range(rows_of_first)] + [other]
+    rows = torch.tensor([1] * rows_of_first + [2], dtype=torch.int64)
+    out_slots = torch.tensor([int(table[1, n - 1]) for n in lengths[:-1]] + [int(table[2, other - 1])])
+    angles = torch.rand(len(lengths), head_dim // 2, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    return (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), out_slots, table, rows,
+            torch.tensor(lengths, dtype=torch.int64))  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 7])
+def test_rows_of_one_request_attend_together_as_the_reference_and_as_alone(
+    head_dim: int, window: int | None
+) -> None:
+    """A verify step (one request's token and drafts in one table row, next to another
+    request) against the torch layers; and each of its rows bit for bit what that row gives
+    computed alone (head dims 64 and 128 take the grouped attention on AVX-512)."""
+    shape, layers = _model("int4", 32, qk_norm=False, bias=False, window=window, heads=6,
+                           kv_heads=2, head_dim=head_dim, layers=1)  # fmt: skip
+    step = _verify_step(20, 4, 25, head_dim)
+    hidden = torch.randn(5, shape.hidden, generator=torch.Generator().manual_seed(5))
+    got, want, _k, _v = _run_both(shape, layers, hidden, step)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+    cos, sin, out_slots, table, rows, lengths = step
+    pools = [(layer.k_pool.clone(), layer.v_pool.clone()) for layer in layers]
+    DecodeLayers(shape, layers)(hidden.clone(), *step)  # every row's K/V in the pool
+    for index in range(5):
+        alone = hidden[index : index + 1].clone()
+        pick = slice(index, index + 1)
+        DecodeLayers(shape, layers)(alone, cos[pick], sin[pick], out_slots[pick], table,
+                                    rows[pick], lengths[pick])  # fmt: skip
+        assert torch.equal(alone[0], got[index]), f"row {index}"
+    for layer, (k, v) in zip(layers, pools, strict=True):
+        layer.k_pool.copy_(k)
+        layer.v_pool.copy_(v)

@@ -173,7 +173,7 @@ static inline void prefetch_row(const float *row, int floats) {
  * of a slot are contiguous), the row a few slots ahead prefetched: the slots are scattered
  * through the pool, and the loads would otherwise wait on memory one row at a time.
  * `scores` holds heads x (length - first) floats; `totals` heads. */
-static void attend(const float *q, int heads, int per_kv, const float *k_pool, const float *v_pool,
+static void attend_any(const float *q, int heads, int per_kv, const float *k_pool, const float *v_pool,
                    const int32_t *slots, int first, int length, int stride, int head_dim,
                    float scaling, float *scores, float *totals, float *out) {
     const int ahead = 6;
@@ -199,7 +199,130 @@ static void attend(const float *q, int heads, int per_kv, const float *k_pool, c
     }
 }
 
+#ifdef __AVX512F__
+/* The rows r of one request in this step (a decode alone, or a verify step's token and its
+ * drafts) over their keys: row j's queries q + j * q_stride ([heads, head_dim]) over keys
+ * firsts[j] .. lengths[j] - 1, into out + j * out_stride. Each key's row is read once for
+ * all the rows (from memory once, where one row at a time reads a long context r times);
+ * `chunks` = head_dim / 16 (4 or 8: constant where this is inlined, the vectors in
+ * registers). A row takes the same operations whatever the other rows of its group: its
+ * output does not depend on them. `scores` holds r x heads x (hi - lo) floats, lo and hi the
+ * group's least first key and most length; `totals` r x heads. */
+static inline __attribute__((always_inline)) void attend_group512(
+    const float *q, int q_stride, int r, const int *firsts, const int *lengths, int heads,
+    int per_kv, const float *k_pool, const float *v_pool, const int32_t *slots, int stride,
+    const int chunks, float scaling, float *scores, float *totals, float *out, int out_stride) {
+    const int ahead = 6, head_dim = chunks * 16, kv_heads = heads / per_kv;
+    int lo = firsts[0], hi = lengths[0];
+    for (int j = 1; j < r; j++) {
+        lo = firsts[j] < lo ? firsts[j] : lo;
+        hi = lengths[j] > hi ? lengths[j] : hi;
+    }
+    const int span = hi - lo;
+    for (int i = lo; i < hi; i++) {
+        if (i + ahead < hi) prefetch_row(k_pool + (size_t)slots[i + ahead] * stride, stride);
+        const float *row = k_pool + (size_t)slots[i] * stride;
+        for (int g = 0; g < kv_heads; g++) {
+            __m512 key[8];
+            for (int c = 0; c < chunks; c++) key[c] = _mm512_loadu_ps(row + g * head_dim + 16 * c);
+            for (int j = 0; j < r; j++) {
+                if (i < firsts[j] || i >= lengths[j]) continue;
+                const float *qj = q + (size_t)j * q_stride;
+                for (int t = 0; t < per_kv; t++) {
+                    int h = g * per_kv + t;
+                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qj + h * head_dim), key[0]);
+                    for (int c = 1; c < chunks; c++)
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qj + h * head_dim + 16 * c), key[c], acc);
+                    scores[((size_t)j * heads + h) * span + (i - lo)] = _mm512_reduce_add_ps(acc) * scaling;
+                }
+            }
+        }
+    }
+    float *inv = totals;
+    for (int j = 0; j < r; j++)
+        for (int h = 0; h < heads; h++) {
+            float *p = scores + ((size_t)j * heads + h) * span + (firsts[j] - lo);
+            inv[j * heads + h] = 1.0f / softmax_numerators(p, lengths[j] - firsts[j]);
+        }
+    /* values: per KV head and row, up to 16 / chunks of its query heads at once (their sums
+     * in registers), each key's vector loaded once for them */
+    const int per_pass = 16 / chunks;
+    for (int g = 0; g < kv_heads; g++)
+        for (int j = 0; j < r; j++)
+            for (int t0 = 0; t0 < per_kv; t0 += per_pass) {
+                int these = per_kv - t0 < per_pass ? per_kv - t0 : per_pass;
+                const float *p[4];
+                __m512 acc[4][8];
+                for (int t = 0; t < per_pass; t++) {
+                    p[t] = scores + ((size_t)j * heads + g * per_kv + t0 + (t < these ? t : 0)) * span - lo;
+                    for (int c = 0; c < chunks; c++) acc[t][c] = _mm512_setzero_ps();
+                }
+                for (int i = firsts[j]; i < lengths[j]; i++) {
+                    if (g == 0 && j == 0 && t0 == 0 && i + ahead < lengths[j])
+                        prefetch_row(v_pool + (size_t)slots[i + ahead] * stride, stride);
+                    const float *v = v_pool + (size_t)slots[i] * stride + g * head_dim;
+                    __m512 value[8];
+                    for (int c = 0; c < chunks; c++) value[c] = _mm512_loadu_ps(v + 16 * c);
+                    for (int t = 0; t < per_pass; t++) {
+                        if (t < these) {
+                            __m512 weight = _mm512_set1_ps(p[t][i]);
+                            for (int c = 0; c < chunks; c++) acc[t][c] = _mm512_fmadd_ps(weight, value[c], acc[t][c]);
+                        }
+                    }
+                }
+                for (int t = 0; t < these; t++) {
+                    int h = g * per_kv + t0 + t;
+                    __m512 scale = _mm512_set1_ps(inv[j * heads + h]);
+                    float *o = out + (size_t)j * out_stride + h * head_dim;
+                    for (int c = 0; c < chunks; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[t][c], scale));
+                }
+            }
+}
+#endif
+
+/* The rows r of one request (see attend_group512) over their keys: the group path where it
+ * applies, else row by row. */
+static void attend(const float *q, int q_stride, int r, const int *firsts, const int *lengths,
+                   int heads, int per_kv, const float *k_pool, const float *v_pool,
+                   const int32_t *slots, int stride, int head_dim, float scaling, float *scores,
+                   float *totals, float *out, int out_stride) {
+#ifdef __AVX512F__
+    if (head_dim == 64 || head_dim == 128) {
+        if (head_dim == 64)
+            attend_group512(q, q_stride, r, firsts, lengths, heads, per_kv, k_pool, v_pool,
+                            slots, stride, 4, scaling, scores, totals, out, out_stride);
+        else
+            attend_group512(q, q_stride, r, firsts, lengths, heads, per_kv, k_pool, v_pool,
+                            slots, stride, 8, scaling, scores, totals, out, out_stride);
+        return;
+    }
+#endif
+    for (int j = 0; j < r; j++)
+        attend_any(q + (size_t)j * q_stride, heads, per_kv, k_pool, v_pool, slots, firsts[j],
+                   lengths[j], stride, head_dim, scaling, scores, totals,
+                   out + (size_t)j * out_stride);
+}
+
+/* The most rows of one request attended together. */
+#define MAX_GROUP 16
+
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* out = silu(gate) * up, eight at a time with exp256 (its clamps keep x / (1 + e^-x) right
+ * at both ends: e^88 for x <= -88 gives 0, e^-87 for x >= 87 gives x). */
+static void silu_times(const float *gate, const float *up, float *out, int n) {
+    int j = 0;
+#ifdef RADIXLM_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; j + 8 <= n; j += 8) {
+        __m256 g = _mm256_loadu_ps(gate + j);
+        __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        __m256 act = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(act, _mm256_loadu_ps(up + j)));
+    }
+#endif
+    for (; j < n; j++) out[j] = silu(gate[j]) * up[j];
+}
 
 /* hidden [M, hidden] in place through every layer; cos/sin [M, head_dim]. Returns 0, -1 for
  * shapes a product does not take, -2 when memory runs out. */
@@ -218,8 +341,8 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
     float *wide = malloc(sizeof(float) * (size_t)m_rows * width);
     float *attended = malloc(sizeof(float) * (size_t)m_rows * q_size);
     float *projected = malloc(sizeof(float) * (size_t)m_rows * h);
-    float *scores = malloc(sizeof(float) * (size_t)longest * heads);
-    float *totals = malloc(sizeof(float) * (size_t)heads);
+    float *scores = malloc(sizeof(float) * (size_t)longest * heads * MAX_GROUP);
+    float *totals = malloc(sizeof(float) * (size_t)heads * MAX_GROUP);
     int code = 0;
     if (!normed || !wide || !attended || !projected || !scores || !totals) code = -2;
     for (int layer = 0; layer < shape->layers && !code; layer++) {
@@ -240,11 +363,19 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
             }
             memcpy(l->k_pool + (size_t)out_slots[m] * kv_size, k, sizeof(float) * kv_size);
             memcpy(l->v_pool + (size_t)out_slots[m] * kv_size, v, sizeof(float) * kv_size);
-            const int32_t *slots = table + rows[m] * table_stride;
-            int length = (int)lengths[m];
-            int first = l->window > 0 && length > l->window ? length - l->window : 0;
-            attend(q, heads, per_kv, l->k_pool, l->v_pool, slots, first, length, kv_size, hd,
-                   shape->scaling, scores, totals, attended + (size_t)m * q_size);
+        }
+        /* rows of one request together (their new K/V all in the pool now: a row's keys end
+         * at its own token) */
+        for (int m = 0, end; m < m_rows; m = end) {
+            int firsts[MAX_GROUP], ends[MAX_GROUP];
+            for (end = m; end < m_rows && end - m < MAX_GROUP && rows[end] == rows[m]; end++) {
+                int length = (int)lengths[end];
+                ends[end - m] = length;
+                firsts[end - m] = l->window > 0 && length > l->window ? length - l->window : 0;
+            }
+            attend(wide + (size_t)m * qkv_size, qkv_size, end - m, firsts, ends, heads, per_kv,
+                   l->k_pool, l->v_pool, table + rows[m] * table_stride, kv_size, hd,
+                   shape->scaling, scores, totals, attended + (size_t)m * q_size, q_size);
         }
         if ((code = linear(&l->o, attended, m_rows, projected))) break;
         for (size_t i = 0; i < (size_t)m_rows * h; i++) hidden[i] += projected[i];
@@ -253,8 +384,7 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
         if ((code = linear(&l->gate_up, normed, m_rows, wide))) break;
         for (int m = 0; m < m_rows; m++) {
             const float *gate = wide + (size_t)m * 2 * inter, *up = gate + inter;
-            float *act = normed + (size_t)m * inter;
-            for (int j = 0; j < inter; j++) act[j] = silu(gate[j]) * up[j];
+            silu_times(gate, up, normed + (size_t)m * inter, inter);
         }
         if ((code = linear(&l->down, normed, m_rows, projected))) break;
         for (size_t i = 0; i < (size_t)m_rows * h; i++) hidden[i] += projected[i];

@@ -23,6 +23,13 @@
 #define RADIXLM_AVX2 1
 #endif
 
+/* AVX-512 with VNNI (Zen 4, Ice Lake and later): a block pair's dot product is one
+ * `vpdpbusd` over 64 bytes, the per-block scales applied in 16 float lanes. */
+#if defined(RADIXLM_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) &&                 \
+    defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define RADIXLM_VNNI 1
+#endif
+
 #define BLOCK 32
 
 /* Per row m and block b: the int8 values (with `interleave`, even columns first, then odd
@@ -61,9 +68,12 @@ static void quantize_rows(const float *x, int m_rows, int k, int interleave, int
 typedef struct {
     int8_t *q;
     float *scale, *sum;
+    /* VNNI builds: each block's scale eight times over (its lanes of a pair's product), so
+     * that a pair's scales are one load */
+    float *wide;
 } Activations;
 
-static void release(Activations *a) { free(a->q), free(a->scale), free(a->sum); }
+static void release(Activations *a) { free(a->q), free(a->scale), free(a->sum), free(a->wide); }
 
 /* Allocates and fills `a`; nonzero (nothing held) when memory runs out. */
 static int prepare(const float *x, int m_rows, int k, int interleave, Activations *a) {
@@ -71,11 +81,24 @@ static int prepare(const float *x, int m_rows, int k, int interleave, Activation
     a->q = malloc((size_t)m_rows * k);
     a->scale = malloc(sizeof(float) * blocks);
     a->sum = malloc(sizeof(float) * blocks);
-    if (!a->q || !a->scale || !a->sum) {
+#ifdef RADIXLM_VNNI
+    a->wide = malloc(sizeof(float) * blocks * 8);
+#else
+    a->wide = NULL;
+#endif
+    if (!a->q || !a->scale || !a->sum
+#ifdef RADIXLM_VNNI
+        || !a->wide
+#endif
+    ) {
         release(a);
         return 1;
     }
     quantize_rows(x, m_rows, k, interleave, a->q, a->scale, a->sum);
+#ifdef RADIXLM_VNNI
+    for (size_t b = 0; b < blocks; b++)
+        _mm256_storeu_ps(a->wide + b * 8, _mm256_set1_ps(a->scale[b]));
+#endif
     return 0;
 }
 
@@ -175,6 +198,117 @@ static inline void tile_dot(const uint8_t *q, const float *s, const float *z, co
 }
 #endif
 
+#ifdef RADIXLM_VNNI
+#define VNNI_TILE 8
+
+/* Lanes 0-7 p[0], lanes 8-15 p[1] (the scales of a block pair; with `one`, p[0] and zeros:
+ * an odd last block, nothing read past it). */
+static inline __m512 pair_scale(const float *p, int one) {
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(halves, _mm512_maskz_loadu_ps(one ? 0x1 : 0x3, p));
+}
+
+/* 256 bits in the low half of 512, zeros above. */
+static inline __m512i widen(__m256i v) { return _mm512_inserti64x4(_mm512_setzero_si512(), v, 0); }
+
+/* The int4 codes of blocks b and b + 1 (32 bytes from q) as 64 unsigned bytes, each block
+ * in the order its activations are stored (even columns, then odd ones). */
+static inline __m512i pair_codes(const uint8_t *q) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256i packed = _mm256_loadu_si256((const __m256i *)q);
+    __m256i low = _mm256_and_si256(packed, mask);
+    __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); /* l0 l1 h0 h1 */
+    return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));        /* l0 h0 l1 h1 */
+}
+
+/* Each block's group scale (and zero point, when z is not NULL) of one weight row, for
+ * groups of more than one block. */
+static void block_scales(const float *s, const float *z, int groups, int per_group, float *bs,
+                         float *bz) {
+    for (int g = 0, b = 0; g < groups; g++)
+        for (int j = 0; j < per_group; j++, b++) {
+            bs[b] = s[g];
+            if (z) bz[b] = z[g];
+        }
+}
+
+#define LANES_UP_TO(count) ((count) >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count)) - 1))
+
+/* Outputs of activation rows m0 .. m0 + tile - 1 (tile <= VNNI_TILE) for one int4 weight row
+ * with block scales bs and zero points bz: per block pair the codes unpacked and the weight
+ * scales set once, then per row one `vpdpbusd` (exact int32 sums of code x int8 value), one
+ * conversion and one multiply-add by the pair's weight x activation scales; the zero points'
+ * part (scale x zero x the activations' sum, per block) is taken off the same lanes, 16
+ * blocks at a time, before their one sum. As in `tile_dot`, every row takes the same
+ * operations whatever the tile: a row's output does not depend on the call's other rows. */
+static inline __attribute__((always_inline)) void tile_dot_vnni(
+    const uint8_t *q, const float *bs, const float *bz, const Activations *a, int blocks,
+    int m0, int tile, float *got) {
+    __m512 acc[VNNI_TILE];
+    for (int m = 0; m < VNNI_TILE; m++) acc[m] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b += 2) {
+        int one = b + 1 == blocks; /* an odd last block, in the low half */
+        __m512i codes = one ? widen(block_codes(q + (size_t)b * 16)) : pair_codes(q + (size_t)b * 16);
+        __m512 ws = pair_scale(bs + b, one);
+        for (int m = 0; m < VNNI_TILE; m++) {
+            if (m < tile) {
+                size_t at = (size_t)(m0 + m) * blocks + b;
+                const int8_t *xq = a->q + at * BLOCK;
+                __m512i xv = one ? widen(_mm256_loadu_si256((const __m256i *)xq))
+                                 : _mm512_loadu_si512((const void *)xq);
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xv);
+                __m512 sc = _mm512_mul_ps(ws, _mm512_maskz_loadu_ps(one ? 0xFF : 0xFFFF, a->wide + at * 8));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[m]);
+            }
+        }
+    }
+    for (int c = 0; c < blocks; c += 16) {
+        __mmask16 lanes = LANES_UP_TO(blocks - c);
+        __m512 shift = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, bs + c), _mm512_maskz_loadu_ps(lanes, bz + c));
+        for (int m = 0; m < VNNI_TILE; m++) {
+            if (m < tile) {
+                const float *sums = a->sum + (size_t)(m0 + m) * blocks + c;
+                acc[m] = _mm512_fnmadd_ps(shift, _mm512_maskz_loadu_ps(lanes, sums), acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < tile; m++) got[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+/* As tile_dot_vnni for one int8 weight row (signed x signed): the activations are stored
+ * offset by 128 (unsigned), and each pair's sums start at -128 x the sum of the weights of
+ * each group of four (one `vpdpbusd` of 128s per pair, shared by the tile). */
+static inline __attribute__((always_inline)) void tile_dot8_vnni(
+    const int8_t *w, const float *bs, const Activations *a, int blocks, int m0, int tile,
+    float *got) {
+    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    __m512 acc[VNNI_TILE];
+    for (int m = 0; m < VNNI_TILE; m++) acc[m] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b += 2) {
+        int one = b + 1 == blocks;
+        const int8_t *wb = w + (size_t)b * BLOCK;
+        __m512i wv = one ? widen(_mm256_loadu_si256((const __m256i *)wb))
+                         : _mm512_loadu_si512((const void *)wb);
+        __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, wv));
+        __m512 ws = pair_scale(bs + b, one);
+        for (int m = 0; m < VNNI_TILE; m++) {
+            if (m < tile) {
+                size_t at = (size_t)(m0 + m) * blocks + b;
+                const int8_t *xq = a->q + at * BLOCK;
+                __m512i xv = one ? widen(_mm256_loadu_si256((const __m256i *)xq))
+                                 : _mm512_loadu_si512((const void *)xq);
+                __m512i dot = _mm512_dpbusd_epi32(start, xv, wv);
+                __m512 sc = _mm512_mul_ps(ws, _mm512_maskz_loadu_ps(one ? 0xFF : 0xFFFF, a->wide + at * 8));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < tile; m++) got[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
 #define MAX_ROWS 16
 
 /* out[M, N] = x[M, K] @ dequant(qweight)^T; M <= MAX_ROWS, K a multiple of `group`, `group`
@@ -185,6 +319,40 @@ int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
     int blocks = k / BLOCK, per_group = group / BLOCK, groups = k / group;
     Activations a;
     if (prepare(x, m_rows, k, 1, &a)) return -1;
+#ifdef RADIXLM_VNNI
+    /* groups of several blocks: each block's scale and zero point, per weight row */
+    float *expanded = per_group > 1 ? malloc(sizeof(float) * 2 * (size_t)blocks) : NULL;
+    if (per_group > 1 && !expanded) {
+        release(&a);
+        return -1;
+    }
+    for (int row = 0; row < n; row++) {
+        const uint8_t *q = qweight + (size_t)row * (k / 2);
+        const float *bs = scales + (size_t)row * groups, *bz = zeros + (size_t)row * groups;
+        if (expanded) {
+            block_scales(bs, bz, groups, per_group, expanded, expanded + blocks);
+            bs = expanded, bz = expanded + blocks;
+        }
+        for (int m0 = 0, tile; m0 < m_rows; m0 += tile) {
+            float got[VNNI_TILE];
+            tile = m_rows - m0 < VNNI_TILE ? m_rows - m0 : VNNI_TILE;
+            switch (tile) { /* constant tiles: their loops unroll */
+            case 1: tile_dot_vnni(q, bs, bz, &a, blocks, m0, 1, got); break;
+            case 2: tile_dot_vnni(q, bs, bz, &a, blocks, m0, 2, got); break;
+            case 3: tile_dot_vnni(q, bs, bz, &a, blocks, m0, 3, got); break;
+            case 4: tile_dot_vnni(q, bs, bz, &a, blocks, m0, 4, got); break;
+            case 5: tile_dot_vnni(q, bs, bz, &a, blocks, m0, 5, got); break;
+            case 6: tile_dot_vnni(q, bs, bz, &a, blocks, m0, 6, got); break;
+            case 7: tile_dot_vnni(q, bs, bz, &a, blocks, m0, 7, got); break;
+            default: tile_dot_vnni(q, bs, bz, &a, blocks, m0, 8, got);
+            }
+            for (int m = 0; m < tile; m++) out[(size_t)(m0 + m) * n + row] = got[m];
+        }
+    }
+    free(expanded);
+    release(&a);
+    return 0;
+#endif
     const int8_t *xq = a.q;
     const float *xs = a.scale, *xsum = a.sum;
     for (int row = 0; row < n; row++) {
@@ -265,6 +433,40 @@ int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
     int blocks = k / BLOCK, per_group = group / BLOCK, groups = k / group;
     Activations a;
     if (prepare(x, m_rows, k, 0, &a)) return -1;
+#ifdef RADIXLM_VNNI
+    float *expanded = per_group > 1 ? malloc(sizeof(float) * (size_t)blocks) : NULL;
+    if (per_group > 1 && !expanded) {
+        release(&a);
+        return -1;
+    }
+    for (size_t i = 0; i < (size_t)m_rows * k; i++) a.q[i] ^= (int8_t)0x80; /* +128: unsigned */
+    for (int row = 0; row < n; row++) {
+        const int8_t *w = weight + (size_t)row * k;
+        const float *bs = scales + (size_t)row * groups;
+        if (expanded) {
+            block_scales(bs, NULL, groups, per_group, expanded, NULL);
+            bs = expanded;
+        }
+        for (int m0 = 0, tile; m0 < m_rows; m0 += tile) {
+            float got[VNNI_TILE];
+            tile = m_rows - m0 < VNNI_TILE ? m_rows - m0 : VNNI_TILE;
+            switch (tile) { /* constant tiles: their loops unroll */
+            case 1: tile_dot8_vnni(w, bs, &a, blocks, m0, 1, got); break;
+            case 2: tile_dot8_vnni(w, bs, &a, blocks, m0, 2, got); break;
+            case 3: tile_dot8_vnni(w, bs, &a, blocks, m0, 3, got); break;
+            case 4: tile_dot8_vnni(w, bs, &a, blocks, m0, 4, got); break;
+            case 5: tile_dot8_vnni(w, bs, &a, blocks, m0, 5, got); break;
+            case 6: tile_dot8_vnni(w, bs, &a, blocks, m0, 6, got); break;
+            case 7: tile_dot8_vnni(w, bs, &a, blocks, m0, 7, got); break;
+            default: tile_dot8_vnni(w, bs, &a, blocks, m0, 8, got);
+            }
+            for (int m = 0; m < tile; m++) out[(size_t)(m0 + m) * n + row] = got[m];
+        }
+    }
+    free(expanded);
+    release(&a);
+    return 0;
+#endif
     const int8_t *xq = a.q;
     const float *xs = a.scale;
     for (int row = 0; row < n; row++) {

@@ -6,7 +6,8 @@ A step's time grows with its rows in ways that differ by orders between machines
 formats — float32 on a CPU reads 4 bytes a weight and its first rows are nearly free; the
 int4 C kernels compute each row on its own; past a few rows either grows faster — so on CPUs
 it is measured at start: forwards of 1, 2, 4, 8 ... tokens of one sequence at the request
-table's padding row, writing only the pool's padding slot. Elsewhere a step is taken to cost
+table's padding row, writing only the pool's padding slot, with every row's logits (as a
+verify step: the LM head is a large part of a row's cost). Elsewhere a step is taken to cost
 16 rows besides its rows (reading the weights dominates a GPU's decode step).
 """
 
@@ -82,7 +83,8 @@ def measure_step_cost(runner: ModelRunner, up_to: int = 8, repeats: int = 3) -> 
     row, slot = table.padding_row, runner.kv_pool.padding_slot
 
     def best(count: int) -> float:
-        entries = [BatchEntry(row, [0] * count, 0, [slot] * count)]
+        # Every row's logits, as a step that verifies drafts computes them.
+        entries = [BatchEntry(row, [0] * count, 0, [slot] * count, num_logits=count)]
         fastest = float("inf")
         for _ in range(repeats):
             batch = ForwardBatch.build(entries, table.req_to_token)
