@@ -80,7 +80,7 @@ def test_spec_bench_runs(tmp_path: Path) -> None:
     out = tmp_path / "spec.json"
     # One algorithm: the two share the bench's code (and four engines would take a minute).
     args = ["--algorithms", "ngram", "--batches", "2", "--workloads", "code",
-            "--new-tokens", "8", "--repeats", "1", "--json", str(out)]  # fmt: skip
+            "--new-tokens", "8", "--repeats", "1", "--prompts", "2", "--json", str(out)]  # fmt: skip
     assert bench.main(args) == 0  # 0: the outputs with and without drafts are the same
     rows = json.loads(out.read_text())["rows"]
     assert [(r["algorithm"], r["batch"]) for r in rows] == [("ngram", 2)]

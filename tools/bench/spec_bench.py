@@ -11,10 +11,12 @@ name changed) and summaries that quote the text.
   float32 model without drafts.
 
 Each pair of engines is loaded at once and their runs alternate (the best of `--repeats`).
-Each case runs B requests at once on a flushed cache (so NGRAM's drafts come from the
-requests' own tokens, never from an earlier run's answers), first with max_new_tokens 1
-(the prefill alone) and then with the full budget; decode tok/s is the tokens after the
-first over the difference of the two times. The greedy outputs of the two engines are
+Each case runs at least `--prompts` prompts (4), B requests at once, one group after
+another, each group on a flushed cache (so NGRAM's drafts come from the requests' own
+tokens, never from an earlier run's answers), first with max_new_tokens 1 (the prefill
+alone) and then with the full budget; decode tok/s is the tokens after the first over the
+sum of the differences of the two times (one prompt's answer alone would make batch 1 a
+matter of what that one answer happens to repeat). The greedy outputs of the two engines are
 compared token by token (they must be equal).
 
     .venv/bin/python tools/bench/spec_bench.py                         # ~35 min on one core
@@ -96,26 +98,31 @@ def prompts(workload: str, count: int, tokenizer: Any) -> list[str]:
     ]
 
 
-def run_case(engine: Any, texts: list[str], new_tokens: int) -> dict[str, Any]:
+def run_case(engine: Any, texts: list[str], batch: int, new_tokens: int) -> dict[str, Any]:
+    """`texts` in groups of `batch` requests at once, one group after another: decode tok/s
+    over all of them (each group's prefill timed alone first and left out)."""
     params = {"temperature": 0.0, "max_new_tokens": new_tokens}
-    engine.flush_cache()
-    start = time.perf_counter()
-    engine.generate(texts, {**params, "max_new_tokens": 1})
-    prefill = time.perf_counter() - start
-    engine.flush_cache()
     before = engine.get_server_info()
-    start = time.perf_counter()
-    outs = engine.generate(texts, params)
-    total = time.perf_counter() - start
+    outputs: list[list[int]] = []
+    decode = 0.0
+    for at in range(0, len(texts), batch):
+        group = texts[at : at + batch]
+        engine.flush_cache()
+        start = time.perf_counter()
+        engine.generate(group, {**params, "max_new_tokens": 1})
+        prefill = time.perf_counter() - start
+        engine.flush_cache()
+        start = time.perf_counter()
+        outs = engine.generate(group, params)
+        decode += max(time.perf_counter() - start - prefill, 1e-9)
+        outputs += [o["output_ids"] for o in outs]
     after = engine.get_server_info()
-    tokens = sum(len(o["output_ids"]) for o in outs)
+    tokens = sum(len(o) for o in outputs)
     steps = after["spec_verify_steps"] - before["spec_verify_steps"]
     accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-    decode = max(total - prefill, 1e-9)
     return {
-        "outputs": [o["output_ids"] for o in outs],
+        "outputs": outputs,
         "tokens": tokens,
-        "seconds": total,
         "decode_tok_s": (tokens - len(texts)) / decode,
         "accept_length": (accepted + steps) / steps if steps else None,
     }
@@ -127,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="code,summary")
     parser.add_argument("--algorithms", default="ngram,standalone")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=4,
+        help="at least this many prompts per case, in groups of the batch",
+    )
     parser.add_argument("--num-draft-tokens", type=int, default=5)
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=2, help="alternated runs, best kept")
@@ -175,12 +188,13 @@ def main(argv: list[str] | None = None) -> int:
             for workload in workloads:
                 for batch in batches:
                     key = (workload, batch)
-                    texts = prompts(workload, batch, plain.tokenizer)
+                    count = -(-max(batch, args.prompts) // batch) * batch
+                    texts = prompts(workload, count, plain.tokenizer)
                     for engine in engines.values():
-                        run_case(engine, texts[:1], 4)  # warm-up
+                        run_case(engine, texts[:1], 1, 4)  # warm-up
                     for _ in range(args.repeats):
                         for name, engine in engines.items():
-                            got = run_case(engine, texts, args.new_tokens)
+                            got = run_case(engine, texts, batch, args.new_tokens)
                             best = results[name].get(key)
                             if best is None or got["decode_tok_s"] > best["decode_tok_s"]:
                                 results[name][key] = got

@@ -4,9 +4,10 @@ torch has no fast product of 4-bit weights with few rows of float activations on
 without AVX-512 (`_weight_int4pack_mm_for_cpu` reaches about 2 GB/s of weights on one AVX2
 core, a quarter of what the memory gives). `int4_linear` multiplies radixlm's int4 layout
 with activations quantized per block of 32 columns to int8 (llama.cpp's arithmetic for its
-4-bit blocks), one AVX2 multiply-add per 32 weights; `int8_linear` int8 weights with a scale
-per row or per group of columns (llama.cpp's Q8_0 at 32) the same way; `f32_linear` float32
-weights with fused multiply-adds (for the decode step of `decode`); see `gemv.c`.
+4-bit blocks), one AVX2 multiply-add per 32 weights, or one AVX-512 VNNI `vpdpbusd` per 64
+where the CPU has it; `int8_linear` int8 weights with a scale per row or per group of columns
+(llama.cpp's Q8_0 at 32) the same way; `f32_linear` float32 weights with fused multiply-adds
+(for the decode step of `decode`); see `gemv.c`.
 
 It runs on one thread (no OpenMP runtime beside torch's): callers use it where torch itself
 runs one intra-op thread (a replica per core, as the CPU benchmarks run every server).
