@@ -90,9 +90,10 @@ def test_every_choice_the_cli_offers_is_accepted() -> None:
 
     # Choices that need a companion setting get it.
     draft = {"speculative_draft_model_path": "/d"}
-    companions = {
+    companions: dict[tuple[str, object], dict[str, str]] = {
         ("speculative_algorithm", kind): draft for kind in ("STANDALONE", "EAGLE", "EAGLE3")
     }
+    companions[("hicache_storage_backend", "file")] = {"hicache_storage_dir": "/pages"}
     for keyword, choices in ENGINE_CHOICES.items():
         for value in choices:
             EngineConfig.from_kwargs(

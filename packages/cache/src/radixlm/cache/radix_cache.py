@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import heapq
+import struct
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, NamedTuple
 
 from radixlm.cache._node import (
+    TOKEN_FORMAT,
     RadixNode,
     Tokens,
     as_tokens,
@@ -508,7 +510,7 @@ class RadixCache:
 
     # ------------------------------------------------------------------------------- eviction
 
-    def evict(self, num_tokens: int) -> list[int]:
+    def evict(self, num_tokens: int, demote: Callable[[Demoted], None] | None = None) -> list[int]:
         """Remove unlocked leaves until at least `num_tokens` tokens are freed; return slot ids.
 
         Leaves go in policy order (LRU: least recently used first; LFU: fewest uses, then
@@ -517,6 +519,10 @@ class RadixCache:
         than `num_tokens` ids, or fewer if nothing else is evictable. Locked paths are never
         touched. The cache frees nothing itself: the caller gives the returned ids back to
         their pool. Mutates the tree and stats; handles to removed nodes become stale.
+
+        `demote` (a hierarchical cache) is called with each leaf before it goes, while its
+        slots and its ancestors' still hold their K/V: the whole sequence up to the leaf's
+        end, so that the caller can copy the pages it completes to a lower tier.
         """
         if num_tokens <= 0 or self._disabled:
             return []
@@ -531,6 +537,8 @@ class RadixCache:
             if not valid(entry, node):
                 continue
             parent = node.parent
+            if demote is not None:
+                demote(_demoted(node))
             del parent.children[node.ckey]
             node.parent = None
             # A node owns its value list outright: hand the first one over instead of copying
@@ -623,3 +631,28 @@ class RadixCache:
 
 def _last_use(node: RadixNode) -> int:
     return node.tick
+
+
+class Demoted(NamedTuple):
+    """A leaf about to be evicted (see `RadixCache.evict`): `tokens` and `slots` of the whole
+    sequence from the root to the leaf's end (the leaf's own part from `start` on), in
+    `namespace`. Valid during the call only: the slots are freed after it."""
+
+    tokens: list[int]
+    slots: list[int]
+    start: int
+    namespace: Hashable | None
+
+
+def _demoted(node: RadixNode) -> Demoted:
+    keys: list[bytes] = []
+    values: list[list[int]] = []
+    at: RadixNode | None = node
+    while at is not None and at.parent is not None:
+        keys.append(at.key)
+        values.append(at.value)
+        at = at.parent
+    packed = b"".join(reversed(keys))
+    tokens = list(struct.unpack(f"{len(packed) >> 3}{TOKEN_FORMAT}", packed))
+    slots = [slot for value in reversed(values) for slot in value]
+    return Demoted(tokens, slots, node.end - len(node.value), node.namespace)

@@ -28,6 +28,9 @@ AttentionBackendName = Literal["auto", "torch_native", "triton"]
 LogprobsMode = Literal["raw", "processed"]
 SchedulePolicy = Literal["lpm", "dfs-weight", "fcfs", "random"]
 EvictionPolicy = Literal["lru", "lfu"]
+HiCacheWritePolicy = Literal["write_through", "write_back", "write_through_selective"]
+HiCacheStorageBackend = Literal["file"]
+HiCacheHostDtype = Literal["auto", "bfloat16", "float8_e4m3fn"]
 #: The structured-output backends an engine can be started with (`auto` picks per constraint
 #: among the installed ones; `none` refuses constraints).
 GrammarBackendName = Literal["auto", "xgrammar", "llguidance", "outlines", "none"]
@@ -402,13 +405,58 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """The radix (prefix) cache: `disable_radix_cache` turns reuse off (for comparisons);
-    `eviction_policy` is `lru` or `lfu`."""
+    `eviction_policy` is `lru` or `lfu`.
+
+    The hierarchical cache (SGLang's HiCache flags): with `hierarchical`, what the KV pool
+    evicts moves to a host-memory pool (L2) instead of being dropped, and comes back when a
+    prompt's prefix is found there, instead of being computed again.
+
+    - `hicache_ratio`: the host pool's size as a multiple of the KV pool's tokens (default
+      2); `hicache_size`: its size in GB instead (0: use the ratio).
+    - `hicache_write_policy`: `write_through` (pages are copied down as soon as they are
+      cached), `write_back` (on eviction), `write_through_selective` (down at once once a
+      prefix is hit again, else on eviction).
+    - `hicache_storage_backend`: None, or `file`: a storage tier (L3) under the host pool,
+      one file per page named by its prefix hash in `hicache_storage_dir`, kept across
+      restarts and shareable by replicas of the same model.
+    - `hicache_page_size`: tokens per page of the lower tiers (a multiple of the KV pool's
+      page size; default 64).
+    - `hicache_host_dtype`: `auto` (the KV pool's dtype: exact), or `bfloat16` /
+      `float8_e4m3fn` to hold more tokens per byte (the K/V read back are rounded).
+    """
 
     disable_radix_cache: bool = False
     eviction_policy: EvictionPolicy = "lru"
+    hierarchical: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    hicache_write_policy: HiCacheWritePolicy = "write_through"
+    hicache_storage_backend: HiCacheStorageBackend | None = None
+    hicache_storage_dir: str | None = None
+    hicache_page_size: int = 64
+    hicache_host_dtype: HiCacheHostDtype = "auto"
 
     def __post_init__(self) -> None:
         _choice("radix_eviction_policy", self.eviction_policy, EvictionPolicy)
+        _choice("hicache_write_policy", self.hicache_write_policy, HiCacheWritePolicy)
+        _choice("hicache_host_dtype", self.hicache_host_dtype, HiCacheHostDtype)
+        if self.hicache_storage_backend is not None:
+            _choice("hicache_storage_backend", self.hicache_storage_backend, HiCacheStorageBackend)
+        if self.hicache_ratio <= 0:
+            raise ValueError(f"hicache_ratio must be > 0; got {self.hicache_ratio}")
+        if self.hicache_size < 0:
+            raise ValueError(f"hicache_size must be >= 0 GB; got {self.hicache_size}")
+        if self.hicache_page_size < 1:
+            raise ValueError(f"hicache_page_size must be >= 1 tokens; got {self.hicache_page_size}")
+        if self.hicache_storage_backend == "file" and not self.hicache_storage_dir:
+            raise ValueError(
+                "hicache_storage_backend='file' needs hicache_storage_dir (the directory its "
+                "page files go to)"
+            )
+        if self.hierarchical and self.disable_radix_cache:
+            raise ValueError(
+                "enable_hierarchical_cache needs the radix cache: drop disable_radix_cache"
+            )
 
 
 @dataclass(frozen=True)
@@ -781,6 +829,14 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     # cache
     "disable_radix_cache": ("cache", "disable_radix_cache", None),
     "radix_eviction_policy": ("cache", "eviction_policy", None),
+    "enable_hierarchical_cache": ("cache", "hierarchical", bool),
+    "hicache_ratio": ("cache", "hicache_ratio", float),
+    "hicache_size": ("cache", "hicache_size", float),
+    "hicache_write_policy": ("cache", "hicache_write_policy", None),
+    "hicache_storage_backend": ("cache", "hicache_storage_backend", None),
+    "hicache_storage_dir": ("cache", "hicache_storage_dir", None),
+    "hicache_page_size": ("cache", "hicache_page_size", int),
+    "hicache_host_dtype": ("cache", "hicache_host_dtype", None),
     # grammar
     "grammar_backend": ("grammar", "backend", lambda v: "none" if v is None else v),
     "disable_jump_forward": ("grammar", "jump_forward", _negate),
@@ -860,6 +916,9 @@ ENGINE_CHOICES: dict[str, tuple[Any, ...]] = {
     "logprobs_mode": get_args(LogprobsMode),
     "schedule_policy": get_args(SchedulePolicy),
     "radix_eviction_policy": get_args(EvictionPolicy),
+    "hicache_write_policy": get_args(HiCacheWritePolicy),
+    "hicache_storage_backend": get_args(HiCacheStorageBackend),
+    "hicache_host_dtype": get_args(HiCacheHostDtype),
     "grammar_backend": GRAMMAR_BACKENDS,
     "json_whitespace": (*get_args(JsonWhitespace), "any"),
     "sampling_defaults": get_args(SamplingDefaultsMode),

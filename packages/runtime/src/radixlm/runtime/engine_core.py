@@ -24,6 +24,7 @@ from radixlm.runtime.detokenizer import load_tokenizer
 from radixlm.runtime.distributed import SINGLE, RankFailure, TensorParallel
 from radixlm.runtime.executor import EntryInputs, InputLogprobAsk, ModelExecutor, StepResult
 from radixlm.runtime.grammar import GrammarService
+from radixlm.runtime.hicache import HierarchicalCache
 from radixlm.runtime.lora.adapter import LoraAdapterError
 from radixlm.runtime.lora.registry import AdapterRegistry
 from radixlm.runtime.messages import (
@@ -314,6 +315,16 @@ class EngineCore:
             "prompt_tokens": sched.prompt_tokens,
             "cached_tokens": sched.cached_tokens,
             "cache_size": sched.cache.total_size,
+            # The hierarchical cache: prompt tokens brought back from host memory / storage.
+            **(
+                {
+                    "host_cached_tokens": sched.host_cached_tokens,
+                    "storage_cached_tokens": sched.storage_cached_tokens,
+                    **sched.tiers.stats(),
+                }
+                if sched.tiers is not None
+                else {}
+            ),
             "generated_tokens": sched.generated_tokens,
             "jump_forward_tokens": sched.jump_forward_tokens,
             "grammar_rollbacks": sched.grammar_rollbacks,
@@ -556,6 +567,21 @@ def _entry_inputs(handle: RequestHandle) -> EntryInputs | None:
     return EntryInputs(handle.input_embeds, handle.return_hidden_states, multimodal)
 
 
+def _hierarchical_cache(config: EngineConfig, runner: ModelRunner) -> HierarchicalCache | None:
+    """The host pool and storage under the KV pool (`enable_hierarchical_cache`), or None."""
+    if not config.cache.hierarchical:
+        return None
+    if runner.tp.enabled:
+        raise ValueError(
+            "enable_hierarchical_cache is not available under tensor parallelism yet "
+            "(each rank's K/V shard would need its own tiers): drop it or tp_size"
+        )
+    # The model and every setting that changes its K/V name the pages: a storage shared by
+    # replicas of another model, dtype or quantization never serves them.
+    fingerprint = repr((config.runner.model, runner.kv_pool.dtype, runner.info.arch))
+    return HierarchicalCache(config.cache, runner.kv_pool, fingerprint)
+
+
 def _eagle_drafter(
     config: EngineConfig, runner: ModelRunner, step_tokens: int | None, cost: StepCost
 ) -> EagleDrafter:
@@ -662,6 +688,7 @@ def create_core(
         runner.context_length,
         slots,
         drafter,
+        _hierarchical_cache(config, runner),
     )
     grammar = GrammarService(config.grammar, tokenizer, runner.vocab_size, eos_token_ids)
     moe = info.arch.moe

@@ -169,6 +169,9 @@ class SeqDelta(NamedTuple):
     rollback: int = 0
     finish: FinishReason | None = None
     cached_tokens: int = 0
+    #: Of `cached_tokens`, those brought back from host memory and from storage (the
+    #: hierarchical cache).
+    cached_tiers: tuple[int, int] = (0, 0)
     committed: int | None = None
     output_logprobs: Entries = ()
     output_top: tuple[Entries, ...] = ()

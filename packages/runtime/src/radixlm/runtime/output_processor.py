@@ -73,6 +73,7 @@ class SequenceView:
         self.output = SequenceOutput(request.params, decoder, eos_token_ids)
         self.with_text = request.logprobs.with_text
         self.cached_tokens = 0
+        self.cached_tiers = (0, 0)
         self.committed: int | None = None
         self.grammar: dict[str, Any] | None = None
         self.output_logprobs: list[LogprobEntry] = []
@@ -100,6 +101,7 @@ class SequenceView:
         appended token (the first one found ends the sequence; later tokens are dropped)."""
         output = self.output
         self.cached_tokens = delta.cached_tokens
+        self.cached_tiers = delta.cached_tiers
         self.committed = delta.committed
         if delta.grammar is not None:
             self.grammar = delta.grammar
@@ -227,6 +229,14 @@ class SequenceView:
                 "routed_experts": None if rows is None else routed_experts.encode(rows),
                 "routed_experts_start_len": start_routed,
             }
+        host, storage = self.cached_tiers
+        if host or storage:  # part of the prefix came back from the hierarchical cache's tiers
+            details = {
+                "device": self.cached_tokens - host - storage,
+                "host": host,
+                "storage": storage,
+            }
+            out["extra"] = {**(out.get("extra") or {}), "cached_tokens_details": details}
         chunk = GenerateChunk(
             rid=request.rid,
             index=self.index,

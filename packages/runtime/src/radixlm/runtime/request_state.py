@@ -248,6 +248,7 @@ class SequenceState:
             rollback=self.sent_ids - base,
             finish=self.finish,
             cached_tokens=self.req.cached_tokens or 0,
+            cached_tiers=(self.req.host_cached_tokens, self.req.storage_cached_tokens),
             committed=self._committed(),
             **extra,
         )

@@ -79,6 +79,40 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "help": "order of waiting requests (lpm: longest cached prefix first)",
     },
     "disable_radix_cache": {"action": "store_true", "help": "no prefix reuse across requests"},
+    "enable_hierarchical_cache": {
+        "action": "store_true",
+        "help": "what the KV cache evicts moves to a host-memory pool (and storage) and comes "
+        "back on a prefix hit instead of being recomputed",
+    },
+    "hicache_ratio": {
+        "type": float,
+        "help": "host pool size as a multiple of the KV cache's tokens (default 2)",
+    },
+    "hicache_size": {
+        "type": float,
+        "metavar": "GB",
+        "help": "host pool size in GB (overrides --hicache-ratio; default 0: the ratio)",
+    },
+    "hicache_write_policy": {
+        "help": "when pages go down: write_through (as soon as cached; default), write_back "
+        "(on eviction), write_through_selective (at once once a prefix is hit again)",
+    },
+    "hicache_storage_backend": {
+        "help": "a storage tier under the host pool: file (one file per page, kept across "
+        "restarts, shareable by replicas of the same model)",
+    },
+    "hicache_storage_dir": {
+        "metavar": "DIR",
+        "help": "where the file storage backend keeps its pages",
+    },
+    "hicache_page_size": {
+        "type": int,
+        "help": "tokens per page of the host pool and storage (default 64)",
+    },
+    "hicache_host_dtype": {
+        "help": "host pool dtype: auto (the KV cache's: exact; default), or bfloat16 / "
+        "float8_e4m3fn to hold more tokens (rounded K/V come back)",
+    },
     "grammar_backend": {
         "help": "structured-output backend (default auto: per constraint, the installed backend "
         "that enforces all of it, validating what no grammar can; none: refuse constraints)",

@@ -125,6 +125,8 @@ class Req:
         self.in_prefill = False
         # Statistics.
         self.cached_tokens: int | None = None  # prefix hit at the first admission
+        self.host_cached_tokens = 0  # of them, brought back from host memory (hierarchical cache)
+        self.storage_cached_tokens = 0  # and from storage
         self.retractions = 0
         self.forward_passes = 0
         self.draft_tokens = 0  # draft tokens verified

@@ -12,10 +12,10 @@ engine loop) calls it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, Literal, Protocol
 
-from radixlm.cache import MatchResult, RadixCache
+from radixlm.cache import Demoted, MatchResult, RadixCache
 from radixlm.runtime.config import SchedulerConfig
 from radixlm.runtime.scheduler.adapters import AdapterSlots
 from radixlm.runtime.scheduler.batch import ScheduledBatch, SeqUpdate, StepEntry
@@ -41,6 +41,56 @@ class SlotPool(Protocol):
     def free(self, slots: Sequence[int]) -> None:
         """Give back slots of whole pages, in page order."""
         ...
+
+
+class TierFind(Protocol):
+    """What the lower tiers hold past a tree match: tokens `start` .. `end`, the first
+    `host_tokens` of them in host memory (the rest in storage)."""
+
+    start: int
+    end: int
+
+    @property
+    def host_tokens(self) -> int: ...
+
+
+class Tiers(Protocol):
+    """The tiers under the KV pool (a hierarchical cache: the runtime's `HierarchicalCache`):
+    what the tree evicts is demoted to them, a prompt that goes on past the tree's match into
+    pages they hold gets those copied back into fresh slots."""
+
+    page_size: int
+
+    def demote(self, leaf: Demoted) -> None:
+        """The tree is about to evict `leaf` (its slots still hold the K/V)."""
+        ...
+
+    def cached(
+        self,
+        tokens: Sequence[int],
+        slots: Sequence[int],
+        extra_key: Hashable | None,
+        start: int,
+        reused: bool,
+    ) -> None:
+        """The tree now holds `tokens` in `slots`, new from `start` on (write-through)."""
+        ...
+
+    def find(
+        self, tokens: Sequence[int], matched: int, limit: int, extra_key: Hashable | None
+    ) -> TierFind | None:
+        """What the tiers hold of `tokens` past `matched`, up to `limit` tokens."""
+        ...
+
+    def load(self, found: Any, slots: Sequence[int]) -> int:
+        """Copy what `find` found into `slots`; how many tokens were copied."""
+        ...
+
+    def clear(self) -> None: ...
+
+    def check_invariants(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 class Drafter(Protocol):
@@ -95,6 +145,7 @@ class Scheduler:
         context_length: int = 1 << 30,
         adapters: AdapterSlots | None = None,
         drafter: Drafter | None = None,
+        tiers: Tiers | None = None,
     ) -> None:
         if cache.page_size != pool.page_size:
             raise ValueError("the radix cache and the KV pool must use the same page size")
@@ -113,6 +164,12 @@ class Scheduler:
         #: Speculative decoding: proposes draft tokens for the decodes of requests that
         #: `speculate` (None: no drafts).
         self.drafter = drafter
+        #: The hierarchical cache's tiers under the pool (None: what the tree evicts is gone).
+        self.tiers = tiers if not cache.disabled else None
+        if self.tiers is not None and self.tiers.page_size % self.page:
+            raise ValueError("the lower tiers' page size must be a multiple of the KV pool's")
+        self.host_cached_tokens = 0  # prompt tokens brought back from host memory
+        self.storage_cached_tokens = 0  # and from storage
         self.policy = Policy(
             config.schedule_policy, config.policy_fallback_queue_len, config.random_seed
         )
@@ -187,6 +244,8 @@ class Scheduler:
         if self.running:
             return False
         self.pool.free(self.cache.reset())
+        if self.tiers is not None:
+            self.tiers.clear()
         return True
 
     @staticmethod
@@ -206,7 +265,8 @@ class Scheduler:
         if not self.caching or self.cache.evictable_size < short:
             return False
         self._evictions += 1  # matches made before this may hold evicted nodes
-        self.pool.free(self.cache.evict(short))
+        demote = self.tiers.demote if self.tiers is not None else None
+        self.pool.free(self.cache.evict(short, demote))
         return self.pool.available >= tokens
 
     def _tokens_to_alloc(self, req: Req, count: int) -> int:
@@ -237,8 +297,14 @@ class Scheduler:
         computed tokens into the cache (which keeps the new part)."""
         kv = req.kv_len
         if cache_it and self.caching and kv > 0:
-            inserted = self.cache.insert(req.tokens(0, kv), req.kv_slots, req.extra_key).prefix_len
+            key = req.tokens(0, kv)
+            result = self.cache.insert(key, req.kv_slots, req.extra_key)
+            inserted = result.prefix_len
             stored = kv - kv % self.page
+            if self.tiers is not None and stored > inserted:
+                self.tiers.cached(
+                    key[:stored], result.indices, req.extra_key, inserted, bool(req.cached_tokens)
+                )
             duplicates = req.kv_slots[req.cache_len : max(req.cache_len, inserted)]
             self.pool.free(duplicates + req.kv_slots[stored:] + req.spare_slots)
         else:
@@ -273,6 +339,10 @@ class Scheduler:
             self.pool.free(req.kv_slots[req.cache_len : inserted.prefix_len])
             req.row_synced = min(req.row_synced, req.cache_len)
             req.draft_kv_len = min(req.draft_kv_len, req.cache_len)
+        if self.tiers is not None and stored > inserted.prefix_len:
+            self.tiers.cached(
+                key, inserted.indices, req.extra_key, inserted.prefix_len, bool(req.cached_tokens)
+            )
         self.cache.lock(inserted.node)
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
@@ -571,6 +641,8 @@ class Scheduler:
             if req.lora is not None and not self._adapter_fits(req.lora[0]):
                 continue  # every adapter slot is held by running requests: wait for one
             match = self._match(req)
+            if self.tiers is not None and req.reuse_prefix:
+                match = self._promote(req, match)
             prefix = match.length if req.reuse_prefix else 0
             if req.input_logprob_next is not None and not req.input_logprobs_done:
                 limit = req.input_logprob_next  # its logits must be computed
@@ -628,6 +700,42 @@ class Scheduler:
         if made is not None and made[0] == self._evictions:
             return made[1]
         return self.cache.match_prompt(req.key(), req.extra_key)
+
+    def _promote(self, req: Req, match: MatchResult) -> MatchResult:
+        """The request's match extended by what the lower tiers hold after it: copied into
+        fresh slots and inserted into the tree (evicting, and so demoting, others to make
+        room), then matched again. The match as it was when they hold nothing of it or it
+        does not fit."""
+        assert self.tiers is not None
+        key = req.key()
+        limit = len(key) - 1  # as match_prompt: the last prompt token is computed
+        limit -= limit % self.page
+        found = self.tiers.find(key, match.length, limit, req.extra_key)
+        if found is None:
+            return match
+        count = min(found.end, limit) - match.length
+        if count <= 0:
+            return match
+        self.cache.lock(match.node)  # its slots are the promoted sequence's start
+        slots = self.pool.alloc_pages(count // self.page) if self._make_room(count) else None
+        if slots is None:
+            self.cache.unlock(match.node)
+            return match
+        loaded = self.tiers.load(found, slots)
+        self.pool.free(slots[loaded:])
+        self.cache.unlock(match.node)
+        if loaded == 0:
+            return match
+        end = match.length + loaded
+        inserted = self.cache.insert(key[:end], match.indices + slots[:loaded], req.extra_key)
+        # The tree held exactly `match.length` of it (nothing ran in between): it took them all.
+        assert inserted.prefix_len == match.length, "the tree changed during a promotion"
+        if req.cached_tokens is None:  # counted at the first admission, as cached_tokens
+            host = min(loaded, found.host_tokens)
+            req.host_cached_tokens, req.storage_cached_tokens = host, loaded - host
+            self.host_cached_tokens += host
+            self.storage_cached_tokens += loaded - host
+        return self.cache.match_prompt(key, req.extra_key)
 
     def _shares_in_flight(self, packed: bytes, prefix: int, in_flight: list[bytes]) -> bool:
         threshold = self.config.in_batch_prefix_min
@@ -847,8 +955,11 @@ class Scheduler:
         return sum(len(r.owned_slots) for r in self.running)
 
     def check_memory(self, pool_size: int) -> None:
-        """Raise AssertionError unless free + cached + held by requests == pool size."""
+        """Raise AssertionError unless free + cached + held by requests == pool size (and
+        the lower tiers' pages are each held once or free once)."""
         self.cache.check_invariants()
+        if self.tiers is not None:
+            self.tiers.check_invariants()
         total = self.pool.available + self.cache.total_size + self.held_tokens()
         assert total == pool_size, (
             f"slot leak: free {self.pool.available} + cached {self.cache.total_size} + held "
