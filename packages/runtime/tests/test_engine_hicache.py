@@ -55,7 +55,9 @@ def _engine(model: Path, **kwargs: Any) -> Engine:
 def _run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     # One request at a time: which requests share a step (and so the numerics of a batch)
     # is the same in every engine compared.
-    outs = [engine.generate(input_ids=[p], sampling_params=GREEDY)[0]["output_ids"] for p in prompts]
+    outs = [
+        engine.generate(input_ids=[p], sampling_params=GREEDY)[0]["output_ids"] for p in prompts
+    ]
     engine.check_invariants()
     return outs
 
@@ -117,7 +119,7 @@ def test_meta_info_says_where_a_prefix_came_from(model: Path) -> None:
         model, max_total_tokens=160, enable_hierarchical_cache=True, hicache_page_size=PAGE
     ) as engine:
         for tenant in tenants:  # each pushes the one before out of the pool
-            engine.generate(input_ids=[tenant + [7, 8]], sampling_params=GREEDY)
+            engine.generate(input_ids=[[*tenant, 7, 8]], sampling_params=GREEDY)
         out = engine.generate(input_ids=[tenants[0] + [9, 10]], sampling_params=GREEDY)[0]
         engine.check_invariants()
     meta = out["meta_info"]
@@ -130,7 +132,7 @@ def test_storage_pages_survive_a_restart(model: Path, tmp_path: Path) -> None:
     """A second engine on the same storage directory finds the first one's prefixes there
     (its own host pool starts empty), with the same outputs."""
     tenants = _tenants(3, 96, seed=7)
-    prompts = [t + [11, 12, 13] for t in tenants]
+    prompts = [[*t, 11, 12, 13] for t in tenants]
     kwargs = {
         "max_total_tokens": 256,
         "enable_hierarchical_cache": True,
@@ -160,13 +162,13 @@ def test_a_damaged_storage_page_is_a_miss(model: Path, tmp_path: Path) -> None:
         "hicache_storage_dir": str(tmp_path),
     }
     with _engine(model, **kwargs) as first:
-        want = _run(first, [tenant + [5, 6]])
+        want = _run(first, [[*tenant, 5, 6]])
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
     assert files
     for path in files:
         path.write_bytes(path.read_bytes()[:-1])  # torn copies
     with _engine(model, **kwargs) as second:
-        got = _run(second, [tenant + [5, 6]])
+        got = _run(second, [[*tenant, 5, 6]])
         assert second.get_server_info()["hicache_storage_hit_tokens"] == 0
     assert got == want
 
@@ -192,7 +194,7 @@ def test_a_smaller_host_dtype_holds_more_and_still_hits(model: Path) -> None:
         hicache_host_dtype="bfloat16",
     ) as engine:
         for tenant in tenants + tenants:
-            engine.generate(input_ids=[tenant + [7]], sampling_params=GREEDY)
+            engine.generate(input_ids=[[*tenant, 7]], sampling_params=GREEDY)
         engine.check_invariants()
         info = engine.get_server_info()
     assert info["hicache_host_hit_tokens"] > 0
