@@ -214,3 +214,26 @@ def test_rank_puts_the_policys_choice_first_then_the_least_loaded() -> None:
     # A candidate Ray no longer offers is not chosen; an unknown one is learnt.
     assert router.rank([others[0], "new"], key, {})[0][0] in (others[0], "new")
     assert router.rank([], key) == []
+
+
+def test_with_shared_storage_a_prefix_no_replica_holds_goes_to_the_least_loaded() -> None:
+    """Replicas whose hierarchical caches share one storage tier: a prefix the replica that
+    computed it has forgotten (it restarted) is still in storage, so any replica hits it and
+    the least loaded one gets it; without shared storage it is a new prefix."""
+    for shared in (True, False):
+        policy = CacheAware(shared_storage=shared)
+        router = Router(policy, ["a", "b", "c"])
+        head = _prefix(5, 200)
+        owner = router.choose([*head, 1])
+        router.forget(owner.id)  # its own tree is empty again (a restart)
+        router.choose(_prefix(6, 300))  # some other replica now has the biggest tree
+        busy = router.choose(_prefix(7, 10)).id
+        for _ in range(2):
+            router.begin(busy)
+        chosen = router.choose([*head, 2])
+        assert policy.last is not None
+        if shared:
+            assert policy.last.reason == "storage" and policy.last.matched == 200
+            assert chosen.id != busy
+        else:
+            assert policy.last.reason == "smallest_tree" and policy.last.matched == 0

@@ -11,7 +11,11 @@ A policy sees the request's key (its prompt as token ids, or its text as UTF-8 b
   replica with the smallest tree (the one with the most room, which spreads new prefixes). When
   the load is out of balance — the busiest replica's load exceeds the idlest one's by more than
   `balance_abs_threshold` *and* by more than `balance_rel_threshold` times — the idlest one
-  gets it, whatever the trees say.
+  gets it, whatever the trees say. With `shared_storage` (the replicas' hierarchical caches
+  share one storage tier, `--hicache-storage-backend file` on a shared directory), a key
+  sent to any replica is also recorded in a tree of what that storage holds: a request that
+  no replica's own tree covers but the storage's does goes to the least loaded replica
+  (every replica can read those pages), reason `storage`.
 - `round_robin`: each replica in turn.
 - `power_of_two`: two replicas at random, the less loaded one.
 - `random`: one at random.
@@ -124,7 +128,7 @@ class CacheAwareDecision:
     """Why `CacheAware` picked its last replica (for tests, logs and metrics)."""
 
     replica: str
-    reason: str  # "prefix" | "smallest_tree" | "balance"
+    reason: str  # "prefix" | "storage" | "smallest_tree" | "balance"
     matched: int
 
 
@@ -140,6 +144,7 @@ class CacheAware:
         balance_abs_threshold: int = 32,
         balance_rel_threshold: float = 1.5,
         max_tree_tokens: int = 1 << 22,
+        shared_storage: bool = False,
     ) -> None:
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1]; got {cache_threshold}")
@@ -154,6 +159,8 @@ class CacheAware:
         self.balance_rel_threshold = balance_rel_threshold
         self.max_tree_tokens = max_tree_tokens
         self._trees: dict[str, RadixCache] = {}
+        #: What the replicas' shared storage tier holds (None: they share none).
+        self._storage: RadixCache | None = RadixCache() if shared_storage else None
         self.last: CacheAwareDecision | None = None
 
     def tree(self, replica_id: str) -> RadixCache:
@@ -184,8 +191,14 @@ class CacheAware:
                 length = self._match(replica.id, key, namespace)
                 if length > matched:
                     best, matched = replica, length
+            stored = 0
+            if self._storage is not None and key:
+                stored = self._storage.match_prefix(key, namespace).length
             if best is not None and matched >= self.cache_threshold * len(key):
                 chosen, reason = best, "prefix"
+            elif stored > matched and stored >= self.cache_threshold * len(key):
+                chosen = min(replicas, key=lambda r: (r.load, r.id))
+                reason, matched = "storage", stored
             else:
                 chosen = min(replicas, key=lambda r: (self.tree_tokens(r.id), r.load, r.id))
                 reason = "smallest_tree"
@@ -205,12 +218,15 @@ class CacheAware:
         """Add the key to the replica's tree; past the bound, drop least recently used keys."""
         if not key:
             return
-        tree = self.tree(replica_id)
-        # The tree holds no KV: each token's "slot" is a placeholder the router never reads.
-        tree.insert(key, [0] * len(key), namespace)
-        excess = tree.total_size - self.max_tree_tokens
-        if excess > 0:
-            tree.evict(excess)
+        trees = [self.tree(replica_id)]
+        if self._storage is not None:
+            trees.append(self._storage)
+        for tree in trees:
+            # The tree holds no KV: each token's "slot" is a placeholder the router never reads.
+            tree.insert(key, [0] * len(key), namespace)
+            excess = tree.total_size - self.max_tree_tokens
+            if excess > 0:
+                tree.evict(excess)
 
 
 POLICIES: dict[str, type[Any]] = {

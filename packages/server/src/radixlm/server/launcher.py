@@ -79,7 +79,12 @@ def build_replicas(
             if callable(stop):
                 stop()
         raise LaunchError(f"a replica could not start: {errors[0]}")
-    dp: EngineClient = router.DataParallelEngine(started, router_policy)
+    policy_options: dict[str, Any] = {}
+    if router_policy == "cache_aware" and engine_kwargs.get("hicache_storage_backend"):
+        # The replicas' hierarchical caches share one storage directory: what any of them
+        # wrote there, every one of them hits.
+        policy_options["shared_storage"] = True
+    dp: EngineClient = router.DataParallelEngine(started, router_policy, **policy_options)
     return dp
 
 

@@ -23,6 +23,19 @@ class _EngineStats(Collector):
         "num_queued_reqs": ("radixlm_num_queued_requests", "Requests waiting in the engine"),
         "cache_hit_rate": ("radixlm_cache_hit_rate", "Prefix cache hit rate (0..1)"),
         "token_usage": ("radixlm_token_usage", "Fraction of KV cache slots in use (0..1)"),
+        # The hierarchical cache (present when it is on).
+        "host_cached_tokens": (
+            "radixlm_hicache_host_cached_tokens",
+            "Prompt tokens brought back from the host-memory tier instead of computed (cumulative)",
+        ),
+        "storage_cached_tokens": (
+            "radixlm_hicache_storage_cached_tokens",
+            "Prompt tokens brought back from the storage tier instead of computed (cumulative)",
+        ),
+        "hicache_host_pages": (
+            "radixlm_hicache_host_pages",
+            "Pages the host-memory tier holds",
+        ),
     }
 
     def __init__(self, server_info: Callable[[], dict[str, Any]], inflight: Callable[[], int]):
