@@ -150,6 +150,30 @@ def test_storage_pages_survive_a_restart(model: Path, tmp_path: Path) -> None:
         info = second.get_server_info()
     assert after == before
     assert info["hicache_storage_hit_tokens"] >= 3 * 80 and info["storage_cached_tokens"] > 0
+    assert info["hicache_storage_read_pages"] >= 3 * (96 // PAGE)
+
+
+def test_storage_pages_are_read_ahead_while_a_request_waits(model: Path, tmp_path: Path) -> None:
+    """A queued request's storage pages are read on a thread while it waits behind another
+    (two at once with one running): its admission takes them from memory."""
+    tenants = _tenants(2, 96, seed=8)
+    kwargs = {
+        "max_total_tokens": 256,
+        "enable_hierarchical_cache": True,
+        "hicache_page_size": PAGE,
+        "hicache_storage_backend": "file",
+        "hicache_storage_dir": str(tmp_path),
+    }
+    with _engine(model, **kwargs) as first:
+        want = _run(first, [[*t, 3] for t in tenants])
+    params = {**GREEDY, "max_new_tokens": 40}
+    with Engine(str(model), show_progress=False, cpu_threads=1, max_running_requests=1,
+                **kwargs) as second:  # fmt: skip
+        outs = second.generate(input_ids=[[*t, 3] for t in tenants], sampling_params=params)
+        second.check_invariants()
+        info = second.get_server_info()
+    assert [o["output_ids"][: len(w)] for o, w in zip(outs, want, strict=True)] == want
+    assert info["hicache_prefetched_pages"] > 0 and info["hicache_storage_hit_tokens"] >= 2 * 80
 
 
 def test_a_damaged_storage_page_is_a_miss(model: Path, tmp_path: Path) -> None:

@@ -141,6 +141,8 @@ class EngineCore:
         for handle in list(self.handles.values()):
             self._close_with_error(handle, EngineUnavailable("the engine was shut down"))
         self._flush()
+        if self.scheduler.tiers is not None:
+            self.scheduler.tiers.close()  # the storage read-ahead thread
 
     def _flush(self) -> None:
         if self.publish_stats:

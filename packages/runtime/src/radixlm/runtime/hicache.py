@@ -22,7 +22,10 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,8 @@ from radixlm.runtime.memory import KVPool
 logger = logging.getLogger("radixlm.runtime.hicache")
 
 _HOST_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+#: Most bytes of storage pages read ahead and not yet taken (older ones are dropped).
+_READ_AHEAD_BYTES = 1 << 30
 
 
 class FileStorage:
@@ -146,6 +151,12 @@ class HierarchicalCache:
             self.storage = FileStorage(config.hicache_storage_dir, self.page_bytes)
         self._fingerprint = fingerprint
         self._starts: dict[Hashable, bytes] = {}
+        # Storage pages read ahead for requests that wait (a thread reads the files; the
+        # scheduler's thread takes the bytes), at most `_READ_AHEAD_BYTES` of them.
+        self._read_ahead: OrderedDict[bytes, bytes] = OrderedDict()
+        self._read_ahead_lock = threading.Lock()
+        self._reader: ThreadPoolExecutor | None = None
+        self.prefetched_pages = 0
         # Counters (cumulative).
         self.host_hit_tokens = 0
         self.storage_hit_tokens = 0
@@ -265,6 +276,56 @@ class HierarchicalCache:
             self.storage.write(page, self._page_bytes(slot))
             self.stored_pages += 1
 
+    # ------------------------------------------------------------------------- read-ahead
+
+    def prefetch(self, tokens: Sequence[int], extra_key: Hashable | None) -> None:
+        """A request for `tokens` arrived: read, on a thread of its own, the storage pages of
+        its prompt that the host pool lacks, so that its admission copies them from memory."""
+        if self.storage is None:
+            return
+        hashes = self._hashes(tokens, extra_key, 0, None)
+        with self._read_ahead_lock:
+            wanted = [h for h in hashes if h not in self.index and h not in self._read_ahead]
+        if not wanted:
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="radixlm-hicache-read")
+        self._reader.submit(self._read_pages, wanted)
+
+    def _read_pages(self, pages: list[bytes]) -> None:
+        assert self.storage is not None
+        limit = max(1, _READ_AHEAD_BYTES // self.page_bytes)
+        for page in pages[:limit]:
+            if page in self.index:
+                continue  # taken from storage at admission already (the scheduler was first)
+            data = self.storage.read(page)
+            if data is None:
+                return  # the prompt's run in storage ends here
+            with self._read_ahead_lock:
+                self._read_ahead[page] = data
+                self.prefetched_pages += 1
+                while len(self._read_ahead) > limit:
+                    self._read_ahead.popitem(last=False)
+
+    def _storage_has(self, page: bytes) -> bool:
+        assert self.storage is not None
+        with self._read_ahead_lock:
+            if page in self._read_ahead:
+                return True
+        return self.storage.exists(page)
+
+    def _storage_read(self, page: bytes) -> bytes | None:
+        assert self.storage is not None
+        with self._read_ahead_lock:
+            data = self._read_ahead.pop(page, None)
+        return data if data is not None else self.storage.read(page)
+
+    def close(self) -> None:
+        """Stop the read-ahead thread (pages being read are dropped)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
+            self._reader = None
+
     # ---------------------------------------------------------------------------- copies up
 
     def find(
@@ -272,7 +333,8 @@ class HierarchicalCache:
     ) -> Found | None:
         """What the lower tiers hold of `tokens` past the tree's `matched` tokens, up to
         `limit` (page-aligned by the caller): the pages from the one `matched` falls in, the
-        host pool's run first, then the storage's. None when they hold none of it."""
+        host pool's run first, then the storage's. None when they hold none of it. The host
+        pages found stay pinned until `load` or `drop`."""
         size = self.page_size
         first = matched // size
         last = limit // size
@@ -283,13 +345,20 @@ class HierarchicalCache:
         storage: list[bytes] = []
         if self.storage is not None:
             for page in hashes[len(host) :]:
-                if not self.storage.exists(page):
+                if not self._storage_has(page):
                     break
                 storage.append(page)
         end = (first + len(host) + len(storage)) * size
         if end <= matched:
             return None
+        for page in hashes[: len(host)]:
+            self.index.pin(page)  # until `load` or `drop`: room made for them demotes others
         return Found(matched, end, first, size, hashes, host)
+
+    def drop(self, found: Found) -> None:
+        """`found` will not be loaded: its host pages may leave again."""
+        for page in found.hashes[: len(found.host_slots)]:
+            self.index.unpin(page)
 
     def load(self, found: Found, slots: Sequence[int]) -> int:
         """Copy tokens `found.start` .. `found.end` into `slots` (fresh KV slots, in order):
@@ -298,15 +367,13 @@ class HierarchicalCache:
         pages) when a storage page went missing since `find`."""
         size = self.page_size
         index = self.index
-        pinned = found.hashes[: len(found.host_slots)]
-        for page in pinned:
-            index.pin(page)
+        pinned = found.hashes[: len(found.host_slots)]  # by `find`
         host_rows: list[int] = []
         for slot in found.host_slots:
             host_rows += range(slot * size, (slot + 1) * size)
         try:
             for page in found.storage_pages:
-                data = self.storage.read(page) if self.storage is not None else None
+                data = self._storage_read(page) if self.storage is not None else None
                 stored = index.store(page) if data is not None else None
                 if data is None or stored is None:
                     break  # gone since `find` (or no host page free): computed instead
@@ -346,6 +413,8 @@ class HierarchicalCache:
     def clear(self) -> None:
         """Forget the host pool's pages (the storage keeps its files)."""
         self.index.clear()
+        with self._read_ahead_lock:
+            self._read_ahead.clear()
 
     def check_invariants(self) -> None:
         self.index.check_invariants()
@@ -361,4 +430,5 @@ class HierarchicalCache:
             "hicache_written_through_pages": self.written_through_pages,
             "hicache_storage_written_pages": self.stored_pages,
             "hicache_storage_read_pages": self.storage.reads if self.storage else 0,
+            "hicache_prefetched_pages": self.prefetched_pages,
         }

@@ -86,11 +86,23 @@ class Tiers(Protocol):
         """Copy what `find` found into `slots`; how many tokens were copied."""
         ...
 
+    def drop(self, found: Any) -> None:
+        """What `find` found will not be loaded."""
+        ...
+
+    def prefetch(self, tokens: Sequence[int], extra_key: Hashable | None) -> None:
+        """A request for `tokens` arrived: start reading what storage holds of it."""
+        ...
+
     def clear(self) -> None: ...
 
     def check_invariants(self) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None:
+        """Stop what runs beside the scheduler (a storage read-ahead thread)."""
+        ...
 
 
 class Drafter(Protocol):
@@ -219,6 +231,8 @@ class Scheduler:
             )
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
+        if self.tiers is not None and req.reuse_prefix:
+            self.tiers.prefetch(req.key(), req.extra_key)  # storage reads while it waits
 
     def abort(self, req: Req) -> None:
         """Remove a request wherever it is and give back everything it holds (nothing is
@@ -714,11 +728,12 @@ class Scheduler:
         if found is None:
             return match
         count = min(found.end, limit) - match.length
-        if count <= 0:
-            return match
         self.cache.lock(match.node)  # its slots are the promoted sequence's start
-        slots = self.pool.alloc_pages(count // self.page) if self._make_room(count) else None
+        slots = None
+        if count > 0 and self._make_room(count):
+            slots = self.pool.alloc_pages(count // self.page)
         if slots is None:
+            self.tiers.drop(found)
             self.cache.unlock(match.node)
             return match
         loaded = self.tiers.load(found, slots)
