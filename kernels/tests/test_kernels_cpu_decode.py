@@ -230,7 +230,9 @@ def _verify_step(
     table[2, :other] = order[last : last + other]
     lengths = [length + j for j in range(rows_of_first)] + [other]
     rows = torch.tensor([1] * rows_of_first + [2], dtype=torch.int64)
-    out_slots = torch.tensor([int(table[1, n - 1]) for n in lengths[:-1]] + [int(table[2, other - 1])])
+    out_slots = torch.tensor(
+        [int(table[1, n - 1]) for n in lengths[:-1]] + [int(table[2, other - 1])]
+    )
     angles = torch.rand(len(lengths), head_dim // 2, generator=gen) * 6
     cos, sin = angles.cos(), angles.sin()
     return (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), out_slots, table, rows,
