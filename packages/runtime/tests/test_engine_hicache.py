@@ -52,6 +52,17 @@ def _engine(model: Path, **kwargs: Any) -> Engine:
     return Engine(str(model), show_progress=False, cpu_threads=1, max_running_requests=2, **kwargs)
 
 
+def _with_storage(directory: Path) -> dict[str, Any]:
+    """A small pool with the host tier and file storage in `directory`."""
+    return {
+        "max_total_tokens": 256,
+        "enable_hierarchical_cache": True,
+        "hicache_page_size": PAGE,
+        "hicache_storage_backend": "file",
+        "hicache_storage_dir": str(directory),
+    }
+
+
 def _run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     # One request at a time: which requests share a step (and so the numerics of a batch)
     # is the same in every engine compared.
@@ -133,13 +144,7 @@ def test_storage_pages_survive_a_restart(model: Path, tmp_path: Path) -> None:
     (its own host pool starts empty), with the same outputs."""
     tenants = _tenants(3, 96, seed=7)
     prompts = [[*t, 11, 12, 13] for t in tenants]
-    kwargs = {
-        "max_total_tokens": 256,
-        "enable_hierarchical_cache": True,
-        "hicache_page_size": PAGE,
-        "hicache_storage_backend": "file",
-        "hicache_storage_dir": str(tmp_path / "pages"),
-    }
+    kwargs = _with_storage(tmp_path / "pages")
     with _engine(model, **kwargs) as first:
         before = _run(first, prompts)
         written = first.get_server_info()["hicache_storage_written_pages"]
@@ -157,13 +162,7 @@ def test_storage_pages_are_read_ahead_while_a_request_waits(model: Path, tmp_pat
     """A queued request's storage pages are read on a thread while it waits behind another
     (two at once with one running): its admission takes them from memory."""
     tenants = _tenants(2, 96, seed=8)
-    kwargs = {
-        "max_total_tokens": 256,
-        "enable_hierarchical_cache": True,
-        "hicache_page_size": PAGE,
-        "hicache_storage_backend": "file",
-        "hicache_storage_dir": str(tmp_path),
-    }
+    kwargs = _with_storage(tmp_path)
     with _engine(model, **kwargs) as first:
         want = _run(first, [[*t, 3] for t in tenants])
     params = {**GREEDY, "max_new_tokens": 40}
@@ -178,13 +177,7 @@ def test_storage_pages_are_read_ahead_while_a_request_waits(model: Path, tmp_pat
 
 def test_a_damaged_storage_page_is_a_miss(model: Path, tmp_path: Path) -> None:
     tenant = _tenants(1, 64, seed=9)[0]
-    kwargs = {
-        "max_total_tokens": 256,
-        "enable_hierarchical_cache": True,
-        "hicache_page_size": PAGE,
-        "hicache_storage_backend": "file",
-        "hicache_storage_dir": str(tmp_path),
-    }
+    kwargs = _with_storage(tmp_path)
     with _engine(model, **kwargs) as first:
         want = _run(first, [[*tenant, 5, 6]])
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
