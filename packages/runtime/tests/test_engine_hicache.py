@@ -216,3 +216,22 @@ def test_a_smaller_host_dtype_holds_more_and_still_hits(model: Path) -> None:
         engine.check_invariants()
         info = engine.get_server_info()
     assert info["hicache_host_hit_tokens"] > 0
+
+
+def test_a_paged_kv_pool_takes_whole_pages_back(
+    model: Path, reference: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    """KV pages of 8 tokens under host pages of 32: what comes back is whole KV pages."""
+    prompts, want = reference
+    with _engine(
+        model,
+        max_total_tokens=256,
+        page_size=8,
+        enable_hierarchical_cache=True,
+        hicache_ratio=8,
+        hicache_page_size=32,
+    ) as engine:
+        got = _run(engine, prompts)
+        info = engine.get_server_info()
+    assert got == want
+    assert info["host_cached_tokens"] > 0 and info["host_cached_tokens"] % 8 == 0
