@@ -235,3 +235,36 @@ def test_a_paged_kv_pool_takes_whole_pages_back(
         info = engine.get_server_info()
     assert got == want
     assert info["host_cached_tokens"] > 0 and info["host_cached_tokens"] % 8 == 0
+
+
+def test_a_draft_model_recomputes_its_kv_of_a_prefix_that_came_back(
+    model: Path, reference: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    """STANDALONE speculation (the model drafting for itself) over promoted prefixes: the
+    same outputs, and its drafts still accepted as a self-draft's are (a draft K/V left from
+    the slots' earlier owner would make them wrong)."""
+    prompts, want = reference
+    with _engine(
+        model,
+        max_total_tokens=256,
+        enable_hierarchical_cache=True,
+        hicache_ratio=8,
+        hicache_page_size=PAGE,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=str(model),
+        speculative_num_draft_tokens=3,
+    ) as engine:
+        engine.run_in_loop(_draft_always_and_catch_up)
+        got = _run(engine, prompts)
+        info = engine.get_server_info()
+    assert got == want
+    assert info["host_cached_tokens"] > 0 and info["spec_draft_tokens"] > 0
+    assert info["spec_accepted_tokens"] >= 0.95 * info["spec_draft_tokens"]
+
+
+def _draft_always_and_catch_up(core: Any) -> None:
+    """Every step drafts, and a request catches up on any length of missing draft K/V (a
+    promoted prefix's is all missing)."""
+    drafter = core.scheduler.drafter
+    drafter.threshold = lambda size: 0.0
+    drafter.max_catch_up = 1 << 30

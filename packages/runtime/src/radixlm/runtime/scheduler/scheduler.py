@@ -742,6 +742,9 @@ class Scheduler:
         if loaded == 0:
             return match
         end = match.length + loaded
+        refilled = getattr(self.drafter, "refilled", None)
+        if refilled is not None:  # a draft model's K/V of these slots is someone else's
+            refilled(slots[:loaded])
         inserted = self.cache.insert(key[:end], match.indices + slots[:loaded], req.extra_key)
         # The tree held exactly `match.length` of it (nothing ran in between): it took them all.
         assert inserted.prefix_len == match.length, "the tree changed during a promotion"

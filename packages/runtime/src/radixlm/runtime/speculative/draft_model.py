@@ -259,6 +259,12 @@ class DraftModelDrafter:
 
     # ------------------------------------------------------------------- after target steps
 
+    def refilled(self, slots: Sequence[int]) -> None:
+        """The target's K/V of `slots` came from elsewhere (a hierarchical cache's lower
+        tier), not from a forward this drafter followed: their draft K/V is not current."""
+        if slots:
+            self._valid[torch.tensor(list(slots), dtype=torch.int64)] = False
+
     def accepted(self, req: Req, slots: Sequence[int]) -> None:
         """`slots` hold `req`'s last token and its accepted drafts: their draft K/V, computed
         while drafting, moves there from the scratch slots (before the next forward)."""

@@ -453,6 +453,14 @@ class EagleDrafter:
 
     # ------------------------------------------------------------------- after target steps
 
+    def refilled(self, slots: Sequence[int]) -> None:
+        """The target's K/V of `slots` came from a hierarchical cache's lower tier: the head
+        has no K/V of them (its features of those tokens are not kept down there either, so
+        drafts over such a prefix read whatever the slots held: only their quality suffers,
+        the target verifies them)."""
+        if slots:
+            self._next[torch.tensor(list(slots), dtype=torch.int64)] = -1
+
     def accepted(self, req: Req, slots: Sequence[int]) -> None:
         """Nothing to keep: the next drafting recomputes the accepted tokens' head K/V from
         the target's own features of them."""
