@@ -18,7 +18,7 @@ import itertools
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar, cast, overload
 
@@ -42,6 +42,7 @@ from radixlm.runtime.messages import (
     CommandResult,
     FlushCache,
     GetServerInfo,
+    GetWeightsByName,
     LoadLoraAdapter,
     Output,
     RequestClosed,
@@ -50,6 +51,7 @@ from radixlm.runtime.messages import (
     Stats,
     StopSequence,
     UnloadLoraAdapter,
+    UpdateWeights,
 )
 from radixlm.runtime.model_files import resolve_model_path
 from radixlm.runtime.model_runner import ModelRunner
@@ -775,6 +777,49 @@ class Engine:
         """Unload an adapter: new requests naming it are refused at once, requests already
         using it finish, then its weights are freed. InvalidRequest if no such adapter."""
         return self._lora_command(lambda reply: UnloadLoraAdapter(lora_name, reply))
+
+    # ------------------------------------------------------------------------- weights
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> Reply[dict[str, Any]]:
+        """Replace the model's weights with a checkpoint directory's (safetensors of the same
+        architecture; every tensor the model needs), between steps, without a restart
+        (SGLang's `update_weights_from_disk`). The Reply gives `{"success", "message",
+        "weight_version"}`; a checkpoint that lacks tensors changes nothing. Requests that
+        arrive after it never reuse K/V computed before; the radix cache is flushed when
+        nothing runs (`flush_cache`)."""
+        return Reply(
+            self._ask(
+                lambda reply: UpdateWeights(model_path, None, flush_cache, weight_version, reply)
+            )
+        )
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> Reply[dict[str, Any]]:
+        """Replace some or all weights from (checkpoint name, tensor) pairs — a trainer in the
+        same process (SGLang's `update_weights_from_tensor`); as `update_weights_from_disk`
+        otherwise. Tensors are copied (converted to the model's dtype and device)."""
+        pairs = tuple((str(name), tensor) for name, tensor in named_tensors)
+        return Reply(
+            self._ask(lambda reply: UpdateWeights(None, pairs, flush_cache, weight_version, reply))
+        )
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first `truncate_size` rows of a weight by checkpoint name, as nested lists
+        (SGLang's `get_weights_by_name`; a stacked projection's own rows for `q_proj` and the
+        like). InvalidRequest naming `name` when the model has none."""
+        return cast(
+            list[Any],
+            self._ask(lambda reply: GetWeightsByName(name, truncate_size, reply)).result(60),
+        )
 
     def lora_adapters(self) -> dict[str, str]:
         """The loaded adapters, name -> directory (empty when LoRA is off)."""

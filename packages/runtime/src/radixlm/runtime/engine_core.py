@@ -15,7 +15,10 @@ import queue
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from radixlm import kernels
 from radixlm.cache import RadixCache
@@ -25,6 +28,7 @@ from radixlm.runtime.distributed import SINGLE, RankFailure, TensorParallel
 from radixlm.runtime.executor import EntryInputs, InputLogprobAsk, ModelExecutor, StepResult
 from radixlm.runtime.grammar import GrammarService
 from radixlm.runtime.hicache import HierarchicalCache
+from radixlm.runtime.loader import iter_safetensors, safetensors_files
 from radixlm.runtime.lora.adapter import LoraAdapterError
 from radixlm.runtime.lora.registry import AdapterRegistry
 from radixlm.runtime.messages import (
@@ -38,6 +42,7 @@ from radixlm.runtime.messages import (
     EngineRequest,
     FlushCache,
     GetServerInfo,
+    GetWeightsByName,
     LoadLoraAdapter,
     Output,
     RequestClosed,
@@ -46,7 +51,9 @@ from radixlm.runtime.messages import (
     Stats,
     StopSequence,
     UnloadLoraAdapter,
+    UpdateWeights,
 )
+from radixlm.runtime.model_files import ModelLoadError
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.request_state import RequestHandle, SequenceState, open_request
 from radixlm.runtime.routed_experts import RoutedExpertsStore
@@ -107,6 +114,10 @@ class EngineCore:
         self._compiling: list[SequenceState] = []
         self._out: list[Output] = []
         self._stopped = False
+        #: The weights' version (SGLang's `weight_version`, in every response's meta_info)
+        #: and how many updates there were (new requests' cache namespace).
+        self.weight_version = "default"
+        self._weights_epoch = 0
         # Statistics.
         self.finished_requests = 0
         self.steps = 0
@@ -193,6 +204,11 @@ class EngineCore:
                 self._answer(reply, lambda: self._lora_registry().load(name, path))
             case UnloadLoraAdapter(name, reply):
                 self._answer(reply, lambda: self._lora_registry().unload(name))
+            case UpdateWeights(source, tensors, flush, version, reply):
+                result = self.update_weights(source, tensors, flush, version)
+                self._out.append(CommandResult(reply, result))
+            case GetWeightsByName(name, truncate, reply):
+                self._answer(reply, lambda: self.weights_by_name(name, truncate))
             case GetServerInfo(reply):
                 self._out.append(CommandResult(reply, self.live_stats()))
             case CheckInvariants(reply):
@@ -201,6 +217,84 @@ class EngineCore:
                 self._answer(reply, lambda: function(self))
             case Shutdown():
                 self._stopped = True
+
+    # ------------------------------------------------------------------------ weights
+
+    def update_weights(
+        self,
+        path: str | None,
+        tensors: Sequence[tuple[str, Any]] | None,
+        flush: bool = True,
+        version: str | None = None,
+    ) -> dict[str, Any]:
+        """Replace the model's weights (see `UpdateWeights`); SGLang's answer: success, a
+        message, the weight version. Running requests go on with the new weights; requests
+        that arrive after never reuse K/V computed before (they match in a namespace of
+        their own), and the cache is flushed when nothing runs."""
+        runner = self.executor.runner
+        refusal = self._weights_refusal(runner)
+        if refusal is None and path is not None:
+            try:
+                files = safetensors_files(Path(path))
+            except (OSError, ValueError, ModelLoadError) as error:
+                refusal = f"update_weights_from_disk: {error}"
+            else:
+                names = _safetensors_names(files)
+                missing = sorted(runner.checkpoint_names() - names)
+                if missing:
+                    refusal = (
+                        f"update_weights_from_disk: {path} lacks {len(missing)} tensor(s) the "
+                        f"model needs (e.g. {', '.join(missing[:3])}); nothing was changed"
+                    )
+                else:
+                    tensors = None
+        if refusal is not None:
+            return {"success": False, "message": refusal, "weight_version": self.weight_version}
+        try:
+            if path is not None:
+                files = safetensors_files(Path(path))
+                runner.load_weights(iter_safetensors(files, runner.device, runner.dtype, False))
+            else:
+                runner.load_weights(tensors or ())
+        except (ValueError, RuntimeError, OSError) as error:
+            # Names and shapes are checked tensor by tensor as they are copied: the ones
+            # before a bad one were replaced already.
+            self.weight_version = f"{self.weight_version}+partial"
+            self._weights_epoch += 1
+            return {
+                "success": False,
+                "message": f"the weights were only partly updated: {error}",
+                "weight_version": self.weight_version,
+            }
+        self._weights_epoch += 1
+        self.weight_version = version if version is not None else str(self._weights_epoch)
+        flushed = flush and self.scheduler.flush_cache()
+        if flushed:
+            self.executor.encoder_cache.clear()
+        return {
+            "success": True,
+            "message": "the weights were updated"
+            + ("" if flushed else "; the cache keeps older K/V that new requests do not reuse"),
+            "weight_version": self.weight_version,
+        }
+
+    def _weights_refusal(self, runner: ModelRunner) -> str | None:
+        if runner.tp.enabled:
+            return "updating weights under tensor parallelism is not available yet"
+        if runner.info.quantization is not None:
+            return (
+                "updating the weights of a quantized model is not available yet (the engine "
+                "would have to quantize them again): serve the model unquantized"
+            )
+        return None
+
+    def weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first `truncate_size` rows of a weight by checkpoint name, as lists."""
+        try:
+            tensor = self.executor.runner.weight(name)
+        except KeyError:
+            raise InvalidRequest("name", f"the model has no weight named {name!r}") from None
+        return tensor[: max(0, truncate_size)].to("cpu", torch.float32).tolist()
 
     def _answer(self, reply: int, function: Callable[[], Any]) -> None:
         try:
@@ -241,6 +335,10 @@ class EngineCore:
             prefix_sharing=self.scheduler.caching,
             lora=lora,
         )
+        if self._weights_epoch:
+            # K/V cached under earlier weights is never reused: a namespace per update.
+            for seq in handle.seqs:
+                seq.req.extra_key = (_WEIGHTS, self._weights_epoch, seq.req.extra_key)
         added = []
         try:
             for seq in handle.seqs:
@@ -528,7 +626,7 @@ class EngineCore:
         for seq in handle.seqs:
             due = handle.stream or seq.watch_text or seq.finish is not None
             if seq.dirty and not seq.quiet and due:
-                self._out.append(seq.delta())
+                self._out.append(seq.delta(self.weight_version))
         if handle.finished:
             handle.closed = True
             self._out.append(RequestClosed(handle.rid))
@@ -769,3 +867,18 @@ def create_core(
         static_info=static,
     )
     return core, engine_info
+
+
+#: Marks the cache namespace of requests that arrived after a weight update.
+_WEIGHTS = "weights"
+
+
+def _safetensors_names(files: Sequence[Path]) -> set[str]:
+    """The tensor names of safetensors files (from their headers: nothing else is read)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            names.update(handle.keys())
+    return names

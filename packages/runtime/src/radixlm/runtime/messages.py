@@ -106,6 +106,31 @@ class UnloadLoraAdapter:
 
 
 @dataclass(frozen=True, slots=True)
+class UpdateWeights:
+    """Replace the model's weights between steps (reinforcement learning's rollout engine):
+    from a checkpoint directory (`path`: every tensor the model needs) or from `tensors`
+    ((checkpoint name, tensor) pairs: any subset). The radix cache is flushed when nothing
+    runs (`flush_cache`), and new requests never reuse K/V computed before the update either
+    way. Answered with SGLang's `{"success", "message", "weight_version"}`."""
+
+    path: str | None
+    tensors: tuple[tuple[str, Any], ...] | None
+    flush_cache: bool
+    weight_version: str | None
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class GetWeightsByName:
+    """The first `truncate_size` rows of a weight, by checkpoint name (answered with nested
+    lists of floats)."""
+
+    name: str
+    truncate_size: int
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
 class GetServerInfo:
     """Live statistics (answered with a dict)."""
 
@@ -139,6 +164,8 @@ Command = (
     | FlushCache
     | LoadLoraAdapter
     | UnloadLoraAdapter
+    | UpdateWeights
+    | GetWeightsByName
     | GetServerInfo
     | CheckInvariants
     | Call
@@ -172,6 +199,8 @@ class SeqDelta(NamedTuple):
     #: Of `cached_tokens`, those brought back from host memory and from storage (the
     #: hierarchical cache).
     cached_tiers: tuple[int, int] = (0, 0)
+    #: The engine's weight version when this was sent (`update_weights_*`).
+    weight_version: str = "default"
     committed: int | None = None
     output_logprobs: Entries = ()
     output_top: tuple[Entries, ...] = ()

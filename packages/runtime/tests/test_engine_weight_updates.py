@@ -1,0 +1,156 @@
+"""Weight updates without a restart (reinforcement learning's rollout engine): from a
+checkpoint directory and from tensors, the engine's next outputs are those of an engine
+started on the new weights; K/V computed under the old weights is never reused; the weight
+version is in every response; bad updates say what is wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from radixlm.runtime import Engine
+from radixlm.runtime.fixtures import build_tiny_model
+from radixlm.sampling import InvalidRequest
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [40, 41, 42, 43, 44]]
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The policy before and after a training step: same shapes, other weights."""
+    root = tmp_path_factory.mktemp("weights")
+    return (
+        build_tiny_model(root / "before", seed=0, init_std=0.3),
+        build_tiny_model(root / "after", seed=1, init_std=0.3),
+    )
+
+
+def _engine(path: Path, **kwargs: Any) -> Engine:
+    return Engine(str(path), show_progress=False, cpu_threads=1, **kwargs)
+
+
+def _outputs(engine: Engine) -> list[list[int]]:
+    return [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+def _tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        found.update(load_file(str(file)))
+    return sorted(found.items())
+
+
+@pytest.fixture(scope="module")
+def expected(models: tuple[Path, Path]) -> tuple[list[list[int]], list[list[int]]]:
+    before, after = models
+    with _engine(before) as engine:
+        old = _outputs(engine)
+    with _engine(after) as engine:
+        new = _outputs(engine)
+    assert old != new  # the two policies differ
+    return old, new
+
+
+def test_an_update_from_disk_makes_the_next_outputs_the_new_models(
+    models: tuple[Path, Path], expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    before, after = models
+    old, new = expected
+    with _engine(before) as engine:
+        first = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        assert first["meta_info"]["weight_version"] == "default"
+        assert _outputs(engine) == old  # the prompts are cached now
+        result = engine.update_weights_from_disk(str(after), weight_version="step-1").result()
+        assert result == {
+            "success": True,
+            "message": "the weights were updated",
+            "weight_version": "step-1",
+        }
+        out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        engine.check_invariants()
+    assert [o["output_ids"] for o in out] == new
+    assert all(o["meta_info"]["weight_version"] == "step-1" for o in out)
+    assert all(o["meta_info"]["cached_tokens"] == 0 for o in out)  # nothing stale reused
+
+
+def test_an_update_from_tensors_takes_any_subset(
+    models: tuple[Path, Path], expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    before, after = models
+    _old, new = expected
+    tensors = _tensors(after)
+    with _engine(before) as engine:
+        _outputs(engine)
+        # A part first (one layer's MLP), then the rest: the result is the new model.
+        mlp = [(n, t) for n, t in tensors if ".mlp." in n and ".layers.0." in n]
+        part = engine.update_weights_from_tensor(mlp).result()
+        assert part["success"] and part["weight_version"] == "1"
+        name = "model.layers.0.mlp.gate_proj.weight"
+        want = dict(tensors)[name][:3]
+        assert torch.equal(torch.tensor(engine.get_weights_by_name(name, truncate_size=3)), want)
+        rest = [(n, t) for n, t in tensors if (n, t) not in mlp]
+        assert engine.update_weights_from_tensor(rest).result()["weight_version"] == "2"
+        assert _outputs(engine) == new
+        engine.check_invariants()
+
+
+def test_a_running_request_keeps_going_and_later_ones_do_not_reuse_old_kv(
+    models: tuple[Path, Path], expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    """An update while a request streams: it finishes (on the new weights from then on); the
+    cache cannot be flushed then, but a later request with the same prompt reuses nothing."""
+    before, after = models
+    _old, new = expected
+    with _engine(before) as engine:
+        stream = engine.generate(
+            input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 64}, stream=True
+        )
+        next(iter(stream))
+        result = engine.update_weights_from_disk(str(after)).result()
+        assert result["success"] and "do not reuse" in result["message"]
+        chunks = list(stream)
+        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        again = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        engine.check_invariants()
+    assert again["meta_info"]["cached_tokens"] == 0 and again["output_ids"] == new[0]
+
+
+def test_bad_updates_say_what_is_wrong(models: tuple[Path, Path], tmp_path: Path) -> None:
+    before, after = models
+    tensors = dict(_tensors(after))
+    # A checkpoint that lacks a tensor the model needs: nothing changes.
+    from safetensors.torch import save_file
+
+    lacking = {k: v for k, v in tensors.items() if "layers.1." not in k}
+    (tmp_path / "lacking").mkdir()
+    save_file(lacking, str(tmp_path / "lacking" / "model.safetensors"))
+    with _engine(before) as engine:
+        old = _outputs(engine)
+        result = engine.update_weights_from_disk(str(tmp_path / "lacking")).result()
+        assert not result["success"] and "lacks" in result["message"]
+        assert result["weight_version"] == "default" and _outputs(engine) == old
+        missing = engine.update_weights_from_disk(str(tmp_path / "nowhere")).result()
+        assert not missing["success"] and "nowhere" in missing["message"]
+        shape = engine.update_weights_from_tensor(
+            [("model.norm.weight", torch.ones(3))]
+        ).result()
+        assert not shape["success"] and "model.norm.weight" in shape["message"]
+        unknown = engine.update_weights_from_tensor([("model.nothing.weight", torch.ones(3))])
+        assert "does not know" in unknown.result()["message"]
+        with pytest.raises(InvalidRequest, match="no weight named"):
+            engine.get_weights_by_name("model.nothing.weight")
+        engine.check_invariants()
