@@ -19,8 +19,20 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 PAGE = 16
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _keep_torch_threads() -> Iterator[None]:
+    """Engines with `cpu_threads` set this process's torch threads, the module's shared
+    fixtures' too: put them back after the module, so that later tests run as they would
+    alone (a module fixture outlives a function-scoped restore)."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads_per_test() -> Iterator[None]:
     import torch
 
     before = torch.get_num_threads()
