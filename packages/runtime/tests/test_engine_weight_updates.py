@@ -20,8 +20,10 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [40, 41, 42, 43, 44]]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _keep_torch_threads() -> Iterator[None]:
+    """Engines with `cpu_threads` set this process's torch threads (the module fixtures'
+    too): put them back after the module."""
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
