@@ -147,12 +147,72 @@ def test_bad_updates_say_what_is_wrong(models: tuple[Path, Path], tmp_path: Path
         assert result["weight_version"] == "default" and _outputs(engine) == old
         missing = engine.update_weights_from_disk(str(tmp_path / "nowhere")).result()
         assert not missing["success"] and "nowhere" in missing["message"]
-        shape = engine.update_weights_from_tensor(
-            [("model.norm.weight", torch.ones(3))]
-        ).result()
+        shape = engine.update_weights_from_tensor([("model.norm.weight", torch.ones(3))]).result()
         assert not shape["success"] and "model.norm.weight" in shape["message"]
         unknown = engine.update_weights_from_tensor([("model.nothing.weight", torch.ones(3))])
         assert "does not know" in unknown.result()["message"]
         with pytest.raises(InvalidRequest, match="no weight named"):
             engine.get_weights_by_name("model.nothing.weight")
         engine.check_invariants()
+
+
+def _trainer(port: int, path: str) -> None:
+    """A trainer process: rank 0 of a gloo group; broadcasts its policy's tensors in order."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timeout)
+    group = dist.ProcessGroupGloo(store, 0, 2, timeout)  # (the store waits for the engine)
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    for _name, tensor in _tensors(Path(path)):
+        group.broadcast([tensor.contiguous()], options).wait()
+
+
+def test_a_trainer_broadcasts_new_weights_over_gloo(
+    models: tuple[Path, Path], expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    """The toy RL loop's weight sync: a trainer process (rank 0) and the engine (rank 1) in a
+    gloo group of their own; the engine's next outputs are the new policy's, and their
+    logprobs are what the new policy computes (recomputed in transformers here)."""
+    import multiprocessing
+    import socket
+
+    import transformers
+
+    before, after = models
+    _old, new = expected
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    trainer = context.Process(target=_trainer, args=(port, str(after)), daemon=True)
+    trainer.start()
+    try:
+        with _engine(before) as engine:
+            joined = engine.init_weights_update_group("127.0.0.1", port, 1, 2).result(120)
+            assert joined["success"], joined
+            tensors = _tensors(after)
+            result = engine.update_weights_from_distributed(
+                [n for n, _ in tensors],
+                [t.dtype for _, t in tensors],
+                [t.shape for _, t in tensors],
+            ).result(120)
+            assert result["success"] and result["weight_version"] == "1", result
+            outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+            again = engine.init_weights_update_group("127.0.0.1", port, 1, 2).result(10)
+            assert not again["success"] and "exists" in again["message"]
+    finally:
+        trainer.join(30)
+    assert [o["output_ids"] for o in outs] == new
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(after)).float().eval()
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = torch.tensor([prompt + out["output_ids"]])
+        with torch.no_grad():
+            logits = reference(ids).logits[0].log_softmax(-1)
+        start = len(prompt) - 1
+        want = [float(logits[start + i, t]) for i, t in enumerate(out["output_ids"])]
+        got = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4

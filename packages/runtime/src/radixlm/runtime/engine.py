@@ -18,8 +18,17 @@ import itertools
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable, Iterator
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from concurrent.futures import Future
+from functools import partial
 from typing import Any, Generic, TypeVar, cast, overload
 
 from radixlm.runtime.beam_search import (
@@ -43,6 +52,7 @@ from radixlm.runtime.messages import (
     FlushCache,
     GetServerInfo,
     GetWeightsByName,
+    InitWeightsUpdateGroup,
     LoadLoraAdapter,
     Output,
     RequestClosed,
@@ -52,6 +62,7 @@ from radixlm.runtime.messages import (
     StopSequence,
     UnloadLoraAdapter,
     UpdateWeights,
+    UpdateWeightsFromDistributed,
 )
 from radixlm.runtime.model_files import resolve_model_path
 from radixlm.runtime.model_runner import ModelRunner
@@ -811,6 +822,52 @@ class Engine:
         return Reply(
             self._ask(lambda reply: UpdateWeights(None, pairs, flush_cache, weight_version, reply))
         )
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> Reply[dict[str, Any]]:
+        """Join a trainer's torch.distributed group (SGLang's `init_weights_update_group`):
+        rank `rank_offset` of `world_size`, the trainer rank 0, a TCP store at
+        `master_address:master_port`; `gloo` (CPU tensors) or `nccl` (on the GPU). Its own
+        process group, apart from tensor parallelism's. The Reply comes once every rank has
+        joined."""
+        return Reply(
+            self._ask(
+                lambda reply: InitWeightsUpdateGroup(
+                    master_address, master_port, rank_offset, world_size, group_name, backend, reply
+                )
+            )
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[Any],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> Reply[dict[str, Any]]:
+        """Receive tensors broadcast by the trainer (rank 0 of `group_name`), one per name in
+        order, with these dtypes (`torch.bfloat16` or `"bfloat16"`) and shapes; then update
+        the weights with them (SGLang's `update_weights_from_distributed`; answered as
+        `update_weights_from_tensor`)."""
+        command = partial(
+            UpdateWeightsFromDistributed,
+            tuple(names),
+            tuple(str(d) for d in dtypes),
+            tuple(tuple(int(n) for n in shape) for shape in shapes),
+            group_name,
+            flush_cache,
+            weight_version,
+        )
+        return Reply(self._ask(lambda reply: command(reply)))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` rows of a weight by checkpoint name, as nested lists

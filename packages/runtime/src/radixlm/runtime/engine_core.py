@@ -43,6 +43,7 @@ from radixlm.runtime.messages import (
     FlushCache,
     GetServerInfo,
     GetWeightsByName,
+    InitWeightsUpdateGroup,
     LoadLoraAdapter,
     Output,
     RequestClosed,
@@ -52,6 +53,7 @@ from radixlm.runtime.messages import (
     StopSequence,
     UnloadLoraAdapter,
     UpdateWeights,
+    UpdateWeightsFromDistributed,
 )
 from radixlm.runtime.model_files import ModelLoadError
 from radixlm.runtime.model_runner import ModelRunner
@@ -118,6 +120,8 @@ class EngineCore:
         #: and how many updates there were (new requests' cache namespace).
         self.weight_version = "default"
         self._weights_epoch = 0
+        #: Process groups joined for `update_weights_from_distributed`, by name.
+        self._update_groups: dict[str, tuple[Any, str]] = {}
         # Statistics.
         self.finished_requests = 0
         self.steps = 0
@@ -207,6 +211,14 @@ class EngineCore:
             case UpdateWeights(source, tensors, flush, version, reply):
                 result = self.update_weights(source, tensors, flush, version)
                 self._out.append(CommandResult(reply, result))
+            case InitWeightsUpdateGroup(address, port, offset, size, group, backend, reply):
+                result = self.init_weights_update_group(address, port, offset, size, group, backend)
+                self._out.append(CommandResult(reply, result))
+            case UpdateWeightsFromDistributed(names, dtypes, shapes, group, flush, version, reply):
+                result = self.update_weights_from_distributed(
+                    names, dtypes, shapes, group, flush, version
+                )
+                self._out.append(CommandResult(reply, result))
             case GetWeightsByName(name, truncate, reply):
                 self._answer(reply, lambda: self.weights_by_name(name, truncate))
             case GetServerInfo(reply):
@@ -277,6 +289,90 @@ class EngineCore:
             + ("" if flushed else "; the cache keeps older K/V that new requests do not reuse"),
             "weight_version": self.weight_version,
         }
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> dict[str, Any]:
+        """Join a trainer's process group (see `InitWeightsUpdateGroup`); blocks until every
+        rank has joined or `_GROUP_TIMEOUT` passes."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if group_name in self._update_groups:
+            return {"success": False, "message": f"a group named {group_name!r} exists already"}
+        if backend not in ("gloo", "nccl"):
+            return {"success": False, "message": f"backend must be gloo or nccl; got {backend!r}"}
+        if not 0 < rank_offset < world_size:
+            return {
+                "success": False,
+                "message": f"rank_offset must be in 1 .. world_size - 1 (the trainer is rank 0); "
+                f"got {rank_offset} of {world_size}",
+            }
+        timeout = datetime.timedelta(seconds=_GROUP_TIMEOUT)
+        try:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                master_address, master_port, world_size, is_master=False, timeout=timeout
+            )
+            if backend == "gloo":
+                group: Any = dist.ProcessGroupGloo(store, rank_offset, world_size, timeout)
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                group = dist.ProcessGroupNCCL(store, rank_offset, world_size, options)
+        except (RuntimeError, ValueError, AttributeError) as error:  # (no NCCL in this torch)
+            return {"success": False, "message": f"could not join {group_name!r}: {error}"}
+        self._update_groups[group_name] = (group, backend)
+        return {"success": True, "message": f"joined {group_name!r} as rank {rank_offset}"}
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        flush: bool = True,
+        version: str | None = None,
+    ) -> dict[str, Any]:
+        """Receive the tensors rank 0 broadcasts, in order, then update the weights."""
+        import torch.distributed as dist
+
+        found = self._update_groups.get(group_name)
+        if found is None:
+            return {
+                "success": False,
+                "message": f"no group {group_name!r}: call init_weights_update_group first",
+                "weight_version": self.weight_version,
+            }
+        if not len(names) == len(dtypes) == len(shapes):
+            return {
+                "success": False,
+                "message": "names, dtypes and shapes must be as long as each other",
+                "weight_version": self.weight_version,
+            }
+        group, backend = found
+        device = self.executor.runner.device if backend == "nccl" else torch.device("cpu")
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        tensors: list[tuple[str, Any]] = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            kind = getattr(torch, str(dtype).removeprefix("torch."), None)
+            if not isinstance(kind, torch.dtype):
+                return {
+                    "success": False,
+                    "message": f"{name}: unknown dtype {dtype!r}",
+                    "weight_version": self.weight_version,
+                }
+            tensor = torch.empty(tuple(shape), dtype=kind, device=device)
+            group.broadcast([tensor], options).wait()
+            tensors.append((name, tensor))
+        return self.update_weights(None, tensors, flush, version)
 
     def _weights_refusal(self, runner: ModelRunner) -> str | None:
         if runner.tp.enabled:
@@ -871,6 +967,8 @@ def create_core(
 
 #: Marks the cache namespace of requests that arrived after a weight update.
 _WEIGHTS = "weights"
+#: Seconds a weight-update group waits for its ranks (joining, and each broadcast).
+_GROUP_TIMEOUT = 300.0
 
 
 def _safetensors_names(files: Sequence[Path]) -> set[str]:

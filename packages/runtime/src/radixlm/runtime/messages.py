@@ -121,6 +121,35 @@ class UpdateWeights:
 
 
 @dataclass(frozen=True, slots=True)
+class InitWeightsUpdateGroup:
+    """Join a trainer's torch.distributed group as rank `rank_offset` of `world_size` (a
+    TCP store at `master_address:master_port`, its own process group: not the tensor-parallel
+    one), for `UpdateWeightsFromDistributed` (answered `{"success", "message"}`)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateWeightsFromDistributed:
+    """Receive tensors (`names`, `dtypes`, `shapes`, in that order) broadcast by rank 0 of
+    group `group_name`, then update the weights with them as `UpdateWeights` does."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str
+    flush_cache: bool
+    weight_version: str | None
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
 class GetWeightsByName:
     """The first `truncate_size` rows of a weight, by checkpoint name (answered with nested
     lists of floats)."""
@@ -165,6 +194,8 @@ Command = (
     | LoadLoraAdapter
     | UnloadLoraAdapter
     | UpdateWeights
+    | InitWeightsUpdateGroup
+    | UpdateWeightsFromDistributed
     | GetWeightsByName
     | GetServerInfo
     | CheckInvariants
