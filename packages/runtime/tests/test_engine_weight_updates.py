@@ -216,3 +216,48 @@ def test_a_trainer_broadcasts_new_weights_over_gloo(
         want = [float(logits[start + i, t]) for i, t in enumerate(out["output_ids"])]
         got = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_a_pause_holds_requests_and_continue_finishes_them(
+    models: tuple[Path, Path], expected: tuple[list[list[int]], list[list[int]]], mode: str
+) -> None:
+    """Paused (in place, or retracted to the queue), a request makes no progress; after
+    continue_generation it finishes, and later requests give the outputs they would have
+    had (same weights)."""
+    import time
+
+    before, _after = models
+    old, _new = expected
+    with _engine(before) as engine:
+        long = {**GREEDY, "max_new_tokens": 200}
+        stream = iter(engine.generate(input_ids=PROMPTS[0], sampling_params=long, stream=True))
+        next(stream)
+        assert engine.pause_generation(mode).result() is True
+        info = engine.get_server_info()
+        held = info["generated_tokens"]
+        time.sleep(0.3)
+        assert engine.get_server_info()["generated_tokens"] == held  # no step ran
+        if mode == "retract":
+            assert info["num_running_reqs"] == 0 and info["num_queued_reqs"] == 1
+        assert engine.continue_generation().result() is True
+        *_, last = stream
+        assert last["meta_info"]["finish_reason"]["type"] == "length"
+        assert _outputs(engine) == old
+        engine.check_invariants()
+
+
+def test_a_pause_that_aborts_ends_every_open_request(models: tuple[Path, Path]) -> None:
+    before, _after = models
+    with _engine(before) as engine:
+        long = {**GREEDY, "max_new_tokens": 500}
+        stream = iter(engine.generate(input_ids=PROMPTS[0], sampling_params=long, stream=True))
+        next(stream)
+        assert engine.pause_generation("abort").result() is True
+        *_, last = stream
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        with pytest.raises(InvalidRequest, match="mode must be one of"):
+            engine.pause_generation("sometimes").result()
+        assert engine.continue_generation().result() is True
+        assert len(_outputs(engine)) == 2
+        engine.check_invariants()

@@ -49,12 +49,14 @@ from radixlm.runtime.messages import (
     CheckInvariants,
     Command,
     CommandResult,
+    ContinueGeneration,
     FlushCache,
     GetServerInfo,
     GetWeightsByName,
     InitWeightsUpdateGroup,
     LoadLoraAdapter,
     Output,
+    PauseGeneration,
     RequestClosed,
     RequestFailed,
     SeqDelta,
@@ -868,6 +870,17 @@ class Engine:
             weight_version,
         )
         return Reply(self._ask(lambda reply: command(reply)))
+
+    def pause_generation(self, mode: str = "abort") -> Reply[bool]:
+        """Stop running steps (SGLang's `pause_generation`, e.g. while a trainer updates the
+        weights): `abort` ends every open request (finish_reason abort), `retract` sends the
+        running ones back to the queue (their computed tokens stay cached: they resume
+        cheaply), `in_place` keeps them where they are. New requests are queued meanwhile."""
+        return Reply(self._ask(lambda reply: PauseGeneration(mode, reply)))
+
+    def continue_generation(self) -> Reply[bool]:
+        """Run steps again after `pause_generation`."""
+        return Reply(self._ask(ContinueGeneration))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` rows of a weight by checkpoint name, as nested lists

@@ -37,6 +37,7 @@ from radixlm.runtime.messages import (
     CheckInvariants,
     Command,
     CommandResult,
+    ContinueGeneration,
     EngineDown,
     EngineInfo,
     EngineRequest,
@@ -46,6 +47,7 @@ from radixlm.runtime.messages import (
     InitWeightsUpdateGroup,
     LoadLoraAdapter,
     Output,
+    PauseGeneration,
     RequestClosed,
     RequestFailed,
     Shutdown,
@@ -120,6 +122,8 @@ class EngineCore:
         #: and how many updates there were (new requests' cache namespace).
         self.weight_version = "default"
         self._weights_epoch = 0
+        #: `pause_generation`: no step runs until `continue_generation`.
+        self._paused = False
         #: Process groups joined for `update_weights_from_distributed`, by name.
         self._update_groups: dict[str, tuple[Any, str]] = {}
         # Statistics.
@@ -137,7 +141,7 @@ class EngineCore:
         while not self._stopped:
             try:
                 self._drain(block=not self._has_work())
-                if not self._stopped:
+                if not self._stopped and not self._paused:
                     self.step()
             except RankFailure as error:
                 # The tensor-parallel group is broken: no step can run again. Every open
@@ -173,6 +177,8 @@ class EngineCore:
         self.emit(out)
 
     def _has_work(self) -> bool:
+        if self._paused:
+            return False  # (commands still come in: block on them)
         sched = self.scheduler
         return bool(sched.running) or any(not r.blocked() for r in sched.waiting)
 
@@ -219,6 +225,11 @@ class EngineCore:
                     names, dtypes, shapes, group, flush, version
                 )
                 self._out.append(CommandResult(reply, result))
+            case PauseGeneration(mode, reply):
+                self._answer(reply, lambda: self.pause(mode))
+            case ContinueGeneration(reply):
+                self._paused = False
+                self._out.append(CommandResult(reply, True))
             case GetWeightsByName(name, truncate, reply):
                 self._answer(reply, lambda: self.weights_by_name(name, truncate))
             case GetServerInfo(reply):
@@ -373,6 +384,20 @@ class EngineCore:
             group.broadcast([tensor], options).wait()
             tensors.append((name, tensor))
         return self.update_weights(None, tensors, flush, version)
+
+    def pause(self, mode: str = "abort") -> bool:
+        """Stop running steps until `ContinueGeneration` (see `PauseGeneration`)."""
+        if mode not in _PAUSE_MODES:
+            raise InvalidRequest(
+                "mode", f"mode must be one of {', '.join(_PAUSE_MODES)}; got {mode!r}"
+            )
+        if mode == "abort":
+            for rid in list(self.handles):
+                self.abort(rid)
+        elif mode == "retract":
+            self.scheduler.retract_all()
+        self._paused = True
+        return True
 
     def _weights_refusal(self, runner: ModelRunner) -> str | None:
         if runner.tp.enabled:
@@ -967,6 +992,8 @@ def create_core(
 
 #: Marks the cache namespace of requests that arrived after a weight update.
 _WEIGHTS = "weights"
+#: `pause_generation`'s modes.
+_PAUSE_MODES = ("abort", "retract", "in_place")
 #: Seconds a weight-update group waits for its ranks (joining, and each broadcast).
 _GROUP_TIMEOUT = 300.0
 

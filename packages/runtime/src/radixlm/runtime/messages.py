@@ -150,6 +150,23 @@ class UpdateWeightsFromDistributed:
 
 
 @dataclass(frozen=True, slots=True)
+class PauseGeneration:
+    """Stop running steps (requests keep arriving and wait): `abort` ends every open request,
+    `retract` sends the running ones back to the queue (their computed tokens to the cache),
+    `in_place` keeps them as they are (answered True)."""
+
+    mode: str
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class ContinueGeneration:
+    """Run steps again after `PauseGeneration` (answered True)."""
+
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
 class GetWeightsByName:
     """The first `truncate_size` rows of a weight, by checkpoint name (answered with nested
     lists of floats)."""
@@ -196,6 +213,8 @@ Command = (
     | UpdateWeights
     | InitWeightsUpdateGroup
     | UpdateWeightsFromDistributed
+    | PauseGeneration
+    | ContinueGeneration
     | GetWeightsByName
     | GetServerInfo
     | CheckInvariants
