@@ -75,3 +75,11 @@ def test_bad_weight_requests_name_what_to_change(client: TestClient, tmp_path: P
     unknown = client.post("/get_weights_by_name", json={"name": "model.nothing"})
     assert unknown.status_code == 400 and "no weight named" in unknown.text
     assert _generate(client)["meta_info"]["weight_version"] == "default"
+
+
+def test_pause_and_continue_over_http(client: TestClient) -> None:
+    assert client.post("/pause_generation", json={"mode": "in_place"}).json() == {"success": True}
+    bad = client.post("/pause_generation", json={"mode": "sometimes"})
+    assert bad.status_code == 400 and "mode" in bad.text
+    assert client.post("/continue_generation").json() == {"success": True}
+    assert _generate(client)["meta_info"]["finish_reason"]["type"] == "length"

@@ -1,12 +1,13 @@
-"""SGLang's weight routes of a rollout engine: `POST /update_weights_from_disk` (replace the
-model's weights with a checkpoint directory's, without a restart) and `POST
-/get_weights_by_name` (read a weight back: a trainer checks what the engine holds)."""
+"""SGLang's routes of a rollout engine: `POST /update_weights_from_disk` (replace the model's
+weights with a checkpoint directory's, without a restart), `POST /get_weights_by_name` (read
+a weight back: a trainer checks what the engine holds), `POST /pause_generation` and `POST
+/continue_generation`."""
 
 from __future__ import annotations
 
 import inspect
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,6 +36,14 @@ class GetWeightsByName(BaseModel):
 
     name: str = Field(min_length=1)
     truncate_size: int = Field(default=100, ge=0)
+
+
+class PauseGeneration(BaseModel):
+    """`POST /pause_generation`'s body (SGLang's `PauseGenerationReqInput`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
 def _engine_member(state: ServerState, name: str) -> Any:
@@ -72,5 +81,20 @@ def weights_router(state: ServerState) -> APIRouter:
         read = _engine_member(state, "get_weights_by_name")
         body = await state.read_body(http, partial(parse_body, GetWeightsByName))
         return list(await _resolved(read(body.name, body.truncate_size)))
+
+    @router.post("/pause_generation")
+    async def pause_generation(http: Request) -> dict[str, Any]:
+        """Stop running steps: `abort` ends every open request, `retract` sends the running
+        ones back to the queue, `in_place` keeps them; new requests queue meanwhile."""
+        pause = _engine_member(state, "pause_generation")
+        body = await state.read_body(http, partial(parse_body, PauseGeneration))
+        await _resolved(pause(body.mode))
+        return {"success": True}
+
+    @router.post("/continue_generation")
+    async def continue_generation() -> dict[str, Any]:
+        """Run steps again after `/pause_generation`."""
+        await _resolved(_engine_member(state, "continue_generation")())
+        return {"success": True}
 
     return router
