@@ -18,8 +18,17 @@ import itertools
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from concurrent.futures import Future
+from functools import partial
 from typing import Any, Generic, TypeVar, cast, overload
 
 from radixlm.runtime.beam_search import (
@@ -40,16 +49,22 @@ from radixlm.runtime.messages import (
     CheckInvariants,
     Command,
     CommandResult,
+    ContinueGeneration,
     FlushCache,
     GetServerInfo,
+    GetWeightsByName,
+    InitWeightsUpdateGroup,
     LoadLoraAdapter,
     Output,
+    PauseGeneration,
     RequestClosed,
     RequestFailed,
     SeqDelta,
     Stats,
     StopSequence,
     UnloadLoraAdapter,
+    UpdateWeights,
+    UpdateWeightsFromDistributed,
 )
 from radixlm.runtime.model_files import resolve_model_path
 from radixlm.runtime.model_runner import ModelRunner
@@ -775,6 +790,106 @@ class Engine:
         """Unload an adapter: new requests naming it are refused at once, requests already
         using it finish, then its weights are freed. InvalidRequest if no such adapter."""
         return self._lora_command(lambda reply: UnloadLoraAdapter(lora_name, reply))
+
+    # ------------------------------------------------------------------------- weights
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> Reply[dict[str, Any]]:
+        """Replace the model's weights with a checkpoint directory's (safetensors of the same
+        architecture; every tensor the model needs), between steps, without a restart
+        (SGLang's `update_weights_from_disk`). The Reply gives `{"success", "message",
+        "weight_version"}`; a checkpoint that lacks tensors changes nothing. Requests that
+        arrive after it never reuse K/V computed before; the radix cache is flushed when
+        nothing runs (`flush_cache`)."""
+        return Reply(
+            self._ask(
+                lambda reply: UpdateWeights(model_path, None, flush_cache, weight_version, reply)
+            )
+        )
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> Reply[dict[str, Any]]:
+        """Replace some or all weights from (checkpoint name, tensor) pairs — a trainer in the
+        same process (SGLang's `update_weights_from_tensor`); as `update_weights_from_disk`
+        otherwise. Tensors are copied (converted to the model's dtype and device)."""
+        pairs = tuple((str(name), tensor) for name, tensor in named_tensors)
+        return Reply(
+            self._ask(lambda reply: UpdateWeights(None, pairs, flush_cache, weight_version, reply))
+        )
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> Reply[dict[str, Any]]:
+        """Join a trainer's torch.distributed group (SGLang's `init_weights_update_group`):
+        rank `rank_offset` of `world_size`, the trainer rank 0, a TCP store at
+        `master_address:master_port`; `gloo` (CPU tensors) or `nccl` (on the GPU). Its own
+        process group, apart from tensor parallelism's. The Reply comes once every rank has
+        joined."""
+        return Reply(
+            self._ask(
+                lambda reply: InitWeightsUpdateGroup(
+                    master_address, master_port, rank_offset, world_size, group_name, backend, reply
+                )
+            )
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[Any],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> Reply[dict[str, Any]]:
+        """Receive tensors broadcast by the trainer (rank 0 of `group_name`), one per name in
+        order, with these dtypes (`torch.bfloat16` or `"bfloat16"`) and shapes; then update
+        the weights with them (SGLang's `update_weights_from_distributed`; answered as
+        `update_weights_from_tensor`)."""
+        command = partial(
+            UpdateWeightsFromDistributed,
+            tuple(names),
+            tuple(str(d) for d in dtypes),
+            tuple(tuple(int(n) for n in shape) for shape in shapes),
+            group_name,
+            flush_cache,
+            weight_version,
+        )
+        return Reply(self._ask(lambda reply: command(reply)))
+
+    def pause_generation(self, mode: str = "abort") -> Reply[bool]:
+        """Stop running steps (SGLang's `pause_generation`, e.g. while a trainer updates the
+        weights): `abort` ends every open request (finish_reason abort), `retract` sends the
+        running ones back to the queue (their computed tokens stay cached: they resume
+        cheaply), `in_place` keeps them where they are. New requests are queued meanwhile."""
+        return Reply(self._ask(lambda reply: PauseGeneration(mode, reply)))
+
+    def continue_generation(self) -> Reply[bool]:
+        """Run steps again after `pause_generation`."""
+        return Reply(self._ask(ContinueGeneration))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first `truncate_size` rows of a weight by checkpoint name, as nested lists
+        (SGLang's `get_weights_by_name`; a stacked projection's own rows for `q_proj` and the
+        like). InvalidRequest naming `name` when the model has none."""
+        return cast(
+            list[Any],
+            self._ask(lambda reply: GetWeightsByName(name, truncate_size, reply)).result(60),
+        )
 
     def lora_adapters(self) -> dict[str, str]:
         """The loaded adapters, name -> directory (empty when LoRA is off)."""

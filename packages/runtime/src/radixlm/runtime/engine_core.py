@@ -15,7 +15,10 @@ import queue
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from radixlm import kernels
 from radixlm.cache import RadixCache
@@ -25,6 +28,7 @@ from radixlm.runtime.distributed import SINGLE, RankFailure, TensorParallel
 from radixlm.runtime.executor import EntryInputs, InputLogprobAsk, ModelExecutor, StepResult
 from radixlm.runtime.grammar import GrammarService
 from radixlm.runtime.hicache import HierarchicalCache
+from radixlm.runtime.loader import iter_safetensors, safetensors_files
 from radixlm.runtime.lora.adapter import LoraAdapterError
 from radixlm.runtime.lora.registry import AdapterRegistry
 from radixlm.runtime.messages import (
@@ -33,20 +37,27 @@ from radixlm.runtime.messages import (
     CheckInvariants,
     Command,
     CommandResult,
+    ContinueGeneration,
     EngineDown,
     EngineInfo,
     EngineRequest,
     FlushCache,
     GetServerInfo,
+    GetWeightsByName,
+    InitWeightsUpdateGroup,
     LoadLoraAdapter,
     Output,
+    PauseGeneration,
     RequestClosed,
     RequestFailed,
     Shutdown,
     Stats,
     StopSequence,
     UnloadLoraAdapter,
+    UpdateWeights,
+    UpdateWeightsFromDistributed,
 )
+from radixlm.runtime.model_files import ModelLoadError
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.request_state import RequestHandle, SequenceState, open_request
 from radixlm.runtime.routed_experts import RoutedExpertsStore
@@ -107,6 +118,14 @@ class EngineCore:
         self._compiling: list[SequenceState] = []
         self._out: list[Output] = []
         self._stopped = False
+        #: The weights' version (SGLang's `weight_version`, in every response's meta_info)
+        #: and how many updates there were (new requests' cache namespace).
+        self.weight_version = "default"
+        self._weights_epoch = 0
+        #: `pause_generation`: no step runs until `continue_generation`.
+        self._paused = False
+        #: Process groups joined for `update_weights_from_distributed`, by name.
+        self._update_groups: dict[str, tuple[Any, str]] = {}
         # Statistics.
         self.finished_requests = 0
         self.steps = 0
@@ -122,7 +141,7 @@ class EngineCore:
         while not self._stopped:
             try:
                 self._drain(block=not self._has_work())
-                if not self._stopped:
+                if not self._stopped and not self._paused:
                     self.step()
             except RankFailure as error:
                 # The tensor-parallel group is broken: no step can run again. Every open
@@ -158,6 +177,8 @@ class EngineCore:
         self.emit(out)
 
     def _has_work(self) -> bool:
+        if self._paused:
+            return False  # (commands still come in: block on them)
         sched = self.scheduler
         return bool(sched.running) or any(not r.blocked() for r in sched.waiting)
 
@@ -193,6 +214,24 @@ class EngineCore:
                 self._answer(reply, lambda: self._lora_registry().load(name, path))
             case UnloadLoraAdapter(name, reply):
                 self._answer(reply, lambda: self._lora_registry().unload(name))
+            case UpdateWeights(source, tensors, flush, version, reply):
+                result = self.update_weights(source, tensors, flush, version)
+                self._out.append(CommandResult(reply, result))
+            case InitWeightsUpdateGroup(address, port, offset, size, group, backend, reply):
+                result = self.init_weights_update_group(address, port, offset, size, group, backend)
+                self._out.append(CommandResult(reply, result))
+            case UpdateWeightsFromDistributed(names, dtypes, shapes, group, flush, version, reply):
+                result = self.update_weights_from_distributed(
+                    names, dtypes, shapes, group, flush, version
+                )
+                self._out.append(CommandResult(reply, result))
+            case PauseGeneration(mode, reply):
+                self._answer(reply, lambda: self.pause(mode))
+            case ContinueGeneration(reply):
+                self._paused = False
+                self._out.append(CommandResult(reply, True))
+            case GetWeightsByName(name, truncate, reply):
+                self._answer(reply, lambda: self.weights_by_name(name, truncate))
             case GetServerInfo(reply):
                 self._out.append(CommandResult(reply, self.live_stats()))
             case CheckInvariants(reply):
@@ -201,6 +240,182 @@ class EngineCore:
                 self._answer(reply, lambda: function(self))
             case Shutdown():
                 self._stopped = True
+
+    # ------------------------------------------------------------------------ weights
+
+    def update_weights(
+        self,
+        path: str | None,
+        tensors: Sequence[tuple[str, Any]] | None,
+        flush: bool = True,
+        version: str | None = None,
+    ) -> dict[str, Any]:
+        """Replace the model's weights (see `UpdateWeights`); SGLang's answer: success, a
+        message, the weight version. Running requests go on with the new weights; requests
+        that arrive after never reuse K/V computed before (they match in a namespace of
+        their own), and the cache is flushed when nothing runs."""
+        runner = self.executor.runner
+        refusal = self._weights_refusal(runner)
+        if refusal is None and path is not None:
+            try:
+                files = safetensors_files(Path(path))
+            except (OSError, ValueError, ModelLoadError) as error:
+                refusal = f"update_weights_from_disk: {error}"
+            else:
+                names = _safetensors_names(files)
+                missing = sorted(runner.checkpoint_names() - names)
+                if missing:
+                    refusal = (
+                        f"update_weights_from_disk: {path} lacks {len(missing)} tensor(s) the "
+                        f"model needs (e.g. {', '.join(missing[:3])}); nothing was changed"
+                    )
+                else:
+                    tensors = None
+        if refusal is not None:
+            return {"success": False, "message": refusal, "weight_version": self.weight_version}
+        try:
+            if path is not None:
+                files = safetensors_files(Path(path))
+                runner.load_weights(iter_safetensors(files, runner.device, runner.dtype, False))
+            else:
+                runner.load_weights(tensors or ())
+        except (ValueError, RuntimeError, OSError) as error:
+            # Names and shapes are checked tensor by tensor as they are copied: the ones
+            # before a bad one were replaced already.
+            self.weight_version = f"{self.weight_version}+partial"
+            self._weights_epoch += 1
+            return {
+                "success": False,
+                "message": f"the weights were only partly updated: {error}",
+                "weight_version": self.weight_version,
+            }
+        self._weights_epoch += 1
+        self.weight_version = version if version is not None else str(self._weights_epoch)
+        flushed = flush and self.scheduler.flush_cache()
+        if flushed:
+            self.executor.encoder_cache.clear()
+        return {
+            "success": True,
+            "message": "the weights were updated"
+            + ("" if flushed else "; the cache keeps older K/V that new requests do not reuse"),
+            "weight_version": self.weight_version,
+        }
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> dict[str, Any]:
+        """Join a trainer's process group (see `InitWeightsUpdateGroup`); blocks until every
+        rank has joined or `_GROUP_TIMEOUT` passes."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if group_name in self._update_groups:
+            return {"success": False, "message": f"a group named {group_name!r} exists already"}
+        if backend not in ("gloo", "nccl"):
+            return {"success": False, "message": f"backend must be gloo or nccl; got {backend!r}"}
+        if not 0 < rank_offset < world_size:
+            return {
+                "success": False,
+                "message": f"rank_offset must be in 1 .. world_size - 1 (the trainer is rank 0); "
+                f"got {rank_offset} of {world_size}",
+            }
+        timeout = datetime.timedelta(seconds=_GROUP_TIMEOUT)
+        try:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                master_address, master_port, world_size, is_master=False, timeout=timeout
+            )
+            if backend == "gloo":
+                group: Any = dist.ProcessGroupGloo(store, rank_offset, world_size, timeout)
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                group = dist.ProcessGroupNCCL(store, rank_offset, world_size, options)
+        except (RuntimeError, ValueError, AttributeError) as error:  # (no NCCL in this torch)
+            return {"success": False, "message": f"could not join {group_name!r}: {error}"}
+        self._update_groups[group_name] = (group, backend)
+        return {"success": True, "message": f"joined {group_name!r} as rank {rank_offset}"}
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        flush: bool = True,
+        version: str | None = None,
+    ) -> dict[str, Any]:
+        """Receive the tensors rank 0 broadcasts, in order, then update the weights."""
+        import torch.distributed as dist
+
+        found = self._update_groups.get(group_name)
+        if found is None:
+            return {
+                "success": False,
+                "message": f"no group {group_name!r}: call init_weights_update_group first",
+                "weight_version": self.weight_version,
+            }
+        if not len(names) == len(dtypes) == len(shapes):
+            return {
+                "success": False,
+                "message": "names, dtypes and shapes must be as long as each other",
+                "weight_version": self.weight_version,
+            }
+        group, backend = found
+        device = self.executor.runner.device if backend == "nccl" else torch.device("cpu")
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        tensors: list[tuple[str, Any]] = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            kind = getattr(torch, str(dtype).removeprefix("torch."), None)
+            if not isinstance(kind, torch.dtype):
+                return {
+                    "success": False,
+                    "message": f"{name}: unknown dtype {dtype!r}",
+                    "weight_version": self.weight_version,
+                }
+            tensor = torch.empty(tuple(shape), dtype=kind, device=device)
+            group.broadcast([tensor], options).wait()
+            tensors.append((name, tensor))
+        return self.update_weights(None, tensors, flush, version)
+
+    def pause(self, mode: str = "abort") -> bool:
+        """Stop running steps until `ContinueGeneration` (see `PauseGeneration`)."""
+        if mode not in _PAUSE_MODES:
+            raise InvalidRequest(
+                "mode", f"mode must be one of {', '.join(_PAUSE_MODES)}; got {mode!r}"
+            )
+        if mode == "abort":
+            for rid in list(self.handles):
+                self.abort(rid)
+        elif mode == "retract":
+            self.scheduler.retract_all()
+        self._paused = True
+        return True
+
+    def _weights_refusal(self, runner: ModelRunner) -> str | None:
+        if runner.tp.enabled:
+            return "updating weights under tensor parallelism is not available yet"
+        if runner.info.quantization is not None:
+            return (
+                "updating the weights of a quantized model is not available yet (the engine "
+                "would have to quantize them again): serve the model unquantized"
+            )
+        return None
+
+    def weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first `truncate_size` rows of a weight by checkpoint name, as lists."""
+        try:
+            tensor = self.executor.runner.weight(name)
+        except KeyError:
+            raise InvalidRequest("name", f"the model has no weight named {name!r}") from None
+        return tensor[: max(0, truncate_size)].to("cpu", torch.float32).tolist()
 
     def _answer(self, reply: int, function: Callable[[], Any]) -> None:
         try:
@@ -241,6 +456,10 @@ class EngineCore:
             prefix_sharing=self.scheduler.caching,
             lora=lora,
         )
+        if self._weights_epoch:
+            # K/V cached under earlier weights is never reused: a namespace per update.
+            for seq in handle.seqs:
+                seq.req.extra_key = (_WEIGHTS, self._weights_epoch, seq.req.extra_key)
         added = []
         try:
             for seq in handle.seqs:
@@ -528,7 +747,7 @@ class EngineCore:
         for seq in handle.seqs:
             due = handle.stream or seq.watch_text or seq.finish is not None
             if seq.dirty and not seq.quiet and due:
-                self._out.append(seq.delta())
+                self._out.append(seq.delta(self.weight_version))
         if handle.finished:
             handle.closed = True
             self._out.append(RequestClosed(handle.rid))
@@ -769,3 +988,22 @@ def create_core(
         static_info=static,
     )
     return core, engine_info
+
+
+#: Marks the cache namespace of requests that arrived after a weight update.
+_WEIGHTS = "weights"
+#: `pause_generation`'s modes.
+_PAUSE_MODES = ("abort", "retract", "in_place")
+#: Seconds a weight-update group waits for its ranks (joining, and each broadcast).
+_GROUP_TIMEOUT = 300.0
+
+
+def _safetensors_names(files: Sequence[Path]) -> set[str]:
+    """The tensor names of safetensors files (from their headers: nothing else is read)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            names.update(handle.keys())
+    return names

@@ -106,6 +106,77 @@ class UnloadLoraAdapter:
 
 
 @dataclass(frozen=True, slots=True)
+class UpdateWeights:
+    """Replace the model's weights between steps (reinforcement learning's rollout engine):
+    from a checkpoint directory (`path`: every tensor the model needs) or from `tensors`
+    ((checkpoint name, tensor) pairs: any subset). The radix cache is flushed when nothing
+    runs (`flush_cache`), and new requests never reuse K/V computed before the update either
+    way. Answered with SGLang's `{"success", "message", "weight_version"}`."""
+
+    path: str | None
+    tensors: tuple[tuple[str, Any], ...] | None
+    flush_cache: bool
+    weight_version: str | None
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class InitWeightsUpdateGroup:
+    """Join a trainer's torch.distributed group as rank `rank_offset` of `world_size` (a
+    TCP store at `master_address:master_port`, its own process group: not the tensor-parallel
+    one), for `UpdateWeightsFromDistributed` (answered `{"success", "message"}`)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateWeightsFromDistributed:
+    """Receive tensors (`names`, `dtypes`, `shapes`, in that order) broadcast by rank 0 of
+    group `group_name`, then update the weights with them as `UpdateWeights` does."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str
+    flush_cache: bool
+    weight_version: str | None
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class PauseGeneration:
+    """Stop running steps (requests keep arriving and wait): `abort` ends every open request,
+    `retract` sends the running ones back to the queue (their computed tokens to the cache),
+    `in_place` keeps them as they are (answered True)."""
+
+    mode: str
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class ContinueGeneration:
+    """Run steps again after `PauseGeneration` (answered True)."""
+
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class GetWeightsByName:
+    """The first `truncate_size` rows of a weight, by checkpoint name (answered with nested
+    lists of floats)."""
+
+    name: str
+    truncate_size: int
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
 class GetServerInfo:
     """Live statistics (answered with a dict)."""
 
@@ -139,6 +210,12 @@ Command = (
     | FlushCache
     | LoadLoraAdapter
     | UnloadLoraAdapter
+    | UpdateWeights
+    | InitWeightsUpdateGroup
+    | UpdateWeightsFromDistributed
+    | PauseGeneration
+    | ContinueGeneration
+    | GetWeightsByName
     | GetServerInfo
     | CheckInvariants
     | Call
@@ -172,6 +249,8 @@ class SeqDelta(NamedTuple):
     #: Of `cached_tokens`, those brought back from host memory and from storage (the
     #: hierarchical cache).
     cached_tiers: tuple[int, int] = (0, 0)
+    #: The engine's weight version when this was sent (`update_weights_*`).
+    weight_version: str = "default"
     committed: int | None = None
     output_logprobs: Entries = ()
     output_top: tuple[Entries, ...] = ()

@@ -31,6 +31,7 @@ from radixlm.runtime.lora.adapter import LoraAdapter, load_adapter
 from radixlm.runtime.lora.manager import LoraManager, pool_shape
 from radixlm.runtime.memory import KVPool, ReqToTokenPool, kv_pool_capacity
 from radixlm.runtime.models import DecoderForCausalLM
+from radixlm.runtime.models.decoder import STACKED_PROJECTIONS
 from radixlm.runtime.sampler import SampleOutput, Sampler
 from radixlm.runtime.sampling_batch import SamplingBatch
 
@@ -357,13 +358,40 @@ class ModelRunner:
         out = self.forward(batch)
         return self.sample(out.next_token_logits, sampling), out
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace weights in place from (HF name, tensor) pairs (e.g. another model's)."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Replace weights in place from (HF name, tensor) pairs (e.g. another model's);
+        returns the names taken."""
         with torch.no_grad():
-            self.model.load_weights(
+            loaded = self.model.load_weights(
                 (name, tensor.to(device=self.device, dtype=self.dtype)) for name, tensor in weights
             )
         self._build_cpu_decode()  # the layers may hold new tensors
+        return loaded
+
+    def checkpoint_names(self) -> set[str]:
+        """The checkpoint (HF) names of every tensor the model needs."""
+        return set(self.model.checkpoint_names())
+
+    def weight(self, name: str) -> torch.Tensor:
+        """A weight by its checkpoint (HF) name as the model holds it now: a parameter, or a
+        stacked projection's own rows (`q_proj` of `qkv_proj`). KeyError when there is none."""
+        params = dict(self.model.named_parameters())
+        if name in params:
+            return params[name].detach()
+        prefix, _, leaf = name.rpartition(".")
+        module_path, _, module_name = prefix.rpartition(".")
+        if module_name in STACKED_PROJECTIONS:
+            merged, shard = STACKED_PROJECTIONS[module_name]
+            try:
+                module = self.model.get_submodule(f"{module_path}.{merged}")
+            except AttributeError:
+                raise KeyError(name) from None
+            ranges = getattr(module, "shard_ranges", {})
+            tensor = getattr(module, leaf, None)
+            if shard in ranges and isinstance(tensor, torch.Tensor):
+                start, end = ranges[shard]
+                return tensor.detach()[start:end]
+        raise KeyError(name)
 
     def reset(self) -> None:
         """Free every KV slot and request row (the engine's flush_cache)."""

@@ -74,6 +74,7 @@ class SequenceView:
         self.with_text = request.logprobs.with_text
         self.cached_tokens = 0
         self.cached_tiers = (0, 0)
+        self.weight_version = "default"
         self.committed: int | None = None
         self.grammar: dict[str, Any] | None = None
         self.output_logprobs: list[LogprobEntry] = []
@@ -102,6 +103,7 @@ class SequenceView:
         output = self.output
         self.cached_tokens = delta.cached_tokens
         self.cached_tiers = delta.cached_tiers
+        self.weight_version = delta.weight_version
         self.committed = delta.committed
         if delta.grammar is not None:
             self.grammar = delta.grammar
@@ -229,14 +231,16 @@ class SequenceView:
                 "routed_experts": None if rows is None else routed_experts.encode(rows),
                 "routed_experts_start_len": start_routed,
             }
+        extra = dict(out.get("extra") or {})
+        extra["weight_version"] = self.weight_version  # SGLang's: which weights answered
         host, storage = self.cached_tiers
         if host or storage:  # part of the prefix came back from the hierarchical cache's tiers
-            details = {
+            extra["cached_tokens_details"] = {
                 "device": self.cached_tokens - host - storage,
                 "host": host,
                 "storage": storage,
             }
-            out["extra"] = {**(out.get("extra") or {}), "cached_tokens_details": details}
+        out["extra"] = extra
         chunk = GenerateChunk(
             rid=request.rid,
             index=self.index,

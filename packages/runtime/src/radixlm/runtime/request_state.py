@@ -211,7 +211,7 @@ class SequenceState:
         committed = getattr(self.grammar, "committed", None)
         return None if committed is None else max(0, int(committed))
 
-    def delta(self) -> SeqDelta:
+    def delta(self, weight_version: str = "default") -> SeqDelta:
         """What the front end does not have yet; marks it sent."""
         ids = self.req.output_ids
         stops = self.stops
@@ -249,6 +249,7 @@ class SequenceState:
             finish=self.finish,
             cached_tokens=self.req.cached_tokens or 0,
             cached_tiers=(self.req.host_cached_tokens, self.req.storage_cached_tokens),
+            weight_version=weight_version,
             committed=self._committed(),
             **extra,
         )

@@ -26,6 +26,7 @@ from radixlm.server.openai_responses_models import ResponsesRequest
 from radixlm.server.protocol import EngineClient
 from radixlm.server.state import ServerState
 from radixlm.server.streams import ClientDisconnected
+from radixlm.server.weights import weights_router
 
 # Reachable without the API key (load balancers and orchestrators probe them).
 OPEN_PATHS = frozenset({"/health", "/health_generate"})
@@ -211,6 +212,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
     app.add_exception_handler(ClientDisconnected, on_disconnect)
     app.include_router(native_router(state))
     app.include_router(lora_router(state))
+    app.include_router(weights_router(state))
     app.include_router(_openai_router(state))
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes, metrics=state.metrics)
     if config.api_key is not None:  # outermost: checked first

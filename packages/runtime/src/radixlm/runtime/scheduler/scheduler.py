@@ -441,6 +441,15 @@ class Scheduler:
         self.memory_bound = True
         return req
 
+    def retract_all(self) -> int:
+        """Send every running request back to the queue (a pause that frees their KV slots;
+        their computed tokens stay in the cache); how many went back."""
+        running = list(self.running)
+        for req in running:
+            self._retract(req)
+        self.memory_bound = False  # nothing waits for memory because of this
+        return len(running)
+
     def _drop(self, req: Req) -> Req:
         """End a request that cannot fit in the KV pool even alone."""
         self._release(req, cache_it=True)
