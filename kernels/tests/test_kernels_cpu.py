@@ -174,3 +174,17 @@ def test_a_rows_output_does_not_depend_on_the_other_rows_of_the_call(group: int)
             assert torch.equal(many4[row], cpu.int4_linear(one, qweight, scales, zeros, group)[0])
             assert torch.equal(many8[row], cpu.int8_linear(one, w8, s8)[0])
             assert torch.equal(many32[row], cpu.f32_linear(one.contiguous(), w32)[0])
+
+
+@needs_kernels
+@pytest.mark.parametrize(("n", "k"), [(38, 72), (258, 203), (7, 48), (64, 576)])
+def test_a_float_rows_output_does_not_depend_on_the_other_rows_at_any_shape(n: int, k: int) -> None:
+    """The float32 product's remainders (N not a multiple of 4, K not of 16: AVX2's loops on
+    any machine) give a row the same bits alone and among others (deterministic inference
+    relies on it)."""
+    torch.manual_seed(4)
+    w, x = torch.randn(n, k), torch.randn(16, k)
+    for rows in (2, 5, 8, 16):
+        many = cpu.f32_linear(x[:rows].contiguous(), w)
+        for row in range(rows):
+            assert torch.equal(many[row], cpu.f32_linear(x[row : row + 1].contiguous(), w)[0])

@@ -678,7 +678,9 @@ int radixlm_f32_gemv(const float *x, int m_rows, int k, const float *weight, int
     if (m_rows == 1) {
         for (; row + 4 <= n; row += 4) f32_row4(x, k8, weight + (size_t)row * k, k, out + row);
     } else {
-        int pairs = n & ~1;
+        /* Pairs of weight rows up to the last multiple of 4, as the one-row loop above: the
+         * rest take the plain loop at every row count (a row's bits do not depend on it). */
+        int pairs = n & ~3;
         for (int first = 0; first < pairs; first += F32_BLOCK_ROWS) {
             int last = first + F32_BLOCK_ROWS < pairs ? first + F32_BLOCK_ROWS : pairs;
             for (int m0 = 0; m0 < m_rows; m0 += TILE) {
