@@ -337,7 +337,16 @@ def _target_modules(value: Any) -> tuple[str, ...] | None:
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """Everything the model runner needs, composed by feature."""
+    """Everything the model runner needs, composed by feature.
+
+    `deterministic` (SGLang's `--enable-deterministic-inference`): batch-invariant inference.
+    Every forward runs through radixlm's C kernels (`radixlm.runtime.cpu_decode`), whose
+    products, attention and norms give a token's row the same bits whatever else is in the
+    step, and every request samples from its own seed (the engine's `random_seed` when it
+    gives none): a request's tokens and logprobs do not depend on what it was batched with, on
+    chunk sizes or on cache hits. CPU only, float32 models with float32, int8 or int4
+    projections, no tensor parallelism, LoRA or speculative decoding (refused with a message).
+    """
 
     model: ModelConfig
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -345,6 +354,21 @@ class RunnerConfig:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.deterministic:
+            return
+        if self.parallel.tp_size > 1:
+            raise ValueError(
+                "enable_deterministic_inference runs every step through the CPU kernels, "
+                "which do not split the model: drop tp_size or the deterministic mode"
+            )
+        if self.lora.active:
+            raise ValueError(
+                "enable_deterministic_inference does not cover LoRA adapters yet: serve "
+                "without adapters or drop the deterministic mode"
+            )
 
 
 @dataclass(frozen=True)
@@ -689,6 +713,12 @@ class EngineConfig:
             )
         if self.engine_restarts < 0:
             raise ValueError(f"engine_restarts must be >= 0; got {self.engine_restarts}")
+        if self.runner.deterministic and self.speculative.enabled:
+            raise ValueError(
+                "enable_deterministic_inference does not cover speculative decoding yet (its "
+                "sampled acceptance draws from a shared generator): drop speculative_algorithm "
+                "or the deterministic mode"
+            )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1; got {self.cpu_threads}")
         _choice("sampling_defaults", self.sampling_defaults, SamplingDefaultsMode)
@@ -734,6 +764,7 @@ class EngineConfig:
             sampler=SamplerConfig(**sections["sampler"]),
             parallel=ParallelConfig(**sections["parallel"]),
             lora=LoraConfig(**sections["lora"]),
+            **sections["runner"],
         )
         return cls(
             runner=runner,
@@ -768,6 +799,7 @@ def _optional_bool(value: Any) -> bool | None:
 
 
 _SECTIONS = (
+    "runner",
     "model",
     "memory",
     "attention",
@@ -810,6 +842,8 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     # sampler
     "enable_custom_logit_processor": ("sampler", "enable_custom_logit_processor", None),
     "logprobs_mode": ("sampler", "logprobs_mode", None),
+    # runner
+    "enable_deterministic_inference": ("runner", "deterministic", bool),
     # parallel
     "tp_size": ("parallel", "tp_size", int),
     "tensor_parallel_size": ("parallel", "tp_size", int),

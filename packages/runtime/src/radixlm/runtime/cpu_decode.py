@@ -23,10 +23,21 @@ its weight once per step where oneDNN's GEMV is slower at a few rows.
 The model runner builds it once after loading (`CpuDecodePath.build`, which says why not when
 it cannot) and uses it for the steps `can_run` accepts; everything else takes the model's own
 forward. `RADIXLM_CPU_KERNELS=0` turns it off with the other C kernels.
+
+Built `deterministic` (batch-invariant inference), the path takes every step, prefills too,
+at any number of torch threads, in calls of `kernels.cpu.MAX_ROWS` token rows, and so does
+the LM head: each C product gives a row the same bits whatever the call's other rows
+(`gemv.c`), attention reads a row's keys in one order, norms and SiLU are per row, and the
+rotary angles come from a table by position, computed once (so that no elementwise kernel's
+split into vector and remainder loops, which follows the step's size and threads, can touch
+them: torch 2.13's cos here gives the same bits either way, other builds need not). A
+request's K/V, logits and so its tokens are then the same alone or in any batch, in any
+chunk of a prefill, computed now or taken from the cache.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +55,7 @@ from radixlm.runtime.memory import KVPool
 from radixlm.runtime.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP
 from radixlm.runtime.models.linear import MergedColumnLinear, PackedWeight, RowLinear
 from radixlm.runtime.quant.gguf_linear import GGUFLinear
-from radixlm.runtime.quant.linear import QuantizedLinear
+from radixlm.runtime.quant.linear import Int8GroupedHead, QuantizedLinear
 
 #: Decode steps of up to this many requests take the path (in chunks of kernels.cpu.MAX_ROWS).
 MAX_BATCH = 64
@@ -64,10 +75,12 @@ def _bias(module: object) -> torch.Tensor | None:
     return tensor
 
 
-def _float_projection(module: MergedColumnLinear | RowLinear, what: str) -> LinearWeights:
+def _float_projection(
+    module: MergedColumnLinear | RowLinear, what: str, deterministic: bool
+) -> LinearWeights:
     """A float32 projection's weight as the C product reads it (a layer that would pack it
     for oneDNN at its first call multiplies the plain weight from now on)."""
-    if torch.get_num_threads() != 1:
+    if torch.get_num_threads() != 1 and not deterministic:
         # Then steps take the model's forward, whose packed products are faster: keep them.
         raise NotTaken("float32 weights and several torch threads (the path runs on one)")
     if module.weight.dtype != torch.float32:
@@ -78,10 +91,10 @@ def _float_projection(module: MergedColumnLinear | RowLinear, what: str) -> Line
     return LinearWeights("float32", module.weight.data.contiguous(), bias=_bias(module))
 
 
-def _projection(module: object, what: str) -> LinearWeights:
+def _projection(module: object, what: str, deterministic: bool) -> LinearWeights:
     """The C layout of one projection, or NotTaken."""
     if isinstance(module, (MergedColumnLinear, RowLinear)):
-        return _float_projection(module, what)
+        return _float_projection(module, what, deterministic)
     if isinstance(module, GGUFLinear):
         operands = module.cpu_int8_operands()
         if operands is not None:
@@ -107,12 +120,12 @@ def _projection(module: object, what: str) -> LinearWeights:
     raise NotTaken(f"{what} is {quant.format} in a layout the C kernels do not take")
 
 
-def _float_head(model: DecoderForCausalLM) -> torch.Tensor | None:
+def _float_head(model: DecoderForCausalLM, deterministic: bool) -> torch.Tensor | None:
     """The LM head's plain float32 weight for the C product, or None: a quantized head, a
-    bf16 one, several torch threads, or a weight oneDNN packed (and released) already. An
-    untied head then multiplies its plain weight in prefills too (F.linear); a tied one keeps
-    its packed copy for them beside the table."""
-    if model.quantized_head is not None or torch.get_num_threads() != 1:
+    bf16 one, several torch threads (unless `deterministic`), or a weight oneDNN packed (and
+    released) already. An untied head then multiplies its plain weight in prefills too
+    (F.linear); a tied one keeps its packed copy for them beside the table."""
+    if model.quantized_head is not None or (torch.get_num_threads() != 1 and not deterministic):
         return None
     weight = model.lm_head_weight.data
     if weight.dtype != torch.float32 or weight.numel() == 0 or not weight.is_contiguous():
@@ -123,7 +136,22 @@ def _float_head(model: DecoderForCausalLM) -> torch.Tensor | None:
     return weight
 
 
-def _layer(layer: nn.Module, index: int, pool: KVPool) -> DecoderLayerWeights:
+def _invariant_head(model: DecoderForCausalLM) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The LM head as a product of at most `kernels.cpu.MAX_ROWS` rows whose bits per row do
+    not depend on the others (deterministic inference), or NotTaken."""
+    head = model.quantized_head
+    if head is None:
+        weight = _float_head(model, deterministic=True)
+        if weight is None:
+            raise NotTaken("the LM head is neither float32 nor int8 in groups of 32 columns")
+        return lambda rows: kernels.cpu.f32_linear(rows, weight)
+    if not isinstance(head, Int8GroupedHead) or head.in_features % kernels.cpu.BLOCK:
+        raise NotTaken("the LM head is neither float32 nor int8 in groups of 32 columns")
+    values, scales = head.qweight.contiguous(), head.scales.to(torch.float32).contiguous()
+    return lambda rows: kernels.cpu.int8_linear(rows, values, scales)
+
+
+def _layer(layer: nn.Module, index: int, pool: KVPool, deterministic: bool) -> DecoderLayerWeights:
     if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, DecoderMLP):
         raise NotTaken(f"layer {index} is not a dense decoder layer (mixture of experts?)")
     attention = layer.self_attn
@@ -133,10 +161,10 @@ def _layer(layer: nn.Module, index: int, pool: KVPool) -> DecoderLayerWeights:
     return DecoderLayerWeights(
         input_norm=layer.input_layernorm.weight.data,
         post_norm=layer.post_attention_layernorm.weight.data,
-        qkv=_projection(attention.qkv_proj, f"{what}'s q/k/v projection"),
-        o=_projection(attention.o_proj, f"{what}'s output projection"),
-        gate_up=_projection(layer.mlp.gate_up_proj, f"{what}'s gate/up projection"),
-        down=_projection(layer.mlp.down_proj, f"{what}'s down projection"),
+        qkv=_projection(attention.qkv_proj, f"{what}'s q/k/v projection", deterministic),
+        o=_projection(attention.o_proj, f"{what}'s output projection", deterministic),
+        gate_up=_projection(layer.mlp.gate_up_proj, f"{what}'s gate/up projection", deterministic),
+        down=_projection(layer.mlp.down_proj, f"{what}'s down projection", deterministic),
         k_pool=pool.k_buffers[index],
         v_pool=pool.v_buffers[index],
         q_norm=q_norm,
@@ -154,6 +182,7 @@ class CpuDecodePath:
         layers: DecodeLayers,
         max_batch: int = MAX_BATCH,
         head: torch.Tensor | None = None,
+        invariant: Invariant | None = None,
     ) -> None:
         self.model = model
         self.layers = layers
@@ -161,10 +190,20 @@ class CpuDecodePath:
         self.max_batch = max_batch
         #: The LM head's plain float32 weight [vocab, hidden] for the C product, or None.
         self.head = head
+        #: Deterministic inference: the path takes every step (see the module docstring).
+        self.invariant = invariant
+
+    @property
+    def deterministic(self) -> bool:
+        return self.invariant is not None
 
     @classmethod
-    def build(cls, model: nn.Module, pool: KVPool) -> CpuDecodePath:
-        """The path for this model and pool; raises NotTaken saying why it cannot run."""
+    def build(
+        cls, model: nn.Module, pool: KVPool, deterministic: bool = False, max_positions: int = 0
+    ) -> CpuDecodePath:
+        """The path for this model and pool; raises NotTaken saying why it cannot run.
+        `deterministic` builds it for batch-invariant inference (every step, rotary angles of
+        positions below `max_positions` from a table)."""
         if pool.device.type != "cpu":
             raise NotTaken("the model is not on the CPU")
         if not kernels.cpu.available():
@@ -176,7 +215,9 @@ class CpuDecodePath:
         if model.dtype != torch.float32 or pool.dtype != torch.float32:
             raise NotTaken("the model or its KV cache is not float32")
         arch = model.arch
-        weights = [_layer(layer, i, pool) for i, layer in enumerate(model.model.layers)]
+        weights = [
+            _layer(layer, i, pool, deterministic) for i, layer in enumerate(model.model.layers)
+        ]
         first = model.model.layers[0]
         assert isinstance(first, DecoderLayer)  # (_layer checked every layer)
         spec = first.self_attn.spec
@@ -189,15 +230,34 @@ class CpuDecodePath:
             rms_norm_eps=arch.rms_norm_eps,
             scaling=spec.scaling,
         )
+        invariant = None
+        if deterministic:
+            if model.model.capture_layers:
+                raise NotTaken("an EAGLE-3 head reads the hidden states of inner layers")
+            rotary = model.model.rotary
+            positions = torch.arange(max(1, max_positions), device=pool.device)
+            cos, sin = rotary.cos_sin(positions, torch.float32)
+            invariant = Invariant(
+                _invariant_head(model),
+                cos.reshape(len(positions), -1),
+                sin.reshape(len(positions), -1),
+            )
         try:
-            return cls(model, DecodeLayers(shape, weights), head=_float_head(model))
+            layers = DecodeLayers(shape, weights)
         except ValueError as error:
             raise NotTaken(str(error)) from None
+        return cls(model, layers, head=_float_head(model, deterministic), invariant=invariant)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's `compute_logits` of these rows: in C (calls of MAX_ROWS rows) for up to
         `max_batch` rows of a float32 head on one thread, else the model's own product."""
         rows = hidden.shape[0]
+        if self.invariant is not None:  # every row count, in calls of MAX_ROWS
+            hidden = hidden.contiguous()
+            step = kernels.cpu.MAX_ROWS
+            return torch.cat(
+                [self.invariant.head(hidden[i : i + step]) for i in range(0, rows, step)]
+            )
         if self.head is None or rows > self.max_batch or torch.get_num_threads() != 1:
             return self.model.compute_logits(hidden)
         hidden = hidden.contiguous()
@@ -214,6 +274,8 @@ class CpuDecodePath:
         requests, or any step of at most `kernels.cpu.MAX_ROWS` new tokens in all (decodes
         beside a short prefill chunk or a jump-forward extend); no given embeddings or M-RoPE
         positions; one torch thread."""
+        if self.invariant is not None:  # every step (M-RoPE models the build refuses)
+            return batch.mrope_positions is None
         tokens = batch.num_tokens
         return (
             # Decode steps up to max_batch; other steps only in one call (past it, a GEMM
@@ -307,6 +369,8 @@ class CpuDecodePath:
             batch.req_to_token,
             rows,
             lengths,
+            batch.input_embeds,
+            batch.input_embeds_rows,
         )
 
     def forward_part(self, batch: ForwardBatch, step: MixedStep) -> torch.Tensor:
@@ -329,14 +393,24 @@ class CpuDecodePath:
         table: torch.Tensor,
         rows: torch.Tensor,
         lengths: torch.Tensor,
+        embeds: torch.Tensor | None = None,
+        embeds_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One new token per request (request i's row `rows[i]` of `table`, `lengths[i]`
-        tokens with the new one): the final hidden states [len(rows), hidden]."""
+        tokens with the new one): the final hidden states [len(rows), hidden]. Rows
+        `embeds_rows` take `embeds` instead of their ids' lookup (a prompt given as
+        embeddings; only deterministic steps bring them)."""
         decoder = self.model.model
-        hidden = decoder.embed_tokens(input_ids).contiguous()
+        hidden = decoder.embed_tokens(input_ids)
+        if embeds is not None and embeds_rows is not None:
+            hidden[embeds_rows] = embeds.to(hidden.dtype)
+        hidden = hidden.contiguous()
         count = hidden.shape[0]
-        cos, sin = decoder.rotary.cos_sin(positions, torch.float32)
-        cos, sin = cos.reshape(count, -1), sin.reshape(count, -1)
+        if self.invariant is not None:
+            cos, sin = self.invariant.angles(positions)
+        else:
+            cos, sin = decoder.rotary.cos_sin(positions, torch.float32)
+            cos, sin = cos.reshape(count, -1), sin.reshape(count, -1)
         # Requests are independent within a layer: more than a call takes run in chunks.
         for start in range(0, count, kernels.cpu.MAX_ROWS):
             chunk = slice(start, start + kernels.cpu.MAX_ROWS)
@@ -365,3 +439,23 @@ class MixedStep:
     rest: ForwardBatch
     #: The table row of each of the path's tokens.
     token_rows: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Invariant:
+    """What the path needs for batch-invariant steps: the LM head over at most
+    `kernels.cpu.MAX_ROWS` rows, and the rotary cos / signed sin of every position [positions,
+    head_dim], computed once."""
+
+    head: Callable[[torch.Tensor], torch.Tensor]
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the tables (contiguous copies) for these positions."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(
+                f"position {int(positions.max())} is past the rotary table of "
+                f"{self.cos.shape[0]} positions (the context length)"
+            )
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)

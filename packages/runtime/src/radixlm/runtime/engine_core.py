@@ -95,8 +95,11 @@ class EngineCore:
         pool_size: int = 0,
         publish_stats: bool = False,
         adapters: AdapterRegistry | None = None,
+        default_seed: int | None = None,
     ) -> None:
         self.scheduler = scheduler
+        #: The seed of requests that give none (deterministic inference), or None.
+        self.default_seed = default_seed
         #: The LoRA adapters by name (None: the engine serves none).
         self.adapters = adapters
         #: The adapter uid of each open request that has one.
@@ -455,6 +458,7 @@ class EngineCore:
             future,
             prefix_sharing=self.scheduler.caching,
             lora=lora,
+            default_seed=self.default_seed,
         )
         if self._weights_epoch:
             # K/V cached under earlier weights is never reused: a namespace per update.
@@ -938,6 +942,7 @@ def create_core(
         pool_size=pool.num_slots,
         publish_stats=publish_stats,
         adapters=registry,
+        default_seed=config.scheduler.random_seed if config.runner.deterministic else None,
     )
     quant = info.quantization
     static = {
@@ -950,6 +955,8 @@ def create_core(
         "quantization": quant.describe() if quant else None,
         "kv_cache_dtype": str(pool.dtype).removeprefix("torch."),
         "tp_size": runner.tp.size,
+        # Batch-invariant inference (`enable_deterministic_inference`).
+        "deterministic_inference": config.runner.deterministic,
         # Speculative decoding: the algorithm and drafts per step (None: off).
         "speculative_algorithm": spec.algorithm,
         "speculative_num_draft_tokens": spec.max_draft + 1 if spec.enabled else None,

@@ -197,15 +197,32 @@ class ModelRunner:
 
     def _build_cpu_decode(self) -> None:
         self.cpu_decode = None
+        deterministic = self.config.deterministic
+        if deterministic and self.device.type != "cpu":
+            raise ValueError(
+                "enable_deterministic_inference runs on the CPU (radixlm's batch-invariant "
+                f"kernels are C kernels); this model is on {self.device}: use device='cpu'"
+            )
         if self.device.type != "cpu" or self.tp.enabled or self.capture == "aux":
             return
         if self.lora is not None:
             logger.info("CPU decode path off: LoRA adapters are served")
             return
         try:
-            self.cpu_decode = CpuDecodePath.build(self.model, self.kv_pool)
+            self.cpu_decode = CpuDecodePath.build(
+                self.model, self.kv_pool, deterministic, self.context_length
+            )
         except NotTaken as reason:
+            if deterministic:
+                raise ValueError(
+                    f"enable_deterministic_inference needs every step in radixlm's CPU kernels, "
+                    f"which cannot take this model: {reason} (they take float32 models with "
+                    f"float32, int8 or int4 projections; try dtype='float32')"
+                ) from None
             logger.info("CPU decode path off: %s", reason)
+            return
+        if deterministic:
+            logger.info("deterministic inference: every step runs in the batch-invariant C kernels")
             return
         logger.info("CPU decode path on: decode steps of up to %d requests run in one C call",
                     kernels.cpu.MAX_ROWS)  # fmt: skip
@@ -260,7 +277,7 @@ class ModelRunner:
                 batch.input_embeds,
                 batch.input_embeds_rows,
             )
-        head = self.model.compute_logits if self.cpu_decode is None else self.cpu_decode.logits
+        head = self._head
         wanted = batch.logit_rows()
         if wanted is not None:  # several rows of some requests (they verify drafts)
             logits = head(hidden.index_select(0, wanted))
@@ -309,6 +326,12 @@ class ModelRunner:
                 at_rest += 1
         return LogitsOutput(path.logits(torch.cat(pieces)))
 
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of these final hidden rows (the CPU decode path's head when it runs)."""
+        if self.cpu_decode is None:
+            return self.model.compute_logits(hidden)
+        return self.cpu_decode.logits(hidden)
+
     @staticmethod
     def _hidden_states(hidden: torch.Tensor, batch: ForwardBatch) -> list[torch.Tensor | None]:
         """The rows of the requests that asked, copied to the CPU (the others cost nothing)."""
@@ -334,7 +357,13 @@ class ModelRunner:
             for offset in range(0, len(request.targets), _LOGPROB_CHUNK):
                 targets = request.targets[offset : offset + _LOGPROB_CHUNK]
                 rows = hidden[first + offset : first + offset + len(targets)]
-                logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+                path = self.cpu_decode
+                logits = (
+                    path.logits(rows)
+                    if path is not None and path.deterministic
+                    else self.model.compute_logits(rows)
+                )
+                logprobs = torch.log_softmax(logits, dim=-1)
                 scored.extend(
                     collect_logprobs(
                         logprobs,

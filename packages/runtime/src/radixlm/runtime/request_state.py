@@ -78,11 +78,15 @@ def open_request(
     grammar_future: Any,
     prefix_sharing: bool,
     lora: tuple[str, str] | None = None,
+    default_seed: int | None = None,
 ) -> RequestHandle:
     """The engine-side state of a prepared request: one scheduler `Req` and stop conditions
-    per sequence (`n > 1` siblings wait for the first one's prefill when the cache shares it)."""
+    per sequence (`n > 1` siblings wait for the first one's prefill when the cache shares it).
+    Sequence i samples from seed + i: the request's seed, else `default_seed` (deterministic
+    inference), else none (a draw from the engine's generator, shared by the batch)."""
     handle = RequestHandle(request)
     params = request.params
+    seed = params.seed if params.seed is not None else default_seed
     prompt_ids = list(request.prompt_ids)
     # Outputs go to the front end every step while it watches for stop strings.
     watch_text = bool(params.stop_strings or params.stop_regexes)
@@ -110,7 +114,7 @@ def open_request(
             req,
             stops,
             watch_text=watch_text,
-            seed=None if params.seed is None else params.seed + index,
+            seed=None if seed is None else seed + index,
             grammar_future=grammar_future,
             bad_words_ids=request.bad_words_ids,
             thinking=None

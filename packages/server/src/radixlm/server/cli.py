@@ -246,6 +246,14 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "help": "no drafts in a step with more than N decoding requests (a full batch gains "
         "nothing from them); default: always draft",
     },
+    # Reinforcement learning's rollouts.
+    "enable_deterministic_inference": {
+        "action": "store_true",
+        "help": "batch-invariant inference: a request's tokens and logprobs do not depend on "
+        "what it is batched with, on chunk sizes or on cache hits (every step in radixlm's "
+        "CPU kernels; requests without a seed sample from --random-seed); CPU, float32 "
+        "models with float32, int8 or int4 projections",
+    },
     # Mixture-of-experts models.
     "ep_size": {
         "type": int,
