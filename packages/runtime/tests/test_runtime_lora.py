@@ -267,6 +267,85 @@ def test_unknown_adapter_is_refused_and_nothing_else_affected(llama_engine: Engi
     llama_engine.check_invariants()
 
 
+def _adapter_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What a trainer holds of a PEFT adapter: its tensors and its config."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    return tensors, json.loads((path / "adapter_config.json").read_text())
+
+
+def test_an_adapter_pushed_as_tensors_answers_as_its_directory_and_a_push_replaces_it(
+    llama_engine: Engine, family_setups: dict[str, Any]
+) -> None:
+    """SGLang's load_lora_adapter_from_tensors: the outputs equal the same adapter's loaded
+    from its directory; pushed again under the name, new requests use the new tensors and
+    reuse no K/V of the earlier ones, while a request already running finishes on them."""
+    _base, adapters = family_setups["llama3"]
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    prompt = [9, *range(60, 90)]
+
+    def greedy(name: str, **extra: Any) -> dict[str, Any]:
+        out: dict[str, Any] = llama_engine.generate(
+            input_ids=prompt, sampling_params={**params, **extra}, lora_path=name
+        )
+        return out
+
+    from_dir = {name: greedy(name)["output_ids"] for name in ("a", "b")}
+    assert from_dir["a"] != from_dir["b"]
+    # What a trainer holds: the peft model's adapter state and config, never saved.
+    trained = adapters[0][2]
+    tensors = peft.get_peft_model_state_dict(trained)
+    config = trained.peft_config["default"].to_dict()
+    loaded = llama_engine.load_lora_adapter_from_tensors("pushed", tensors, config).result(60)
+    assert loaded["pushed"] == "<tensors>" and loaded["a"] == str(adapters[0][1])
+    assert greedy("pushed")["output_ids"] == from_dir["a"]
+
+    stream = llama_engine.generate(
+        input_ids=prompt,
+        sampling_params={**params, "max_new_tokens": 200},
+        lora_path="pushed",
+        stream=True,
+    )
+    first = next(stream)
+    tensors, config = _adapter_tensors(adapters[1][1])
+    pairs = sorted(tensors.items())  # (name, tensor) pairs work as a dict does
+    llama_engine.load_lora_adapter_from_tensors("pushed", pairs, config).result(60)
+    # The earlier version stays while the running request uses it.
+    [earlier] = llama_engine.server_info(fresh=True)["lora_unloading"]
+    assert earlier.startswith("pushed#")
+    replaced = greedy("pushed")
+    assert replaced["output_ids"] == from_dir["b"]
+    assert replaced["meta_info"]["cached_tokens"] == 0  # nothing of the earlier version
+    running = [first, *stream][-1]
+    assert running["output_ids"][:8] == from_dir["a"]  # it finished on the earlier one
+    assert llama_engine.server_info(fresh=True)["lora_unloading"] == []
+    assert llama_engine.unload_lora_adapter("pushed").result(30) == {
+        name: str(path) for name, path, _ in adapters
+    }
+    llama_engine.check_invariants()
+
+
+def test_a_bad_pushed_adapter_is_refused_naming_the_field(
+    llama_engine: Engine, family_setups: dict[str, Any]
+) -> None:
+    _base, adapters = family_setups["llama3"]
+    tensors, config = _adapter_tensors(adapters[0][1])
+    cases = [
+        ({**tensors, "model.layers.0.mlp.up_proj.lora_A.weight": [1.0]}, config, "tensors"),
+        ({"model.layers.0.mlp.up_proj.weight": torch.ones(2, 2)}, config, "tensors"),
+        (tensors, {**config, "use_dora": True}, "config_dict"),
+        (tensors, {**config, "r": 0}, "config_dict"),
+    ]
+    for bad_tensors, bad_config, field in cases:
+        with pytest.raises(InvalidRequest) as error:
+            llama_engine.load_lora_adapter_from_tensors("bad", bad_tensors, bad_config).result(30)
+        assert error.value.field == field, str(error.value)
+        assert "'bad' (from tensors)" in str(error.value)
+    assert "bad" not in llama_engine.lora_adapters()
+    llama_engine.check_invariants()
+
+
 def test_base_engine_refuses_lora_path(family_setups: dict[str, Any]) -> None:
     base, _ = family_setups["llama3"]
     with Engine(str(base), show_progress=False, max_total_tokens=1024) as engine:

@@ -469,11 +469,32 @@ def test_unknown_quantization_names_the_choices(
         runner_config(path, quantization="int3")
 
 
-def test_weights_of_a_quantized_model_cannot_be_replaced_in_place(
+@pytest.mark.parametrize(("family", "method"), [("qwen3", "int8"), ("qwen2", "int4")])
+def test_new_weights_of_a_model_quantized_at_load_time_are_quantized_as_at_start(
+    hf_checkpoints: dict[str, tuple[Path, Any]], tmp_path: Path, family: str, method: str
+) -> None:
+    """A runner given another model's weights computes what a runner started quantized on
+    them computes: layers, merged parts and the int8 LM head (tied to the embedding in
+    qwen3, its own in qwen2) quantized again, row by row as at start."""
+    path, _ = hf_checkpoints[family]
+    other = make_hf_model(family, seed=1)
+    other.save_pretrained(tmp_path)
+    fields = {"quantization": method, "quantization_group_size": 32}
+    runner = ModelRunner(runner_config(path, **fields))
+    _DRIVER(runner).prefill_logits(PROMPTS[0])  # it ran on the old weights
+    runner.load_weights(other.state_dict().items())
+    reference = ModelRunner(runner_config(tmp_path, **fields))
+    for prompt in PROMPTS:
+        got = _DRIVER(runner).prefill_logits(prompt)
+        assert torch.equal(got, _DRIVER(reference).prefill_logits(prompt))
+
+
+def test_weights_held_only_quantized_cannot_be_replaced(
     hf_checkpoints: dict[str, tuple[Path, Any]],
 ) -> None:
+    """fp8 on the CPU keeps only a dequantized copy: nothing to quantize new rows into."""
     path, hf_model = hf_checkpoints["qwen2"]
-    runner = ModelRunner(runner_config(path, quantization="int8"))
+    runner = ModelRunner(runner_config(path, quantization="fp8"))
     with pytest.raises(RuntimeError, match="restart the engine"):
         runner.load_weights(hf_model.state_dict().items())
 

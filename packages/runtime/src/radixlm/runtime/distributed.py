@@ -2,9 +2,10 @@
 
 `TensorParallel` is what the model and the runner see: this rank, the group's size, and the
 few collectives tensor parallelism needs — an all-reduce after each row-parallel layer, an
-all-gather of the vocabulary-parallel logits, a minimum over ranks (the KV pool's size) and the
-broadcast of each step from rank 0. With `size == 1` (the default, `SINGLE`) every collective
-is the identity and torch.distributed is never touched.
+all-gather of the vocabulary-parallel logits, a minimum over ranks (the KV pool's size), the
+broadcast of each step from rank 0 and of the tensors of a weight update. With `size == 1`
+(the default, `SINGLE`) every collective is the identity and torch.distributed is never
+touched.
 
 Two process groups, both with the collective timeout: `group` carries the tensors of the
 forward (nccl on CUDA, gloo on CPU), `control` the pickled step messages (always gloo, on the
@@ -135,6 +136,19 @@ class TensorParallel:
             raise RankFailure.of("all-gather", error) from error
         self._count(tensor, start)
         return torch.cat(parts, dim=dim)
+
+    def broadcast_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` into every rank's `tensor` (same shape, dtype and device: the
+        forward group's, CUDA under nccl), in place."""
+        if self.size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        try:
+            dist.broadcast(tensor, src=0, group=self.group)
+        except RuntimeError as error:
+            raise RankFailure.of("tensor broadcast", error) from error
+        return tensor
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (on the control group)."""

@@ -25,6 +25,7 @@ from collections.abc import (
     Generator,
     Iterable,
     Iterator,
+    Mapping,
     Sequence,
 )
 from concurrent.futures import Future
@@ -55,6 +56,7 @@ from radixlm.runtime.messages import (
     GetWeightsByName,
     InitWeightsUpdateGroup,
     LoadLoraAdapter,
+    LoadLoraAdapterFromTensors,
     Output,
     PauseGeneration,
     RequestClosed,
@@ -786,6 +788,30 @@ class Engine:
         `lora_name`."""
         return self._lora_command(lambda reply: LoadLoraAdapter(lora_name, lora_path, reply))
 
+    def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        config_dict: Mapping[str, Any],
+    ) -> Reply[dict[str, str]]:
+        """Load a LoRA adapter a trainer holds in memory, without writing files (SGLang's
+        `load_lora_adapter_from_tensors`): `tensors` are the PEFT-named A/B matrices
+        (`...layers.3.self_attn.q_proj.lora_A.weight`: what `adapter_model.safetensors`
+        holds), as a dict or (name, tensor) pairs, and `config_dict` the PEFT config (what
+        `adapter_config.json` holds: `r`, `lora_alpha`, ...). An adapter already loaded under
+        `lora_name` is replaced: requests sent after the Reply use the new weights and never
+        reuse K/V computed with the earlier ones; requests already running finish on the
+        earlier ones. The tensors are copied on the engine's thread: wait for the Reply
+        before changing them. The Reply gives the loaded adapters (name -> directory,
+        `<tensors>` for these); a bad adapter raises InvalidRequest naming `tensors` or
+        `config_dict`."""
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        pairs = tuple((str(name), tensor) for name, tensor in items)
+        config = dict(config_dict)
+        return self._lora_command(
+            lambda reply: LoadLoraAdapterFromTensors(lora_name, pairs, config, reply)
+        )
+
     def unload_lora_adapter(self, lora_name: str) -> Reply[dict[str, str]]:
         """Unload an adapter: new requests naming it are refused at once, requests already
         using it finish, then its weights are freed. InvalidRequest if no such adapter."""
@@ -837,7 +863,9 @@ class Engine:
         """Join a trainer's torch.distributed group (SGLang's `init_weights_update_group`):
         rank `rank_offset` of `world_size`, the trainer rank 0, a TCP store at
         `master_address:master_port`; `gloo` (CPU tensors) or `nccl` (on the GPU). Its own
-        process group, apart from tensor parallelism's. The Reply comes once every rank has
+        process group, apart from tensor parallelism's; under tensor parallelism every rank
+        joins, rank r as `rank_offset + r` (SGLang's layout: `world_size` counts them all)
+        and receives the trainer's tensors itself. The Reply comes once every rank has
         joined."""
         return Reply(
             self._ask(
@@ -885,7 +913,10 @@ class Engine:
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` rows of a weight by checkpoint name, as nested lists
         (SGLang's `get_weights_by_name`; a stacked projection's own rows for `q_proj` and the
-        like). InvalidRequest naming `name` when the model has none."""
+        like). Under tensor parallelism the rows of the whole tensor, gathered from every
+        rank's shard (SGLang gathers row-parallel weights and answers rank 0's rows of the
+        others, which are the same first rows while they fit in rank 0's shard).
+        InvalidRequest naming `name` when the model has none."""
         return cast(
             list[Any],
             self._ask(lambda reply: GetWeightsByName(name, truncate_size, reply)).result(60),

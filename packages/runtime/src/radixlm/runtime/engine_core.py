@@ -28,7 +28,7 @@ from radixlm.runtime.distributed import SINGLE, RankFailure, TensorParallel
 from radixlm.runtime.executor import EntryInputs, InputLogprobAsk, ModelExecutor, StepResult
 from radixlm.runtime.grammar import GrammarService
 from radixlm.runtime.hicache import HierarchicalCache
-from radixlm.runtime.loader import iter_safetensors, safetensors_files
+from radixlm.runtime.loader import safetensors_files
 from radixlm.runtime.lora.adapter import LoraAdapterError
 from radixlm.runtime.lora.registry import AdapterRegistry
 from radixlm.runtime.messages import (
@@ -46,6 +46,7 @@ from radixlm.runtime.messages import (
     GetWeightsByName,
     InitWeightsUpdateGroup,
     LoadLoraAdapter,
+    LoadLoraAdapterFromTensors,
     Output,
     PauseGeneration,
     RequestClosed,
@@ -69,6 +70,20 @@ from radixlm.runtime.speculative.costs import DraftCosts, StepCost, measure_step
 from radixlm.runtime.speculative.draft_model import DraftModel, DraftModelDrafter
 from radixlm.runtime.speculative.eagle import EagleDrafter, load_eagle_head
 from radixlm.runtime.tensor_parallel import StepSender, heartbeat_interval, rank_report
+from radixlm.runtime.weight_sync import (
+    Failed,
+    JoinTrainerGroup,
+    LeaveTrainerGroup,
+    LoadFromDisk,
+    LoadFromRank0,
+    LoadFromTrainer,
+    ReadWeight,
+    WeightSync,
+    assemble,
+    dtype_name,
+    dtype_named,
+    first_failure,
+)
 from radixlm.sampling import EngineOverloaded, EngineUnavailable, InvalidRequest
 
 logger = logging.getLogger("radixlm.runtime.engine")
@@ -127,8 +142,11 @@ class EngineCore:
         self._weights_epoch = 0
         #: `pause_generation`: no step runs until `continue_generation`.
         self._paused = False
-        #: Process groups joined for `update_weights_from_distributed`, by name.
-        self._update_groups: dict[str, tuple[Any, str]] = {}
+        #: Weight updates on every tensor-parallel rank (rank 0's alone without them), and
+        #: the trainers' groups joined for `update_weights_from_distributed`.
+        self._weights = WeightSync(executor.runner, executor.sender)
+        if adapters is not None and executor.sender is not None:
+            adapters.peers = self._weights  # adapters given as tensors reach every rank
         # Statistics.
         self.finished_requests = 0
         self.steps = 0
@@ -215,6 +233,10 @@ class EngineCore:
                 self._out.append(CommandResult(reply, flushed))
             case LoadLoraAdapter(name, path, reply):
                 self._answer(reply, lambda: self._lora_registry().load(name, path))
+            case LoadLoraAdapterFromTensors(name, tensors, config, reply):
+                self._answer(
+                    reply, lambda: self._lora_registry().load_tensors(name, dict(tensors), config)
+                )
             case UnloadLoraAdapter(name, reply):
                 self._answer(reply, lambda: self._lora_registry().unload(name))
             case UpdateWeights(source, tensors, flush, version, reply):
@@ -254,9 +276,10 @@ class EngineCore:
         version: str | None = None,
     ) -> dict[str, Any]:
         """Replace the model's weights (see `UpdateWeights`); SGLang's answer: success, a
-        message, the weight version. Running requests go on with the new weights; requests
-        that arrive after never reuse K/V computed before (they match in a namespace of
-        their own), and the cache is flushed when nothing runs."""
+        message, the weight version. Under tensor parallelism every rank loads its shard of
+        each tensor (from the directory, or broadcast from here). Running requests go on with
+        the new weights; requests that arrive after never reuse K/V computed before (they
+        match in a namespace of their own), and the cache is flushed when nothing runs."""
         runner = self.executor.runner
         refusal = self._weights_refusal(runner)
         if refusal is None and path is not None:
@@ -272,27 +295,40 @@ class EngineCore:
                         f"update_weights_from_disk: {path} lacks {len(missing)} tensor(s) the "
                         f"model needs (e.g. {', '.join(missing[:3])}); nothing was changed"
                     )
-                else:
-                    tensors = None
+        elif refusal is None:
+            odd = [(n, t) for n, t in tensors or () if not isinstance(t, torch.Tensor)]
+            if odd:
+                refusal = (
+                    f"update_weights_from_tensor: {odd[0][0]} is a {type(odd[0][1]).__name__}, "
+                    "not a torch tensor; nothing was changed"
+                )
         if refusal is not None:
             return {"success": False, "message": refusal, "weight_version": self.weight_version}
-        try:
-            if path is not None:
-                files = safetensors_files(Path(path))
-                runner.load_weights(iter_safetensors(files, runner.device, runner.dtype, False))
-            else:
-                runner.load_weights(tensors or ())
-        except (ValueError, RuntimeError, OSError) as error:
+        if path is not None:
+            outcomes = self._weights.run(LoadFromDisk(path))
+        else:
+            pairs = tuple(tensors or ())
+            message = LoadFromRank0(
+                tuple(name for name, _ in pairs),
+                tuple(dtype_name(tensor.dtype) for _, tensor in pairs),
+                tuple(tuple(tensor.shape) for _, tensor in pairs),
+            )
+            outcomes = self._weights.run(message, pairs)
+        return self._updated(first_failure(outcomes), flush, version)
+
+    def _updated(self, failure: str | None, flush: bool, version: str | None) -> dict[str, Any]:
+        """The answer to an update that ran (`failure`: why it stopped on some rank), after
+        moving the weight version and the cache namespace on."""
+        self._weights_epoch += 1
+        if failure is not None:
             # Names and shapes are checked tensor by tensor as they are copied: the ones
             # before a bad one were replaced already.
             self.weight_version = f"{self.weight_version}+partial"
-            self._weights_epoch += 1
             return {
                 "success": False,
-                "message": f"the weights were only partly updated: {error}",
+                "message": f"the weights were only partly updated: {failure}",
                 "weight_version": self.weight_version,
             }
-        self._weights_epoch += 1
         self.weight_version = version if version is not None else str(self._weights_epoch)
         flushed = flush and self.scheduler.flush_cache()
         if flushed:
@@ -313,37 +349,32 @@ class EngineCore:
         group_name: str,
         backend: str,
     ) -> dict[str, Any]:
-        """Join a trainer's process group (see `InitWeightsUpdateGroup`); blocks until every
-        rank has joined or `_GROUP_TIMEOUT` passes."""
-        import datetime
-
-        import torch.distributed as dist
-
-        if group_name in self._update_groups:
+        """Join a trainer's process group (see `InitWeightsUpdateGroup`): every
+        tensor-parallel rank joins, rank r as `rank_offset + r` (SGLang's layout); blocks
+        until every rank of the group has joined or `GROUP_TIMEOUT` passes."""
+        ranks = self.executor.runner.tp.size
+        if group_name in self._weights.rank.groups:
             return {"success": False, "message": f"a group named {group_name!r} exists already"}
         if backend not in ("gloo", "nccl"):
             return {"success": False, "message": f"backend must be gloo or nccl; got {backend!r}"}
-        if not 0 < rank_offset < world_size:
+        if not 0 < rank_offset <= world_size - ranks:
             return {
                 "success": False,
-                "message": f"rank_offset must be in 1 .. world_size - 1 (the trainer is rank 0); "
+                "message": f"rank_offset must be in 1 .. world_size - {ranks} (the trainer is "
+                f"rank 0; the engine's {ranks} tensor-parallel rank(s) take rank_offset on); "
                 f"got {rank_offset} of {world_size}",
             }
-        timeout = datetime.timedelta(seconds=_GROUP_TIMEOUT)
-        try:
-            store = dist.TCPStore(  # type: ignore[attr-defined]
-                master_address, master_port, world_size, is_master=False, timeout=timeout
+        joined = self._weights.run(
+            JoinTrainerGroup(
+                master_address, master_port, rank_offset, world_size, group_name, backend
             )
-            if backend == "gloo":
-                group: Any = dist.ProcessGroupGloo(store, rank_offset, world_size, timeout)
-            else:
-                options = dist.ProcessGroupNCCL.Options()
-                options._timeout = timeout
-                group = dist.ProcessGroupNCCL(store, rank_offset, world_size, options)
-        except (RuntimeError, ValueError, AttributeError) as error:  # (no NCCL in this torch)
-            return {"success": False, "message": f"could not join {group_name!r}: {error}"}
-        self._update_groups[group_name] = (group, backend)
-        return {"success": True, "message": f"joined {group_name!r} as rank {rank_offset}"}
+        )
+        failure = first_failure(joined)
+        if failure is not None:
+            self._weights.run(LeaveTrainerGroup(group_name))  # the ranks that did join
+            return {"success": False, "message": failure}
+        last = f"..{rank_offset + ranks - 1}" if ranks > 1 else ""
+        return {"success": True, "message": f"joined {group_name!r} as rank {rank_offset}{last}"}
 
     def update_weights_from_distributed(
         self,
@@ -354,39 +385,31 @@ class EngineCore:
         flush: bool = True,
         version: str | None = None,
     ) -> dict[str, Any]:
-        """Receive the tensors rank 0 broadcasts, in order, then update the weights."""
-        import torch.distributed as dist
-
-        found = self._update_groups.get(group_name)
-        if found is None:
+        """Receive the tensors the trainer (rank 0 of the group) broadcasts, in order, on
+        every tensor-parallel rank, each loading its shard."""
+        refused = {"success": False, "weight_version": self.weight_version}
+        if group_name not in self._weights.rank.groups:
             return {
-                "success": False,
+                **refused,
                 "message": f"no group {group_name!r}: call init_weights_update_group first",
-                "weight_version": self.weight_version,
             }
         if not len(names) == len(dtypes) == len(shapes):
-            return {
-                "success": False,
-                "message": "names, dtypes and shapes must be as long as each other",
-                "weight_version": self.weight_version,
-            }
-        group, backend = found
-        device = self.executor.runner.device if backend == "nccl" else torch.device("cpu")
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        tensors: list[tuple[str, Any]] = []
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            kind = getattr(torch, str(dtype).removeprefix("torch."), None)
-            if not isinstance(kind, torch.dtype):
-                return {
-                    "success": False,
-                    "message": f"{name}: unknown dtype {dtype!r}",
-                    "weight_version": self.weight_version,
-                }
-            tensor = torch.empty(tuple(shape), dtype=kind, device=device)
-            group.broadcast([tensor], options).wait()
-            tensors.append((name, tensor))
-        return self.update_weights(None, tensors, flush, version)
+            return {**refused, "message": "names, dtypes and shapes must be as long as each other"}
+        for name, dtype in zip(names, dtypes, strict=True):
+            if dtype_named(dtype) is None:
+                return {**refused, "message": f"{name}: unknown dtype {dtype!r}"}
+        refusal = self._weights_refusal(self.executor.runner)
+        message = LoadFromTrainer(
+            tuple(names),
+            tuple(str(dtype) for dtype in dtypes),
+            tuple(tuple(int(n) for n in shape) for shape in shapes),
+            group_name,
+            load=refusal is None,  # (refused: received all the same, or the trainer waits)
+        )
+        outcomes = self._weights.run(message)
+        if refusal is not None:
+            return {**refused, "message": refusal}
+        return self._updated(first_failure(outcomes), flush, version)
 
     def pause(self, mode: str = "abort") -> bool:
         """Stop running steps until `ContinueGeneration` (see `PauseGeneration`)."""
@@ -403,22 +426,43 @@ class EngineCore:
         return True
 
     def _weights_refusal(self, runner: ModelRunner) -> str | None:
-        if runner.tp.enabled:
-            return "updating weights under tensor parallelism is not available yet"
-        if runner.info.quantization is not None:
+        """Why this model's weights cannot be updated, or None. A model quantized at load
+        time quantizes the new weights the same way; weights stored quantized cannot be."""
+        quant = runner.info.quantization
+        if quant is None:
+            return None
+        if quant.source == "gguf":
             return (
-                "updating the weights of a quantized model is not available yet (the engine "
-                "would have to quantize them again): serve the model unquantized"
+                "updating the weights of a GGUF file's model is not available: its weights are "
+                "the file's quantized blocks, which radixlm does not make from full-precision "
+                "tensors; serve a safetensors checkpoint (with quantization='int4' or 'int8' "
+                "to keep it small), or the GGUF file with quantization='int4' or 'int8'"
+            )
+        if quant.source != "load_time":
+            return (
+                f"updating the weights of a {quant.method} checkpoint is not available: they "
+                "were quantized by the checkpoint's own tool; serve the full-precision "
+                "checkpoint with quantization='int4' or 'int8' (quantized at load time, and "
+                "again at each update)"
+            )
+        if quant.format == "fp8" and runner.device.type != "cuda":
+            return (
+                "updating fp8 weights on the CPU is not available (they are kept dequantized "
+                "there); serve the model with quantization='int8' or 'int4'"
             )
         return None
 
     def weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
-        """The first `truncate_size` rows of a weight by checkpoint name, as lists."""
-        try:
-            tensor = self.executor.runner.weight(name)
-        except KeyError:
-            raise InvalidRequest("name", f"the model has no weight named {name!r}") from None
-        return tensor[: max(0, truncate_size)].to("cpu", torch.float32).tolist()
+        """The first `truncate_size` rows of a weight by checkpoint name, as lists: the whole
+        tensor's, gathered from every tensor-parallel rank's shard."""
+        parts = self._weights.run(ReadWeight(name, max(0, truncate_size)))
+        if isinstance(parts[0], Failed):
+            raise InvalidRequest("name", parts[0].message)
+        failure = first_failure(parts)
+        if failure is not None:
+            raise RuntimeError(f"get_weights_by_name: {failure}")
+        values: list[Any] = assemble(parts).tolist()
+        return values
 
     def _answer(self, reply: int, function: Callable[[], Any]) -> None:
         try:
@@ -1001,8 +1045,6 @@ def create_core(
 _WEIGHTS = "weights"
 #: `pause_generation`'s modes.
 _PAUSE_MODES = ("abort", "retract", "in_place")
-#: Seconds a weight-update group waits for its ranks (joining, and each broadcast).
-_GROUP_TIMEOUT = 300.0
 
 
 def _safetensors_names(files: Sequence[Path]) -> set[str]:

@@ -97,6 +97,19 @@ class LoadLoraAdapter:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadLoraAdapterFromTensors:
+    """Check and register a LoRA adapter given as PEFT-named tensors and its PEFT config (a
+    trainer's push, SGLang's `load_lora_adapter_from_tensors`); one already loaded under the
+    name is replaced for new requests. Answered like `LoadLoraAdapter` (an InvalidRequest
+    names `tensors` or `config_dict`)."""
+
+    name: str
+    tensors: tuple[tuple[str, Any], ...]
+    config: dict[str, Any]
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
 class UnloadLoraAdapter:
     """Remove an adapter's name; requests already using it finish (answered like
     `LoadLoraAdapter`)."""
@@ -122,9 +135,10 @@ class UpdateWeights:
 
 @dataclass(frozen=True, slots=True)
 class InitWeightsUpdateGroup:
-    """Join a trainer's torch.distributed group as rank `rank_offset` of `world_size` (a
-    TCP store at `master_address:master_port`, its own process group: not the tensor-parallel
-    one), for `UpdateWeightsFromDistributed` (answered `{"success", "message"}`)."""
+    """Join a trainer's torch.distributed group as rank `rank_offset` of `world_size` (each
+    tensor-parallel rank r as `rank_offset + r`; a TCP store at `master_address:master_port`,
+    its own process group: not the tensor-parallel one), for `UpdateWeightsFromDistributed`
+    (answered `{"success", "message"}`)."""
 
     master_address: str
     master_port: int
@@ -209,6 +223,7 @@ Command = (
     | StopSequence
     | FlushCache
     | LoadLoraAdapter
+    | LoadLoraAdapterFromTensors
     | UnloadLoraAdapter
     | UpdateWeights
     | InitWeightsUpdateGroup

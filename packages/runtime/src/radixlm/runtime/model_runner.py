@@ -13,8 +13,9 @@ The runner owns no request state: slot allocation (`runner.kv_pool`), request ro
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,8 @@ from radixlm.runtime.lora.manager import LoraManager, pool_shape
 from radixlm.runtime.memory import KVPool, ReqToTokenPool, kv_pool_capacity
 from radixlm.runtime.models import DecoderForCausalLM
 from radixlm.runtime.models.decoder import STACKED_PROJECTIONS
+from radixlm.runtime.models.linear import RowLinear, VocabEmbedding
+from radixlm.runtime.quant.linear import finalize_quantized, lm_head_source, reopen_lm_head
 from radixlm.runtime.sampler import SampleOutput, Sampler
 from radixlm.runtime.sampling_batch import SamplingBatch
 
@@ -61,6 +64,17 @@ class LogitsOutput:
     #: final hidden state ("final") or the residual stream entering the model's
     #: `capture_layers`, side by side ("aux"); None otherwise.
     captured: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class WeightPart:
+    """What a rank holds of a checkpoint tensor: `values` sit at `start` along `dim` of the
+    whole tensor, which is `size` long there (the whole of it: start 0, size its length)."""
+
+    values: torch.Tensor
+    dim: int
+    start: int
+    size: int
 
 
 @dataclass
@@ -387,14 +401,38 @@ class ModelRunner:
         out = self.forward(batch)
         return self.sample(out.next_token_logits, sampling), out
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Replace weights in place from (HF name, tensor) pairs (e.g. another model's);
-        returns the names taken."""
-        with torch.no_grad():
-            loaded = self.model.load_weights(
-                (name, tensor.to(device=self.device, dtype=self.dtype)) for name, tensor in weights
-            )
-        self._build_cpu_decode()  # the layers may hold new tensors
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Replace weights in place from (HF name, tensor) pairs (e.g. another model's; a
+        tensor or a lazy checkpoint slice, of which each layer reads this rank's shard under
+        tensor parallelism); returns the names taken. A model quantized at load time
+        quantizes the new weights as the loader did (its LM head's int8 copy too). Raises
+        ValueError on an unknown name or a shape mismatch: the tensors before it were
+        replaced already, and the model runs on what it holds then."""
+        quantized = self.info.quantization is not None
+        head = lm_head_source(self.model) if quantized else None
+        new_head = False
+
+        def converted() -> Iterator[tuple[str, Any]]:
+            nonlocal new_head
+            for name, tensor in weights:
+                if name == head and not new_head:
+                    reopen_lm_head(self.model)
+                    new_head = True
+                if isinstance(tensor, torch.Tensor):
+                    tensor = tensor.to(device=self.device, dtype=self.dtype)
+                yield name, tensor
+
+        try:
+            with torch.no_grad():
+                loaded = self.model.load_weights(converted())
+        finally:
+            if quantized:
+                # The layers whose rows changed build their matmul again; the LM head's
+                # int8 copy is made again when its weight changed.
+                finalize_quantized(self.model)
+                if new_head and self.graph_runner is not None:
+                    self.graph_runner.capture()  # the graphs read the earlier head's buffers
+            self._build_cpu_decode()  # the layers may hold new tensors
         return loaded
 
     def checkpoint_names(self) -> set[str]:
@@ -402,12 +440,30 @@ class ModelRunner:
         return set(self.model.checkpoint_names())
 
     def weight(self, name: str) -> torch.Tensor:
-        """A weight by its checkpoint (HF) name as the model holds it now: a parameter, or a
-        stacked projection's own rows (`q_proj` of `qkv_proj`). KeyError when there is none."""
+        """A weight by its checkpoint (HF) name as the model holds it now (this rank's shard
+        under tensor parallelism): a parameter, or a stacked projection's own rows (`q_proj`
+        of `qkv_proj`). KeyError when there is none."""
+        return self.weight_part(name).values
+
+    def weight_part(self, name: str) -> WeightPart:
+        """`weight(name)` with where it sits in the checkpoint's tensor: this rank's rows of a
+        column-parallel projection or of the vocabulary, its input columns of a row-parallel
+        one, or the whole tensor. KeyError when there is none."""
         params = dict(self.model.named_parameters())
-        if name in params:
-            return params[name].detach()
         prefix, _, leaf = name.rpartition(".")
+        wrapped = f"{prefix}.base.{leaf}"  # a layer a LoRA wrapper holds
+        if name not in params and wrapped in params:
+            name, prefix = wrapped, f"{prefix}.base"
+        if name in params:
+            owner = self.model.get_submodule(prefix) if prefix else self.model
+            values = self._held(owner, params[name].detach())
+            if isinstance(owner, VocabEmbedding):
+                rows = owner.vocab_end - owner.vocab_start
+                return WeightPart(values[:rows], 0, owner.vocab_start, owner.vocab_size)
+            if isinstance(owner, RowLinear) and leaf == "weight":
+                part = owner.input_part
+                return WeightPart(values, 1, part.start, part.size)
+            return WeightPart(values, 0, 0, values.shape[0] if values.dim() else 1)
         module_path, _, module_name = prefix.rpartition(".")
         if module_name in STACKED_PROJECTIONS:
             merged, shard = STACKED_PROJECTIONS[module_name]
@@ -415,12 +471,24 @@ class ModelRunner:
                 module = self.model.get_submodule(f"{module_path}.{merged}")
             except AttributeError:
                 raise KeyError(name) from None
+            module = getattr(module, "base", module)  # (a LoRA wrapper's layer)
             ranges = getattr(module, "shard_ranges", {})
             tensor = getattr(module, leaf, None)
             if shard in ranges and isinstance(tensor, torch.Tensor):
+                tensor = self._held(module, tensor.detach()) if leaf == "weight" else tensor
                 start, end = ranges[shard]
-                return tensor.detach()[start:end]
+                part = getattr(module, "parts", {}).get(shard)
+                where = (part.start, part.size) if part is not None else (0, end - start)
+                return WeightPart(tensor.detach()[start:end], 0, *where)
         raise KeyError(name)
+
+    def _held(self, owner: torch.nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`, or its oneDNN-packed copy read back when the plain one was released."""
+        if tensor.numel():
+            return tensor
+        packing = self.model.head_packing if owner is self.model.head else None
+        packed = getattr(packing or getattr(owner, "packing", None), "packed", None)
+        return packed.to_dense() if isinstance(packed, torch.Tensor) else tensor
 
     def reset(self) -> None:
         """Free every KV slot and request row (the engine's flush_cache)."""

@@ -4,9 +4,10 @@ Rank 0 is the engine process (it schedules, samples and talks to the front end);
 N-1 are worker processes started here (`spawn`). Each worker joins the torch.distributed group
 (`radixlm.runtime.distributed`), builds its `ModelRunner` on its shard, and then runs whatever
 rank 0 broadcasts: a `ForwardStep` (the same forward on its shard; the collectives inside pair
-the ranks' layers up), a `Heartbeat` (rank 0 is idle but alive) or `StopWorkers`. The radix cache, the slot allocator and the request
-table's bookkeeping exist on rank 0 alone: slot indices are the same on every rank, so a step
-carries them.
+the ranks' layers up), its part of a weight update (`radixlm.runtime.weight_sync`), a
+`Heartbeat` (rank 0 is idle but alive) or `StopWorkers`. The radix cache, the slot allocator
+and the request table's bookkeeping exist on rank 0 alone: slot indices are the same on every
+rank, so a step carries them.
 
 On one machine the front process starts every rank and watches them all: a rank that dies
 takes the group down (the engine process is killed too, every open request ends with an
@@ -228,16 +229,21 @@ def worker_main(config: EngineConfig, rank: int, method: str, parent: int) -> No
 
 
 def serve_steps(runner: Any) -> None:
-    """Run every step rank 0 broadcasts, until `StopWorkers`."""
+    """Run every step rank 0 broadcasts, and its part of every weight update
+    (`radixlm.runtime.weight_sync`, answered with this rank's outcome), until `StopWorkers`."""
     from radixlm.runtime.executor import ForwardStep, run_forward
+    from radixlm.runtime.weight_sync import WEIGHT_MESSAGES, RankWeights
 
     tp = runner.tp
+    weights = RankWeights(runner)
     while True:
         message = tp.broadcast()
         if isinstance(message, ForwardStep):
             run_forward(runner, message)
         elif isinstance(message, Heartbeat):
             continue
+        elif isinstance(message, WEIGHT_MESSAGES):
+            tp.gather_objects(weights.carry_out(message))
         elif isinstance(message, StopWorkers):
             return
         else:

@@ -107,9 +107,24 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise LoraAdapterError(f"{config_path}: unreadable adapter config ({error})") from None
+    return check_adapter_config(config, str(config_path))
+
+
+def check_adapter_config(config: Any, config_path: str, field: str = "lora_path") -> dict[str, Any]:
+    """A PEFT adapter config (`adapter_config.json`'s object) checked for what radixlm cannot
+    serve; `config_path` names where it comes from in the errors, `field` the request field
+    they belong to."""
+    try:
+        return _check_config(config, config_path)
+    except LoraAdapterError as error:
+        raise LoraAdapterError(str(error), field=field) from None
+
+
+def _check_config(config: Any, config_path: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise LoraAdapterError(f"{config_path}: the adapter config must be a JSON object")
-    peft_type = str(config.get("peft_type", "LORA")).upper()
+    peft_type = config.get("peft_type", "LORA")
+    peft_type = str(getattr(peft_type, "value", peft_type)).upper()  # (peft's PeftType enum)
     if peft_type != "LORA":
         raise LoraAdapterError(f"{config_path}: peft_type {peft_type!r} is not served (only LORA)")
     refusals = {
@@ -161,6 +176,45 @@ def load_adapter(name: str, path: str | Path, arch: ArchConfig) -> LoraAdapter:
         raise LoraAdapterError(
             f"{weights_path}: not a readable safetensors file ({error})"
         ) from None
+    return _adapter(name, str(path), config, tensors, str(weights_path), arch)
+
+
+#: The `path` of an adapter given as tensors (`adapter_from_tensors`): it has no directory.
+FROM_TENSORS = "<tensors>"
+
+
+def adapter_from_tensors(
+    name: str, tensors: Mapping[str, Any], config: Any, arch: ArchConfig
+) -> LoraAdapter:
+    """Check an adapter given as PEFT-named tensors (what `adapter_model.safetensors` holds)
+    and its PEFT config (what `adapter_config.json` holds), as `load_adapter` checks a
+    directory; the tensors are copied. LoraAdapterError says what is wrong."""
+    where = f"LoRA adapter {name!r} (from tensors)"
+    checked = check_adapter_config(config, f"{where}: config_dict", field="config_dict")
+    found: dict[str, torch.Tensor] = {}
+    for tensor_name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise LoraAdapterError(
+                f"{where}: {tensor_name} is a {type(tensor).__name__}, not a torch tensor",
+                field="tensors",
+            )
+        # A copy: the trainer's own tensor goes on changing.
+        found[str(tensor_name)] = tensor.detach().to("cpu", copy=True)
+    try:
+        return _adapter(name, FROM_TENSORS, checked, found, where, arch)
+    except LoraAdapterError as error:
+        raise LoraAdapterError(str(error), field="tensors") from None
+
+
+def _adapter(
+    name: str,
+    path: str,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    weights_path: str,
+    arch: ArchConfig,
+) -> LoraAdapter:
+    """The checked adapter of a config and its tensors (`weights_path` names them in errors)."""
     pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     for tensor_name, tensor in tensors.items():
         if any(part in tensor_name for part in _VISION):
@@ -210,4 +264,4 @@ def load_adapter(name: str, path: str | Path, arch: ArchConfig) -> LoraAdapter:
         weights[(layer, module)] = LoraModuleWeights(
             a=a.to(torch.float32).contiguous(), b=(b.to(torch.float32) * scaling).contiguous()
         )
-    return LoraAdapter(name=name, path=str(path), weights=weights)
+    return LoraAdapter(name=name, path=path, weights=weights)

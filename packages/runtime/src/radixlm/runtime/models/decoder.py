@@ -278,6 +278,8 @@ class DecoderForCausalLM(nn.Module):
             if leaves is None or path.startswith("quantized_head"):
                 continue
             linear_paths.add(path)
+            if path.rpartition(".")[0] in linear_paths:
+                continue  # the layer a wrapper (a LoRA adapter's) holds: named by the wrapper
             module_path, _, module_name = path.rpartition(".")
             if module_name in ("qkv_proj", "gate_up_proj"):
                 for shard in module.shard_ranges:
@@ -311,7 +313,7 @@ class DecoderForCausalLM(nn.Module):
         Unknown names raise ValueError; `lm_head.weight` of a tied model is skipped.
         """
         if self.head_packing is not None:
-            self.head_packing.check_loadable()
+            self.head_packing.unpack_for_load(self.head.weight)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         moe = self._moe_blocks()
@@ -324,11 +326,13 @@ class DecoderForCausalLM(nn.Module):
                 continue
             prefix, _, leaf = name.rpartition(".")
             module_path, _, module_name = prefix.rpartition(".")
-            if module_name in STACKED_PROJECTIONS:
-                merged, shard = STACKED_PROJECTIONS[module_name]
-                self._linear(name, f"{module_path}.{merged}").load_weight(shard, leaf, tensor)
-            elif module_name in ("o_proj", "down_proj"):
-                self._linear(name, prefix).load_weight(None, leaf, tensor)
+            if module_name in STACKED_PROJECTIONS or module_name in ("o_proj", "down_proj"):
+                merged, shard = STACKED_PROJECTIONS.get(module_name, (module_name, None))
+                layer = self._linear(name, f"{module_path}.{merged}")
+                try:
+                    layer.load_weight(shard, leaf, tensor)
+                except ValueError as error:  # (the layer names only its own part)
+                    raise ValueError(f"{name}: {error}") from None
             elif name in params and isinstance(self._module(prefix), VocabEmbedding):
                 try:
                     self._module(prefix).load_weight(None, leaf, tensor)

@@ -423,7 +423,8 @@ def cpu_packing_available(dtype: torch.dtype = torch.float32) -> bool:
 class PackedWeight:
     """A weight re-laid out by oneDNN for fast CPU GEMM/GEMV (1.5-2x over F.linear in bf16 on
     AVX512-BF16 machines). Packing happens at the first call, after the weights are loaded; the
-    plain weight is then released unless `keep_plain` (a tied embedding still needs it)."""
+    plain weight is then released unless `keep_plain` (a tied embedding still needs it), and
+    brought back from the packed copy when weights are loaded again (`unpack_for_load`)."""
 
     def __init__(self, keep_plain: bool = False) -> None:
         self.keep_plain = keep_plain
@@ -451,16 +452,16 @@ class PackedWeight:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return out
 
-    def check_loadable(self) -> None:
-        """Before new weights are loaded: a kept plain weight is packed again at the next
-        call (the packed copy would be stale); a released one cannot be reloaded."""
-        if self.packed is not None and self.keep_plain:
-            self.packed = None
-        elif self.packed is not None:
-            raise RuntimeError(
-                "the weights were packed for CPU inference at the first forward; load weights "
-                "before running the model"
-            )
+    def unpack_for_load(self, weight: torch.Tensor) -> None:
+        """Before new weights are loaded into `weight` (a weight update): a released plain
+        weight is brought back from the packed copy (oneDNN's reorder is lossless), so rows
+        the update leaves alone keep their values; the packed copy is dropped either way and
+        made again from the new weight at the next call."""
+        if self.packed is None:
+            return
+        if weight.numel() == 0:
+            weight.data = self.packed.to_dense().to(weight.dtype)
+        self.packed = None
 
 
 class PackedMergedColumnLinear(MergedColumnLinear):
@@ -474,7 +475,7 @@ class PackedMergedColumnLinear(MergedColumnLinear):
         return self.packing.linear(x, self.weight, self.bias)
 
     def load_weight(self, shard: str | None, name: str, tensor: torch.Tensor) -> None:
-        self.packing.check_loadable()
+        self.packing.unpack_for_load(self.weight)
         super().load_weight(shard, name, tensor)
 
 
@@ -489,7 +490,7 @@ class PackedRowLinear(RowLinear):
         return self.packing.linear(x, self.weight, bias)
 
     def load_weight(self, shard: str | None, name: str, tensor: torch.Tensor) -> None:
-        self.packing.check_loadable()
+        self.packing.unpack_for_load(self.weight)
         super().load_weight(shard, name, tensor)
 
 

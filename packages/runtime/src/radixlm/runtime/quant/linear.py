@@ -138,12 +138,15 @@ class QuantizedLinear(nn.Module):
 
     def load_weight(self, shard: str | None, name: str, tensor: torch.Tensor) -> None:
         """Copy one checkpoint tensor into `shard`'s rows. Raises ValueError on a name the
-        source does not have or a shape mismatch, RuntimeError after `finalize`."""
-        if self._matmul is not None:
-            raise RuntimeError(
-                "the weights of a quantized layer are fixed once loaded; restart the engine to "
-                "load other weights"
-            )
+        source does not have or a shape mismatch.
+
+        After `finalize` (a weight update) a layer quantized at load time takes full-precision
+        weights and biases: the rows are quantized at once, as `finalize` quantizes them (each
+        output row on its own), and the layer runs again after the next `finalize`, which
+        builds its matmul over the new values. Other sources raise RuntimeError then."""
+        if self._matmul is not None or (self.weight is None and self.quant.source == "load_time"):
+            self._update(shard, name, tensor)
+            return
         begin, end = self._range(shard)
         rows = end - begin
         what = f"{shard}.{name}" if shard else name
@@ -217,6 +220,33 @@ class QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"{what}: expected float8_e4m3fn weights, got {tensor.dtype}")
 
+    def _update(self, shard: str | None, name: str, tensor: torch.Tensor) -> None:
+        """A weight update after `finalize` (see `load_weight`)."""
+        if self.quant.source != "load_time" or self.qweight.numel() == 0:
+            raise RuntimeError(
+                f"the weights of a {self.quant.method} layer are fixed once loaded (only weights "
+                "quantized at load time, and not fp8 on the CPU, can be updated); restart the "
+                "engine to load other weights"
+            )
+        begin, end = self._range(shard)
+        what = f"{shard}.{name}" if shard else name
+        if name == "bias":
+            if self.bias is None:
+                raise ValueError(f"{what}: the checkpoint has a bias the model does not expect")
+            with torch.no_grad():
+                _copy(self.bias[begin:end], tensor, what)
+            return
+        if name != "weight":
+            raise ValueError(f"{what}: a layer quantized at load time takes weight and bias only")
+        if tuple(tensor.shape) != (end - begin, self.in_features):
+            raise ValueError(
+                f"{what}: checkpoint tensor has shape {tuple(tensor.shape)}, the model expects "
+                f"{(end - begin, self.in_features)}"
+            )
+        self._matmul = None  # built again over the new values by the next finalize()
+        with torch.no_grad():
+            self._quantize_rows(begin, tensor.to(torch.float32))
+
     # After loading ---------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -225,7 +255,7 @@ class QuantizedLinear(nn.Module):
         if self._matmul is not None:
             return
         if self.weight is not None:
-            self._quantize_staged(self.weight.data.to(torch.float32))
+            self._quantize_rows(0, self.weight.data.to(torch.float32))
             self.weight = None
         fmt = self.quant.format
         if fmt == "int4":
@@ -240,28 +270,31 @@ class QuantizedLinear(nn.Module):
         else:
             self._matmul = self._fp8_matmul()
 
-    def _quantize_staged(self, weight: torch.Tensor) -> None:
+    def _quantize_rows(self, begin: int, weight: torch.Tensor) -> None:
+        """Quantize full-precision output rows [begin, begin + len(weight)) (every format
+        quantizes each output row on its own)."""
+        rows = slice(begin, begin + weight.shape[0])
         fmt = self.quant.format
         pad = self.padded_in - self.in_features if fmt == "int4" else 0
         if pad:
             weight = torch.nn.functional.pad(weight, (0, pad))
         if fmt == "int8":
             qweight, scale = kernels.quantize_int8(weight)
-            self.qweight.copy_(qweight)
-            self.scale.copy_(scale)
+            self.qweight[rows].copy_(qweight)
+            self.scale[rows].copy_(scale)
         elif fmt == "int4":
             # Asymmetric groups are fitted (float zero points, llama.cpp's Q4_1 / Q4_K way).
             symmetric = self.quant.symmetric
             qweight, scales, zeros = kernels.quantize_int4(
                 weight, self.group_size, symmetric=symmetric, fit=not symmetric
             )
-            self.qweight.copy_(qweight)
-            self.scales.copy_(scales)
-            self.zeros.copy_(zeros)
+            self.qweight[rows].copy_(qweight)
+            self.scales[rows].copy_(scales)
+            self.zeros[rows].copy_(zeros)
         else:
             qweight, scale = kernels.quantize_fp8(weight, per_channel=True)
-            self.qweight.copy_(qweight)
-            self.scale.copy_(scale.reshape(-1))
+            self.qweight[rows].copy_(qweight)
+            self.scale[rows].copy_(scale.reshape(-1))
 
     def _fp8_matmul(self) -> compute.Matmul:
         qweight, scale = self.qweight, self.scale
@@ -328,6 +361,25 @@ def finalize_quantized(model: nn.Module) -> int:
     if layers:
         quantize_lm_head(model, layers[0].quant, layers[0].dtype)
     return len(layers)
+
+
+def lm_head_source(model: nn.Module) -> str | None:
+    """The checkpoint name of the weight the model's int8 LM head was quantized from (the
+    embedding table when tied), or None when it has no quantized head."""
+    if model.quantized_head is None:
+        return None
+    return "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
+
+
+def reopen_lm_head(model: nn.Module) -> None:
+    """Before a weight update loads the weight of the LM head: drop its int8 copy (the next
+    `finalize_quantized` makes it again from the new weight) and give an untied head back the
+    full-precision table `quantize_lm_head` released (zeros until the update fills it)."""
+    model.quantized_head = None
+    head = model.lm_head
+    if head is not None and head.weight.numel() == 0:
+        embed = model.model.embed_tokens.weight
+        head.weight.data = embed.new_zeros(head.per_rank, embed.shape[1])
 
 
 #: Columns per scale of the int8 LM head (llama.cpp's Q8_0 block).
