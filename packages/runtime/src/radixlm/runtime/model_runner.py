@@ -179,7 +179,7 @@ class ModelRunner:
         self.capture = "none"
         #: Decode steps in one C call on the CPU (`radixlm.runtime.cpu_decode`), or None.
         self.cpu_decode: CpuDecodePath | None = None
-        self._build_cpu_decode()
+        self.build_cpu_decode()
 
     def capture_features(self, mode: str, layers: tuple[int, ...] = ()) -> None:
         """Keep every new token's features in each forward's output (`LogitsOutput.captured`):
@@ -195,7 +195,9 @@ class ModelRunner:
                             list(layers))  # fmt: skip
             self.cpu_decode = None
 
-    def _build_cpu_decode(self) -> None:
+    def build_cpu_decode(self) -> None:
+        """(Re)build the CPU decode path over the weights' and the KV pool's current tensors
+        (it holds their addresses), or leave it off (logging why)."""
         self.cpu_decode = None
         if self.device.type != "cpu" or self.tp.enabled or self.capture == "aux":
             return
@@ -365,7 +367,7 @@ class ModelRunner:
             loaded = self.model.load_weights(
                 (name, tensor.to(device=self.device, dtype=self.dtype)) for name, tensor in weights
             )
-        self._build_cpu_decode()  # the layers may hold new tensors
+        self.build_cpu_decode()  # the layers may hold new tensors
         return loaded
 
     def checkpoint_names(self) -> set[str]:
