@@ -19,6 +19,7 @@ import torch
 
 from radixlm.runtime import Engine
 from radixlm.runtime.fixtures import build_tiny_model
+from radixlm.runtime.models.linear import cpu_packing_available
 from radixlm.sampling import InvalidRequest
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
@@ -45,7 +46,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _engine(path: Path, kv_bytes: int = 4 * MiB, **kwargs: Any) -> Engine:
-    return Engine(str(path), show_progress=False, cpu_threads=1, kv_cache_bytes=kv_bytes, **kwargs)
+    kwargs.setdefault("cpu_threads", 1)
+    return Engine(str(path), show_progress=False, kv_cache_bytes=kv_bytes, **kwargs)
 
 
 def _outputs(engine: Engine) -> list[list[int]]:
@@ -252,6 +254,20 @@ def test_bad_memory_calls_say_what_is_wrong(models: tuple[Path, Path]) -> None:
             engine.get_weights_by_name("model.norm.weight")
         again = engine.resume_memory_occupation(["kv_cache"]).result()
         assert again["success"] is True and "not released: kv_cache" in again["message"]
+        engine.check_invariants()
+
+
+@pytest.mark.skipif(not cpu_packing_available(), reason="oneDNN cannot pack weights here")
+def test_weights_that_onednn_packed_are_not_released(models: tuple[Path, Path]) -> None:
+    """Two torch threads: the first forward packs the linear weights and drops their plain
+    copies, which no update could fill again after a resume."""
+    before, _after = models
+    with _engine(before, cpu_threads=2) as engine:
+        _outputs(engine)
+        refused = engine.release_memory_occupation().result()
+        assert refused["success"] is False and "cpu_weight_packing=False" in refused["message"]
+        assert engine.release_memory_occupation(["kv_cache"]).result()["success"] is True
+        assert engine.resume_memory_occupation().result()["success"] is True
         engine.check_invariants()
 
 
