@@ -70,7 +70,7 @@ class ReleasedStorages:
     def allocate(self) -> None:
         for storage, size in self._storages:
             storage.resize_(size)
-            storage.fill_(0)
+            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).zero_()
 
 
 class MemoryOccupation:
@@ -163,16 +163,18 @@ class MemoryOccupation:
         allocated. Once nothing is released, the CPU decode path and the CUDA graphs are
         built again over the new addresses."""
         runner = self.runner
+        resumed = [tag for tag in tags if tag in self._released]
         allocated = 0
-        for tag in tags:
-            if tag not in self._released:
-                continue
-            storages = self._released.pop(tag)
+        for tag in resumed:
+            storages = self._released[tag]
             if storages is not None:
-                storages.allocate()
+                storages.allocate()  # (if this fails the tag stays released: retry it)
                 allocated += storages.nbytes
+            del self._released[tag]
             if tag == WEIGHTS:
                 self.unwritten = runner.checkpoint_names()
+        if not resumed:
+            return 0
         if KV_CACHE not in self._released and WEIGHTS not in self._released:
             runner.build_cpu_decode()
         if not self._released and self._graph_sizes:
@@ -185,7 +187,7 @@ class MemoryOccupation:
             )
             graphs.capture()
             runner.graph_runner, self._graph_sizes = graphs, []
-        logger.info("resumed %s (%d bytes)", ", ".join(tags), allocated)
+        logger.info("resumed %s (%d bytes)", ", ".join(resumed), allocated)
         return allocated
 
     def written(self, names: Iterable[str]) -> None:

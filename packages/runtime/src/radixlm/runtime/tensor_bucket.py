@@ -147,6 +147,7 @@ def _flat_tensor(value: Any) -> torch.Tensor:
 
 def _entry(index: int, item: Any) -> FlattenedTensorMetadata:
     where = f"metadata[{index}]"
+    values: list[Any]
     if isinstance(item, Mapping):
         values = [item.get(field) for field in _FIELDS]
     elif isinstance(item, tuple | list):
