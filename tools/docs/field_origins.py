@@ -177,6 +177,30 @@ ORIGINS: dict[str, dict[str, str]] = {
         "service_tier": f"{OAI}: accepted, ignored",
         "tools": f"{OAI}: function tools only (no built-in tools)",
     },
+    # The rollout engine's routes (packages/server/src/radixlm/server/weights.py).
+    "UpdateWeightsFromDisk": {
+        "*": S,
+        "load_format": f"{S}: only safetensors checkpoints are read (auto, safetensors)",
+    },
+    "UpdateWeightsFromTensor": {
+        "*": S,
+        "named_tensors": f"{R}: instead of SGLang's pickles",
+        "flattened_bucket": f"{R}: SGLang's flattened bucket as base64 and JSON, not a pickle",
+        "safetensors": R,
+        "serialized_named_tensors": f"{S}: refused (unpickling runs the sender's code)",
+        "load_format": f"{S}: direct or flattened_bucket (the form sent says which)",
+    },
+    "NamedTensorData": {"*": R},
+    "FlattenedBucketData": {"*": R},
+    "BucketEntry": {"*": S},
+    "InitWeightsUpdateGroup": {"*": S, "backend": f"{S}: default gloo (SGLang's: nccl)"},
+    "UpdateWeightsFromDistributed": {"*": S},
+    "GetWeightsByName": {"*": S},
+    "PauseGeneration": {"*": S},
+    "MemoryOccupation": {
+        "*": S,
+        "tags": f"{S}: cuda_graph holds nothing on CPUs; resuming a tag not released does nothing",
+    },
 }
 #: Sub-objects of OpenAI's request shapes (messages, tools, formats): OpenAI's.
 DEFAULT = OAI

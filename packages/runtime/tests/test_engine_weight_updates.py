@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from radixlm.runtime import Engine
+from radixlm.runtime import Engine, FlattenedTensorBucket
 from radixlm.runtime.fixtures import build_tiny_model
 from radixlm.sampling import InvalidRequest
 
@@ -153,6 +153,44 @@ def test_bad_updates_say_what_is_wrong(models: tuple[Path, Path], tmp_path: Path
         assert "does not know" in unknown.result()["message"]
         with pytest.raises(InvalidRequest, match="no weight named"):
             engine.get_weights_by_name("model.nothing.weight")
+        engine.check_invariants()
+
+
+def test_a_flattened_bucket_brings_every_tensor_to_an_engine_process_in_one_piece(
+    models: tuple[Path, Path], expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    """SGLang's `load_format="flattened_bucket"`: one flat buffer and each tensor's place in
+    it cross to the engine process; its next outputs are the new policy's."""
+    before, after = models
+    _old, new = expected
+    bucket = FlattenedTensorBucket(named_tensors=_tensors(after))
+    payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    with _engine(before, engine_process=True, kv_cache_bytes=1 << 22) as engine:
+        result = engine.update_weights_from_tensor(payload, load_format="flattened_bucket")
+        assert result.result(60) == {
+            "success": True,
+            "message": "the weights were updated",
+            "weight_version": "1",
+        }
+        assert _outputs(engine) == new
+        engine.check_invariants()
+
+
+def test_a_bucket_that_does_not_fit_its_buffer_is_refused_and_changes_nothing(
+    models: tuple[Path, Path], expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    before, after = models
+    old, _new = expected
+    bucket = FlattenedTensorBucket(named_tensors=_tensors(after))
+    short = FlattenedTensorBucket(
+        flattened_tensor=bucket.flattened_tensor[:-4], metadata=bucket.metadata
+    )
+    with _engine(before, kv_cache_bytes=1 << 22) as engine:
+        with pytest.raises(InvalidRequest, match=r"metadata\[\d+\] \(.*\): .* is not within"):
+            engine.update_weights_from_tensor(short, load_format="flattened_bucket")
+        with pytest.raises(InvalidRequest, match="load_format is None"):
+            engine.update_weights_from_tensor(_tensors(after), load_format="pickle")
+        assert _outputs(engine) == old
         engine.check_invariants()
 
 

@@ -37,6 +37,7 @@ from radixlm.runtime.model_runner import LogitsOutput, ModelRunner, RunnerStats
 from radixlm.runtime.models import supported_architectures
 from radixlm.runtime.sampler import CustomProcessorsDisabled, SampleOutput, Sampler
 from radixlm.runtime.sampling_batch import SamplingBatch, SamplingRequest
+from radixlm.runtime.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
 __all__ = [
     "BUILTIN_MODEL_NAME",
@@ -48,6 +49,8 @@ __all__ = [
     "CustomProcessorsDisabled",
     "Engine",
     "EngineConfig",
+    "FlattenedTensorBucket",
+    "FlattenedTensorMetadata",
     "ForwardBatch",
     "GrammarConfig",
     "InputLogprobRequest",

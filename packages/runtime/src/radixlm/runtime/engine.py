@@ -59,8 +59,10 @@ from radixlm.runtime.messages import (
     LoadLoraAdapterFromTensors,
     Output,
     PauseGeneration,
+    ReleaseMemoryOccupation,
     RequestClosed,
     RequestFailed,
+    ResumeMemoryOccupation,
     SeqDelta,
     Stats,
     StopSequence,
@@ -73,6 +75,7 @@ from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.multimodal.preparer import multimodal_preparer
 from radixlm.runtime.output_processor import RequestOutput
 from radixlm.runtime.preparer import FrontendLimits, RequestPreparer
+from radixlm.runtime.tensor_bucket import FlattenedTensorBucket, checked_bucket
 from radixlm.sampling import (
     EngineUnavailable,
     GenerateChunk,
@@ -839,16 +842,38 @@ class Engine:
 
     def update_weights_from_tensor(
         self,
-        named_tensors: Iterable[tuple[str, Any]],
+        named_tensors: Iterable[tuple[str, Any]] | Any,
+        load_format: str | None = None,
         flush_cache: bool = True,
         weight_version: str | None = None,
     ) -> Reply[dict[str, Any]]:
         """Replace some or all weights from (checkpoint name, tensor) pairs — a trainer in the
         same process (SGLang's `update_weights_from_tensor`); as `update_weights_from_disk`
-        otherwise. Tensors are copied (converted to the model's dtype and device)."""
-        pairs = tuple((str(name), tensor) for name, tensor in named_tensors)
+        otherwise. Tensors are copied (converted to the model's dtype and device).
+
+        `load_format="flattened_bucket"` (SGLang's): `named_tensors` is one flat buffer and
+        where each tensor lies in it — a `radixlm.runtime.FlattenedTensorBucket` (or
+        SGLang's), or `{"flattened_tensor": tensor or bytes, "metadata": [...]}` — so that
+        thousands of small tensors cross to an engine process in one piece. A bucket whose
+        metadata does not fit its buffer raises InvalidRequest naming `named_tensors`."""
+        payload: tuple[tuple[str, Any], ...] | FlattenedTensorBucket
+        if load_format == "flattened_bucket":
+            try:
+                payload = checked_bucket(named_tensors)
+            except ValueError as error:
+                raise InvalidRequest("named_tensors", str(error)) from None
+        elif load_format in (None, "direct"):
+            payload = tuple((str(name), tensor) for name, tensor in named_tensors)
+        else:
+            raise InvalidRequest(
+                "load_format",
+                f"load_format is None ((name, tensor) pairs) or 'flattened_bucket'; got "
+                f"{load_format!r}",
+            )
         return Reply(
-            self._ask(lambda reply: UpdateWeights(None, pairs, flush_cache, weight_version, reply))
+            self._ask(
+                lambda reply: UpdateWeights(None, payload, flush_cache, weight_version, reply)
+            )
         )
 
     def init_weights_update_group(
@@ -909,6 +934,30 @@ class Engine:
     def continue_generation(self) -> Reply[bool]:
         """Run steps again after `pause_generation`."""
         return Reply(self._ask(ContinueGeneration))
+
+    def release_memory_occupation(
+        self, tags: Sequence[str] | str | None = None
+    ) -> Reply[dict[str, Any]]:
+        """Give back the memory of `tags` — `"kv_cache"` (the KV pool and the request table;
+        the radix cache is flushed), `"weights"` (the model's parameters), `"cuda_graph"`;
+        None: all — while a trainer uses the device (SGLang's `release_memory_occupation`).
+        The Reply gives `{"success", "message"}`; refused (`success: false`) while a request
+        runs: pause it with `pause_generation("abort")` or `("retract")` first. Until the
+        weights and the KV cache are back no step runs: requests sent meanwhile wait in the
+        queue. InvalidRequest naming `tags` for an unknown tag."""
+        chosen = (tags,) if isinstance(tags, str) else None if tags is None else tuple(tags)
+        return Reply(self._ask(lambda reply: ReleaseMemoryOccupation(chosen, reply)))
+
+    def resume_memory_occupation(
+        self, tags: Sequence[str] | str | None = None
+    ) -> Reply[dict[str, Any]]:
+        """Allocate the memory of released `tags` again (None: all; SGLang's
+        `resume_memory_occupation`): the KV cache empty, the weights as zeros — requests
+        keep waiting until `update_weights_*` has written every weight (a release of the
+        weights is meant to be followed by an update: verl's order is resume `["weights"]`,
+        update, resume `["kv_cache"]`). A tag that is not released is left alone."""
+        chosen = (tags,) if isinstance(tags, str) else None if tags is None else tuple(tags)
+        return Reply(self._ask(lambda reply: ResumeMemoryOccupation(chosen, reply)))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` rows of a weight by checkpoint name, as nested lists

@@ -31,6 +31,7 @@ from radixlm.runtime.hicache import HierarchicalCache
 from radixlm.runtime.loader import safetensors_files
 from radixlm.runtime.lora.adapter import LoraAdapterError
 from radixlm.runtime.lora.registry import AdapterRegistry
+from radixlm.runtime.memory_occupation import KV_CACHE, WEIGHTS, MemoryOccupation, memory_tags
 from radixlm.runtime.messages import (
     Abort,
     Call,
@@ -49,8 +50,10 @@ from radixlm.runtime.messages import (
     LoadLoraAdapterFromTensors,
     Output,
     PauseGeneration,
+    ReleaseMemoryOccupation,
     RequestClosed,
     RequestFailed,
+    ResumeMemoryOccupation,
     Shutdown,
     Stats,
     StopSequence,
@@ -69,6 +72,7 @@ from radixlm.runtime.speculative import NgramDrafter
 from radixlm.runtime.speculative.costs import DraftCosts, StepCost, measure_step_cost
 from radixlm.runtime.speculative.draft_model import DraftModel, DraftModelDrafter
 from radixlm.runtime.speculative.eagle import EagleDrafter, load_eagle_head
+from radixlm.runtime.tensor_bucket import FlattenedTensorBucket
 from radixlm.runtime.tensor_parallel import StepSender, heartbeat_interval, rank_report
 from radixlm.runtime.weight_sync import (
     Failed,
@@ -147,6 +151,8 @@ class EngineCore:
         self._weights = WeightSync(executor.runner, executor.sender)
         if adapters is not None and executor.sender is not None:
             adapters.peers = self._weights  # adapters given as tensors reach every rank
+        #: `release_memory_occupation`: what is released (no step runs while it matters).
+        self.memory = MemoryOccupation(executor.runner)
         # Statistics.
         self.finished_requests = 0
         self.steps = 0
@@ -162,7 +168,7 @@ class EngineCore:
         while not self._stopped:
             try:
                 self._drain(block=not self._has_work())
-                if not self._stopped and not self._paused:
+                if not self._stopped and not self._holding():
                     self.step()
             except RankFailure as error:
                 # The tensor-parallel group is broken: no step can run again. Every open
@@ -197,8 +203,14 @@ class EngineCore:
         out, self._out = self._out, []
         self.emit(out)
 
+    def _holding(self) -> bool:
+        """No step runs: generation is paused, or the weights or the KV pool are released
+        (or the weights were allocated again and updates have not written them all yet).
+        Commands still run, and requests queue."""
+        return self._paused or not self.memory.ready
+
     def _has_work(self) -> bool:
-        if self._paused:
+        if self._holding():
             return False  # (commands still come in: block on them)
         sched = self.scheduler
         return bool(sched.running) or any(not r.blocked() for r in sched.waiting)
@@ -233,9 +245,9 @@ class EngineCore:
                 self._out.append(CommandResult(reply, flushed))
             case LoadLoraAdapter(name, path, reply):
                 self._answer(reply, lambda: self._lora_registry().load(name, path))
-            case LoadLoraAdapterFromTensors(name, tensors, config, reply):
+            case LoadLoraAdapterFromTensors(name, adapter, config, reply):
                 self._answer(
-                    reply, lambda: self._lora_registry().load_tensors(name, dict(tensors), config)
+                    reply, lambda: self._lora_registry().load_tensors(name, dict(adapter), config)
                 )
             case UnloadLoraAdapter(name, reply):
                 self._answer(reply, lambda: self._lora_registry().unload(name))
@@ -255,6 +267,10 @@ class EngineCore:
             case ContinueGeneration(reply):
                 self._paused = False
                 self._out.append(CommandResult(reply, True))
+            case ReleaseMemoryOccupation(tags, reply):
+                self._answer(reply, lambda: self.release_memory_occupation(tags))
+            case ResumeMemoryOccupation(tags, reply):
+                self._answer(reply, lambda: self.resume_memory_occupation(tags))
             case GetWeightsByName(name, truncate, reply):
                 self._answer(reply, lambda: self.weights_by_name(name, truncate))
             case GetServerInfo(reply):
@@ -271,7 +287,7 @@ class EngineCore:
     def update_weights(
         self,
         path: str | None,
-        tensors: Sequence[tuple[str, Any]] | None,
+        tensors: Sequence[tuple[str, Any]] | FlattenedTensorBucket | None,
         flush: bool = True,
         version: str | None = None,
     ) -> dict[str, Any]:
@@ -281,7 +297,9 @@ class EngineCore:
         the new weights; requests that arrive after never reuse K/V computed before (they
         match in a namespace of their own), and the cache is flushed when nothing runs."""
         runner = self.executor.runner
-        refusal = self._weights_refusal(runner)
+        if isinstance(tensors, FlattenedTensorBucket):
+            tensors = tensors.reconstruct_tensors()  # (views of its buffer)
+        refusal = self.memory.update_refusal() or self._weights_refusal(runner)
         if refusal is None and path is not None:
             try:
                 files = safetensors_files(Path(path))
@@ -306,6 +324,7 @@ class EngineCore:
             return {"success": False, "message": refusal, "weight_version": self.weight_version}
         if path is not None:
             outcomes = self._weights.run(LoadFromDisk(path))
+            written = runner.checkpoint_names()  # (the directory has every one: checked above)
         else:
             pairs = tuple(tensors or ())
             message = LoadFromRank0(
@@ -314,11 +333,15 @@ class EngineCore:
                 tuple(tuple(tensor.shape) for _, tensor in pairs),
             )
             outcomes = self._weights.run(message, pairs)
-        return self._updated(first_failure(outcomes), flush, version)
+            written = {name for name, _ in pairs}
+        return self._updated(first_failure(outcomes), flush, version, written)
 
-    def _updated(self, failure: str | None, flush: bool, version: str | None) -> dict[str, Any]:
+    def _updated(
+        self, failure: str | None, flush: bool, version: str | None, written: set[str]
+    ) -> dict[str, Any]:
         """The answer to an update that ran (`failure`: why it stopped on some rank), after
-        moving the weight version and the cache namespace on."""
+        moving the weight version and the cache namespace on (`written`: the checkpoint names
+        it wrote, which resumed weights count)."""
         self._weights_epoch += 1
         if failure is not None:
             # Names and shapes are checked tensor by tensor as they are copied: the ones
@@ -330,6 +353,7 @@ class EngineCore:
                 "weight_version": self.weight_version,
             }
         self.weight_version = version if version is not None else str(self._weights_epoch)
+        self.memory.written(written)
         flushed = flush and self.scheduler.flush_cache()
         if flushed:
             self.executor.encoder_cache.clear()
@@ -398,7 +422,7 @@ class EngineCore:
         for name, dtype in zip(names, dtypes, strict=True):
             if dtype_named(dtype) is None:
                 return {**refused, "message": f"{name}: unknown dtype {dtype!r}"}
-        refusal = self._weights_refusal(self.executor.runner)
+        refusal = self.memory.update_refusal() or self._weights_refusal(self.executor.runner)
         message = LoadFromTrainer(
             tuple(names),
             tuple(str(dtype) for dtype in dtypes),
@@ -409,7 +433,7 @@ class EngineCore:
         outcomes = self._weights.run(message)
         if refusal is not None:
             return {**refused, "message": refusal}
-        return self._updated(first_failure(outcomes), flush, version)
+        return self._updated(first_failure(outcomes), flush, version, set(names))
 
     def pause(self, mode: str = "abort") -> bool:
         """Stop running steps until `ContinueGeneration` (see `PauseGeneration`)."""
@@ -424,6 +448,51 @@ class EngineCore:
             self.scheduler.retract_all()
         self._paused = True
         return True
+
+    def release_memory_occupation(self, tags: Sequence[str] | None) -> dict[str, Any]:
+        """Give back the memory of `tags` (see `ReleaseMemoryOccupation`); SGLang's answer.
+        Refused while a request runs (SGLang's rule: idle, or paused with its requests
+        aborted or retracted); queued requests wait for the resume."""
+        chosen = memory_tags(tags)
+        running = len(self.scheduler.running)
+        refusal = None
+        if running:
+            refusal = (
+                f"{running} request(s) are running and hold KV cache: pause_generation('abort') "
+                "or pause_generation('retract') first, or wait until they finish"
+            )
+        elif self.executor.draft is not None:
+            refusal = "releasing memory beside a draft model or an EAGLE head is not available yet"
+        refusal = refusal or self.memory.refusal(chosen)
+        if refusal is not None:
+            return {"success": False, "message": f"nothing was released: {refusal}"}
+        if KV_CACHE in chosen and KV_CACHE not in self.memory.released:
+            flushed = self.scheduler.flush_cache()  # the slots' contents go
+            assert flushed, "the cache flush failed although no request runs"
+        if KV_CACHE in chosen or WEIGHTS in chosen:
+            self.executor.encoder_cache.clear()
+        freed = self.memory.release(chosen)
+        return {
+            "success": True,
+            "message": f"released {', '.join(chosen)} ({freed / 2**20:.1f} MiB); requests "
+            "wait until resume_memory_occupation",
+        }
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None) -> dict[str, Any]:
+        """Allocate the memory of released `tags` again (see `ResumeMemoryOccupation`)."""
+        chosen = memory_tags(tags)
+        resumed = [tag for tag in chosen if tag in self.memory.released]
+        allocated = self.memory.resume(resumed)
+        parts = [f"resumed {', '.join(resumed) or 'nothing'} ({allocated / 2**20:.1f} MiB)"]
+        if tags and len(resumed) < len(chosen):
+            parts.append(f"not released: {', '.join(t for t in chosen if t not in resumed)}")
+        if WEIGHTS in resumed:
+            parts.append(
+                "the weights hold zeros: requests wait until update_weights_* has written every one"
+            )
+        if self.memory.released:
+            parts.append(f"still released: {', '.join(self.memory.released)}")
+        return {"success": True, "message": "; ".join(parts)}
 
     def _weights_refusal(self, runner: ModelRunner) -> str | None:
         """Why this model's weights cannot be updated, or None. A model quantized at load
@@ -455,6 +524,12 @@ class EngineCore:
     def weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` rows of a weight by checkpoint name, as lists: the whole
         tensor's, gathered from every tensor-parallel rank's shard."""
+        if WEIGHTS in self.memory.released:
+            raise InvalidRequest(
+                "name",
+                "the weights are released (release_memory_occupation): resume_memory_occupation"
+                "(['weights']) and update them before reading one",
+            )
         parts = self._weights.run(ReadWeight(name, max(0, truncate_size)))
         if isinstance(parts[0], Failed):
             raise InvalidRequest("name", parts[0].message)
@@ -615,6 +690,10 @@ class EngineCore:
             "media_encoder_cache_hits": self.executor.encoder_cache.stats.hits,
             # Rank 0's time in the forward's collectives (0 without tensor parallelism).
             "tp_collective_seconds": self.executor.runner.tp.timing.seconds,
+            # `release_memory_occupation`: the tags released, and the weights allocated again
+            # that no update has written yet (no step runs while the weights or kv_cache
+            # are released, or while weights_unwritten > 0).
+            **self.memory.stats(),
             **(self.adapters.stats() if self.adapters is not None else {}),
         }
 

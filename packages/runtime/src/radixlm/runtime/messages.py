@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from radixlm.sampling import FinishReason, LogprobEntry, SamplingParams
+
+if TYPE_CHECKING:
+    from radixlm.runtime.tensor_bucket import FlattenedTensorBucket
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +125,13 @@ class UnloadLoraAdapter:
 class UpdateWeights:
     """Replace the model's weights between steps (reinforcement learning's rollout engine):
     from a checkpoint directory (`path`: every tensor the model needs) or from `tensors`
-    ((checkpoint name, tensor) pairs: any subset). The radix cache is flushed when nothing
-    runs (`flush_cache`), and new requests never reuse K/V computed before the update either
-    way. Answered with SGLang's `{"success", "message", "weight_version"}`."""
+    ((checkpoint name, tensor) pairs, or a `tensor_bucket.FlattenedTensorBucket` holding
+    them: any subset). The radix cache is flushed when nothing runs (`flush_cache`), and new
+    requests never reuse K/V computed before the update either way. Answered with SGLang's
+    `{"success", "message", "weight_version"}`."""
 
     path: str | None
-    tensors: tuple[tuple[str, Any], ...] | None
+    tensors: tuple[tuple[str, Any], ...] | FlattenedTensorBucket | None
     flush_cache: bool
     weight_version: str | None
     reply: int
@@ -181,6 +185,27 @@ class ContinueGeneration:
 
 
 @dataclass(frozen=True, slots=True)
+class ReleaseMemoryOccupation:
+    """Give back the memory of `tags` (`weights`, `kv_cache`, `cuda_graph`; None: all) until
+    `ResumeMemoryOccupation`: the radix cache is flushed with the KV pool; no step runs while
+    the weights or the KV pool are released (requests queue). Refused while a request runs.
+    Answered `{"success", "message"}`."""
+
+    tags: tuple[str, ...] | None
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeMemoryOccupation:
+    """Allocate the memory of released `tags` again (None: all): the KV pool empty, the
+    weights zeros that hold steps back until updates have written every one (answered
+    `{"success", "message"}`)."""
+
+    tags: tuple[str, ...] | None
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
 class GetWeightsByName:
     """The first `truncate_size` rows of a weight, by checkpoint name (answered with nested
     lists of floats)."""
@@ -230,6 +255,8 @@ Command = (
     | UpdateWeightsFromDistributed
     | PauseGeneration
     | ContinueGeneration
+    | ReleaseMemoryOccupation
+    | ResumeMemoryOccupation
     | GetWeightsByName
     | GetServerInfo
     | CheckInvariants

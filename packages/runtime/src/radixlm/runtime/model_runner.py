@@ -193,7 +193,7 @@ class ModelRunner:
         self.capture = "none"
         #: Decode steps in one C call on the CPU (`radixlm.runtime.cpu_decode`), or None.
         self.cpu_decode: CpuDecodePath | None = None
-        self._build_cpu_decode()
+        self.build_cpu_decode()
 
     def capture_features(self, mode: str, layers: tuple[int, ...] = ()) -> None:
         """Keep every new token's features in each forward's output (`LogitsOutput.captured`):
@@ -209,7 +209,9 @@ class ModelRunner:
                             list(layers))  # fmt: skip
             self.cpu_decode = None
 
-    def _build_cpu_decode(self) -> None:
+    def build_cpu_decode(self) -> None:
+        """(Re)build the CPU decode path over the weights' and the KV pool's current tensors
+        (it holds their addresses), or leave it off (logging why)."""
         self.cpu_decode = None
         deterministic = self.config.deterministic
         if deterministic and self.device.type != "cpu":
@@ -432,7 +434,7 @@ class ModelRunner:
                 finalize_quantized(self.model)
                 if new_head and self.graph_runner is not None:
                     self.graph_runner.capture()  # the graphs read the earlier head's buffers
-            self._build_cpu_decode()  # the layers may hold new tensors
+            self.build_cpu_decode()  # the layers may hold new tensors
         return loaded
 
     def checkpoint_names(self) -> set[str]:
@@ -477,8 +479,8 @@ class ModelRunner:
             if shard in ranges and isinstance(tensor, torch.Tensor):
                 tensor = self._held(module, tensor.detach()) if leaf == "weight" else tensor
                 start, end = ranges[shard]
-                part = getattr(module, "parts", {}).get(shard)
-                where = (part.start, part.size) if part is not None else (0, end - start)
+                piece = getattr(module, "parts", {}).get(shard)
+                where = (piece.start, piece.size) if piece is not None else (0, end - start)
                 return WeightPart(tensor.detach()[start:end], 0, *where)
         raise KeyError(name)
 

@@ -99,6 +99,30 @@ class EngineClient(Protocol):
     field), and any `/generate` request with `lora_path`. The engine refuses an unknown name
     with `InvalidRequest` naming `lora_path` (the server reports it under the field the
     client used: `model` or `lora_path`).
+
+        def update_weights_from_disk(model_path, flush_cache, weight_version) -> dict
+        def update_weights_from_tensor(named_tensors, *, load_format, flush_cache,
+                                       weight_version) -> dict
+        def init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                      *, group_name, backend) -> dict
+        def update_weights_from_distributed(names, dtypes, shapes, *, group_name,
+                                            flush_cache, weight_version) -> dict
+        def get_weights_by_name(name, truncate_size) -> list
+        def pause_generation(mode) / continue_generation()
+        def release_memory_occupation(tags) -> dict
+        def resume_memory_occupation(tags) -> dict
+
+    A rollout engine for reinforcement learning (SGLang's names; without a member its route
+    answers a 400 "this engine cannot ..."). Each returns its result or an awaitable of it,
+    and must not block the event loop while the engine works: SGLang's `{"success",
+    "message"}` (with `weight_version` for the updates), a refusal being `success: false`
+    with a message saying why. `update_weights_from_tensor` gets from the server
+    `load_format="flattened_bucket"` and `named_tensors` as SGLang's bucket dict
+    `{"flattened_tensor": bytes, "metadata": [{"name", "shape", "dtype", "start_idx",
+    "end_idx"}]}` (byte offsets, torch dtype names such as `bfloat16`), and raises
+    `InvalidRequest` for an entry that does not fit the buffer. `dtypes` are torch's names
+    too. `release_memory_occupation` / `resume_memory_occupation` take None (all) or a list
+    of `weights`, `kv_cache`, `cuda_graph`.
     """
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -363,7 +364,7 @@ def finalize_quantized(model: nn.Module) -> int:
     return len(layers)
 
 
-def lm_head_source(model: nn.Module) -> str | None:
+def lm_head_source(model: Any) -> str | None:
     """The checkpoint name of the weight the model's int8 LM head was quantized from (the
     embedding table when tied), or None when it has no quantized head."""
     if model.quantized_head is None:
@@ -371,7 +372,7 @@ def lm_head_source(model: nn.Module) -> str | None:
     return "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
 
 
-def reopen_lm_head(model: nn.Module) -> None:
+def reopen_lm_head(model: Any) -> None:
     """Before a weight update loads the weight of the LM head: drop its int8 copy (the next
     `finalize_quantized` makes it again from the new weight) and give an untied head back the
     full-precision table `quantize_lm_head` released (zeros until the update fills it)."""

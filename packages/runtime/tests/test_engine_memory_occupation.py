@@ -1,0 +1,292 @@
+"""A rollout engine gives its memory to the trainer and takes it back (SGLang's
+`release_memory_occupation` / `resume_memory_occupation`): the process's resident memory
+really drops, nothing runs on memory that is gone (requests wait, updates of released weights
+are refused), the radix cache starts empty after it, and verl's order — release both, resume
+the weights, update them, resume the KV cache — serves the new policy."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from radixlm.runtime import Engine
+from radixlm.runtime.fixtures import build_tiny_model
+from radixlm.runtime.models.linear import cpu_packing_available
+from radixlm.sampling import InvalidRequest
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [40, 41, 42, 43, 44]]
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _keep_torch_threads() -> Iterator[None]:
+    """Engines with `cpu_threads` set this process's torch threads: put them back after."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The policy before and after a training step: same shapes, other weights."""
+    root = tmp_path_factory.mktemp("policies")
+    return (
+        build_tiny_model(root / "before", seed=0, init_std=0.3),
+        build_tiny_model(root / "after", seed=1, init_std=0.3),
+    )
+
+
+def _engine(path: Path, kv_bytes: int = 4 * MiB, **kwargs: Any) -> Engine:
+    kwargs.setdefault("cpu_threads", 1)
+    return Engine(str(path), show_progress=False, kv_cache_bytes=kv_bytes, **kwargs)
+
+
+def _outputs(engine: Engine) -> list[list[int]]:
+    return [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def expected(models: tuple[Path, Path]) -> tuple[list[list[int]], list[list[int]]]:
+    before, after = models
+    with _engine(before) as engine:
+        old = _outputs(engine)
+    with _engine(after) as engine:
+        new = _outputs(engine)
+    assert old != new  # the two policies differ
+    return old, new
+
+
+def _tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        found.update(load_file(str(file)))
+    return sorted(found.items())
+
+
+def _rss(pid: int | None = None) -> int:
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+class _Background:
+    """A blocking generate call on a thread: whether it ended, and its outputs."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: dict[str, Any]):
+        self.result: Any = None
+        self._thread = threading.Thread(
+            target=self._run, args=(engine, prompts, params), daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, engine: Engine, prompts: list[list[int]], params: dict[str, Any]) -> None:
+        self.result = engine.generate(input_ids=prompts, sampling_params=params)
+
+    def done(self, timeout: float = 0.0) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def _wait_queued(engine: Engine, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while engine.server_info(fresh=True)["num_queued_reqs"] < count:
+        assert time.monotonic() < deadline, "the request never reached the queue"
+        time.sleep(0.01)
+
+
+def test_releasing_the_kv_cache_gives_its_memory_back_and_resuming_takes_it_again(
+    models: tuple[Path, Path], expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    """A 64 MiB KV pool: the process's resident memory drops by about that much at each
+    release and comes back at each resume (twice: a second release must return memory as
+    well); after a resume the pool is empty, the cache reuses nothing, and the outputs are
+    what they were."""
+    before, _after = models
+    old, _new = expected
+    with _engine(before, kv_bytes=64 * MiB) as engine:
+        pid = engine.engine_pid or os.getpid()  # (the core's process)
+        assert _outputs(engine) == old
+        for _round in range(2):
+            resident = _rss(pid)
+            answer = engine.release_memory_occupation(["kv_cache"]).result()
+            assert answer["success"] is True and "kv_cache" in answer["message"], answer
+            released = _rss(pid)
+            assert resident - released > 56 * MiB, (resident, released)
+            info = engine.server_info(fresh=True)
+            assert info["memory_released"] == ["kv_cache"] and info["cache_size"] == 0
+            assert engine.resume_memory_occupation(["kv_cache"]).result()["success"] is True
+            assert _rss(pid) - released > 56 * MiB
+            info = engine.server_info(fresh=True)
+            assert info["memory_released"] == [] and info["token_usage"] == 0.0  # all free
+            engine.check_invariants()
+            outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+            assert [o["output_ids"] for o in outs] == old
+            assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)  # flushed
+        engine.check_invariants()
+
+
+def test_verls_order_release_both_then_resume_weights_update_resume_kv_serves_the_new_policy(
+    models: tuple[Path, Path], expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    before, after = models
+    _old, new = expected
+    with _engine(before) as engine:
+        _outputs(engine)
+        released = engine.release_memory_occupation(["kv_cache", "weights"]).result()
+        assert released["success"] is True, released
+        resumed = engine.resume_memory_occupation(["weights"]).result()
+        info = engine.server_info(fresh=True)
+        assert "zeros" in resumed["message"] and info["weights_unwritten"] > 0
+        update = engine.update_weights_from_disk(str(after), weight_version="step-1").result()
+        assert update["success"] is True, update
+        assert engine.server_info(fresh=True)["weights_unwritten"] == 0
+        assert engine.resume_memory_occupation(["kv_cache"]).result()["success"] is True
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        engine.check_invariants()
+    assert [o["output_ids"] for o in outs] == new
+    assert all(o["meta_info"]["weight_version"] == "step-1" for o in outs)
+
+
+@pytest.mark.thread_only("reads the model's parameters")
+def test_releasing_the_weights_frees_every_parameters_storage_and_keeps_its_shape(
+    models: tuple[Path, Path],
+) -> None:
+    before, _after = models
+    with _engine(before) as engine:
+        params = engine.run_in_loop(lambda core: list(core.executor.runner.model.parameters()))
+        shapes = [p.shape for p in params]
+        assert engine.release_memory_occupation(["weights"]).result()["success"] is True
+        assert all(p.untyped_storage().nbytes() == 0 for p in params)
+        assert engine.resume_memory_occupation(["weights"]).result()["success"] is True
+        assert [p.shape for p in params] == shapes
+        assert all(p.untyped_storage().nbytes() > 0 and not p.any() for p in params)
+
+
+def test_a_request_sent_while_the_kv_cache_is_released_waits_for_the_resume(
+    models: tuple[Path, Path], expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    before, _after = models
+    old, _new = expected
+    with _engine(before) as engine:
+        assert engine.release_memory_occupation(["kv_cache"]).result()["success"] is True
+        call = _Background(engine, PROMPTS, GREEDY)
+        _wait_queued(engine, 2)
+        assert not call.done(0.3)  # no step runs on the released pool
+        assert engine.server_info(fresh=True)["generated_tokens"] == 0
+        assert engine.resume_memory_occupation(["kv_cache"]).result()["success"] is True
+        assert call.done(30)
+        engine.check_invariants()
+    assert [o["output_ids"] for o in call.result] == old
+
+
+def test_resumed_weights_hold_requests_until_updates_have_written_every_one(
+    models: tuple[Path, Path], expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    """After `resume(["weights"])` the weights are zeros: a request waits through a partial
+    update and runs once the rest is written, on the new policy."""
+    before, after = models
+    _old, new = expected
+    tensors = _tensors(after)
+    with _engine(before) as engine:
+        assert engine.release_memory_occupation("weights").result()["success"] is True
+        assert engine.resume_memory_occupation("weights").result()["success"] is True
+        norm = engine.get_weights_by_name("model.norm.weight", truncate_size=4)
+        assert norm == [0.0, 0.0, 0.0, 0.0]
+        call = _Background(engine, PROMPTS, GREEDY)
+        _wait_queued(engine, 2)
+        mlp = [(n, t) for n, t in tensors if ".mlp." in n]
+        assert engine.update_weights_from_tensor(mlp).result()["success"] is True
+        unwritten = engine.server_info(fresh=True)["weights_unwritten"]
+        assert unwritten == len(tensors) - len(mlp)
+        assert not call.done(0.3)
+        rest = [(n, t) for n, t in tensors if ".mlp." not in n]
+        assert engine.update_weights_from_tensor(rest).result()["success"] is True
+        assert call.done(30)
+        engine.check_invariants()
+    assert [o["output_ids"] for o in call.result] == new
+
+
+def test_a_release_while_a_request_runs_is_refused_until_it_is_retracted(
+    models: tuple[Path, Path],
+) -> None:
+    """SGLang releases only an idle engine: a running request is refused with what to do;
+    retracted by a pause, it waits through the release and finishes after the resume with
+    the output it would have had."""
+    before, _after = models
+    long = {**GREEDY, "max_new_tokens": 40}
+    with _engine(before) as engine:
+        whole = engine.generate(input_ids=PROMPTS[0], sampling_params=long)["output_ids"]
+        engine.flush_cache()
+        stream = iter(engine.generate(input_ids=PROMPTS[0], sampling_params=long, stream=True))
+        next(stream)
+        assert engine.pause_generation("in_place").result() is True
+        refused = engine.release_memory_occupation().result()
+        assert refused["success"] is False and "pause_generation('retract')" in refused["message"]
+        assert engine.server_info(fresh=True)["memory_released"] == []
+        assert engine.pause_generation("retract").result() is True
+        assert engine.release_memory_occupation(["kv_cache"]).result()["success"] is True
+        assert engine.continue_generation().result() is True  # still held: kv_cache is gone
+        assert engine.resume_memory_occupation().result()["success"] is True
+        *_, last = stream
+        engine.check_invariants()
+    assert last["output_ids"] == whole and last["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_bad_memory_calls_say_what_is_wrong(models: tuple[Path, Path]) -> None:
+    before, after = models
+    with _engine(before) as engine:
+        with pytest.raises(InvalidRequest, match="unknown memory tag 'gpu'") as error:
+            engine.release_memory_occupation(["gpu"]).result()
+        assert error.value.field == "tags"
+        assert engine.release_memory_occupation(["weights"]).result()["success"] is True
+        update = engine.update_weights_from_disk(str(after)).result()
+        assert update["success"] is False and "resume_memory_occupation" in update["message"]
+        with pytest.raises(InvalidRequest, match="weights are released"):
+            engine.get_weights_by_name("model.norm.weight")
+        again = engine.resume_memory_occupation(["kv_cache"]).result()
+        assert again["success"] is True and "not released: kv_cache" in again["message"]
+        engine.check_invariants()
+
+
+@pytest.mark.skipif(not cpu_packing_available(), reason="oneDNN cannot pack weights here")
+def test_weights_that_onednn_packed_are_not_released(models: tuple[Path, Path]) -> None:
+    """Two torch threads: the first forward packs the linear weights and drops their plain
+    copies, which no update could fill again after a resume."""
+    before, _after = models
+    with _engine(before, cpu_threads=2) as engine:
+        _outputs(engine)
+        refused = engine.release_memory_occupation().result()
+        assert refused["success"] is False and "cpu_weight_packing=False" in refused["message"]
+        assert engine.release_memory_occupation(["kv_cache"]).result()["success"] is True
+        assert engine.resume_memory_occupation().result()["success"] is True
+        engine.check_invariants()
+
+
+def test_the_engine_process_gives_the_memory_back_too(
+    models: tuple[Path, Path], expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    """The same commands reach a core in its own process: its resident memory drops and
+    returns, and its server info says what is released."""
+    before, _after = models
+    old, _new = expected
+    with _engine(before, kv_bytes=64 * MiB, engine_process=True) as engine:
+        pid = engine.engine_pid
+        assert pid is not None
+        resident = _rss(pid)
+        assert engine.release_memory_occupation(["kv_cache"]).result(60)["success"] is True
+        released = _rss(pid)
+        assert resident - released > 56 * MiB, (resident, released)
+        assert engine.server_info(fresh=True)["memory_released"] == ["kv_cache"]
+        assert engine.resume_memory_occupation().result(60)["success"] is True
+        assert _rss(pid) - released > 56 * MiB
+        assert _outputs(engine) == old
+        engine.check_invariants()
