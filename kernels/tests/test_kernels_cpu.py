@@ -140,8 +140,8 @@ def test_f32_linear_is_the_float_product(rows: int, n: int, k: int) -> None:
 
 @needs_kernels
 def test_f32_linear_refuses_what_it_does_not_take() -> None:
-    with pytest.raises(RuntimeError, match=r"1\.\.16 rows"):
-        cpu.f32_linear(torch.randn(17, 8), torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match=r"1\.\.64 rows"):
+        cpu.f32_linear(torch.randn(65, 8), torch.randn(4, 8))
     with pytest.raises(RuntimeError, match="weight of their width"):
         cpu.f32_linear(torch.randn(2, 8), torch.randn(4, 9))
     with pytest.raises(RuntimeError, match=r"contiguous torch\.float32"):
@@ -183,8 +183,8 @@ def test_a_float_rows_output_does_not_depend_on_the_other_rows_at_any_shape(n: i
     any machine) give a row the same bits alone and among others (deterministic inference
     relies on it)."""
     torch.manual_seed(4)
-    w, x = torch.randn(n, k), torch.randn(16, k)
-    for rows in (2, 5, 8, 16):
+    w, x = torch.randn(n, k), torch.randn(64, k)
+    for rows in (2, 5, 8, 16, 37, 64):
         many = cpu.f32_linear(x[:rows].contiguous(), w)
         for row in range(rows):
             assert torch.equal(many[row], cpu.f32_linear(x[row : row + 1].contiguous(), w)[0])

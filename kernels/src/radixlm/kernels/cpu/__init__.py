@@ -40,6 +40,9 @@ _SOURCES = (Path(__file__).with_name("gemv.c"), Path(__file__).with_name("decode
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 #: The most activation rows one call takes (decode batches); more run elsewhere.
 MAX_ROWS = 16
+#: The most rows one float32 product (`f32_linear`, float32 `DecodeLayers`) takes: its tiles
+#: take any count, so a call of many rows reads the weights once for all of them.
+F32_MAX_ROWS = 64
 #: Columns per activation block (and the smallest weight group the kernel takes).
 BLOCK = 32
 
@@ -195,16 +198,16 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
 
 
 def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for float32 ``x`` ``[M, K]`` (M <= MAX_ROWS) and ``weight`` ``[N, K]``
+    """``x @ weight.T`` for float32 ``x`` ``[M, K]`` (M <= F32_MAX_ROWS) and ``weight`` ``[N, K]``
     (any K) on CPU tensors, in float32 with fused multiply-adds (`gemv.c`); one thread;
     float32 ``[M, N]``. Raises RuntimeError when the kernels are not available or the shapes
     do not fit."""
     library = _loaded()
     rows, k = x.shape
     n = weight.shape[0]
-    if not 1 <= rows <= MAX_ROWS or weight.shape[1] != k:
+    if not 1 <= rows <= F32_MAX_ROWS or weight.shape[1] != k:
         raise RuntimeError(
-            f"f32_linear takes 1..{MAX_ROWS} rows and a weight of their width; got x "
+            f"f32_linear takes 1..{F32_MAX_ROWS} rows and a weight of their width; got x "
             f"{tuple(x.shape)}, weight {tuple(weight.shape)}"
         )
     _check("f32_linear", (("x", x, torch.float32), ("weight", weight, torch.float32)))

@@ -171,6 +171,13 @@ class DecodeLayers:
             raise ValueError(f"{shape.heads} heads do not split over {shape.kv_heads} KV heads")
         self.shape = shape
         self._layers = layers  # keeps every tensor the structures point to alive
+        #: The most rows a call takes: F32_MAX_ROWS when every product is float32.
+        float_only = all(
+            weights.kind == "float32"
+            for layer in layers
+            for weights in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
+        self.max_rows = cpu.F32_MAX_ROWS if float_only else cpu.MAX_ROWS
         h, d = shape.hidden, shape.head_dim
         q, kv, inter = shape.heads * d, shape.kv_heads * d, shape.intermediate
         self._slots = layers[0].k_pool.shape[0]
@@ -217,16 +224,16 @@ class DecodeLayers:
         rows: torch.Tensor,
         lengths: torch.Tensor,
     ) -> None:
-        """Run every layer over ``hidden`` [M, hidden] (float32, M <= MAX_ROWS; updated in
+        """Run every layer over ``hidden`` [M, hidden] (float32, M <= `max_rows`; updated in
         place). ``cos``/``sin`` [M, head_dim] float32 in `apply_rotary`'s form (signed sin);
         ``out_slots`` [M] int64 the new tokens' pool slots; request m's keys are the slots
         ``table[rows[m], :lengths[m]]`` (``table`` int32 [requests, context], its new token's
         slot included). Mutates ``hidden`` and the K/V pools; raises RuntimeError on shapes
         the kernels refuse (nothing is written then only if the first layer refused)."""
         count = hidden.shape[0]
-        if not 1 <= count <= cpu.MAX_ROWS or hidden.shape[1] != self.shape.hidden:
+        if not 1 <= count <= self.max_rows or hidden.shape[1] != self.shape.hidden:
             raise RuntimeError(
-                f"decode_layers takes 1..{cpu.MAX_ROWS} rows of {self.shape.hidden}; got "
+                f"decode_layers takes 1..{self.max_rows} rows of {self.shape.hidden}; got "
                 f"{tuple(hidden.shape)}"
             )
         d = self.shape.head_dim

@@ -4,7 +4,8 @@ On one intra-op CPU thread a small model's decode step costs more in Python and 
 dispatch (about 60 torch operations per decoder layer around the four projections) than in
 the projections themselves. A step of at most `MAX_BATCH` requests that each add one token
 runs every decoder layer through `radixlm.kernels.cpu.decode.DecodeLayers` (one call per
-`kernels.cpu.MAX_ROWS` requests), and so does any step of at most `kernels.cpu.MAX_ROWS` new
+`DecodeLayers.max_rows` requests: 64 when every projection is float32, else
+`kernels.cpu.MAX_ROWS`), and so does any step of at most `kernels.cpu.MAX_ROWS` new
 tokens (a short prefill chunk or a jump-forward extend beside the decodes: each token a row
 of its own), when the model and its KV pool are float32 and every projection is
 
@@ -25,7 +26,7 @@ it cannot) and uses it for the steps `can_run` accepts; everything else takes th
 forward. `RADIXLM_CPU_KERNELS=0` turns it off with the other C kernels.
 
 Built `deterministic` (batch-invariant inference), the path takes every step, prefills too,
-at any number of torch threads, in calls of `kernels.cpu.MAX_ROWS` token rows, and so does
+at any number of torch threads, in calls of `DecodeLayers.max_rows` token rows, and so does
 the LM head: each C product gives a row the same bits whatever the call's other rows
 (`gemv.c`), attention reads a row's keys in one order, norms and SiLU are per row, and the
 rotary angles come from a table by position, computed once (so that no elementwise kernel's
@@ -57,7 +58,7 @@ from radixlm.runtime.models.linear import MergedColumnLinear, PackedWeight, RowL
 from radixlm.runtime.quant.gguf_linear import GGUFLinear
 from radixlm.runtime.quant.linear import Int8GroupedHead, QuantizedLinear
 
-#: Decode steps of up to this many requests take the path (in chunks of kernels.cpu.MAX_ROWS).
+#: Decode steps of up to this many requests take the path (in calls of DecodeLayers.max_rows).
 MAX_BATCH = 64
 
 
@@ -136,19 +137,21 @@ def _float_head(model: DecoderForCausalLM, deterministic: bool) -> torch.Tensor 
     return weight
 
 
-def _invariant_head(model: DecoderForCausalLM) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The LM head as a product of at most `kernels.cpu.MAX_ROWS` rows whose bits per row do
-    not depend on the others (deterministic inference), or NotTaken."""
+def _invariant_head(
+    model: DecoderForCausalLM,
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """The LM head as a product whose bits per row do not depend on the call's other rows
+    (deterministic inference), and the most rows a call takes; or NotTaken."""
     head = model.quantized_head
     if head is None:
         weight = _float_head(model, deterministic=True)
         if weight is None:
             raise NotTaken("the LM head is neither float32 nor int8 in groups of 32 columns")
-        return lambda rows: kernels.cpu.f32_linear(rows, weight)
+        return (lambda rows: kernels.cpu.f32_linear(rows, weight)), kernels.cpu.F32_MAX_ROWS
     if not isinstance(head, Int8GroupedHead) or head.in_features % kernels.cpu.BLOCK:
         raise NotTaken("the LM head is neither float32 nor int8 in groups of 32 columns")
     values, scales = head.qweight.contiguous(), head.scales.to(torch.float32).contiguous()
-    return lambda rows: kernels.cpu.int8_linear(rows, values, scales)
+    return (lambda rows: kernels.cpu.int8_linear(rows, values, scales)), kernels.cpu.MAX_ROWS
 
 
 def _layer(layer: nn.Module, index: int, pool: KVPool, deterministic: bool) -> DecoderLayerWeights:
@@ -186,7 +189,7 @@ class CpuDecodePath:
     ) -> None:
         self.model = model
         self.layers = layers
-        #: The most requests a step may have to take this path (in calls of MAX_ROWS).
+        #: The most requests a step may have to take this path (in calls of `layers.max_rows`).
         self.max_batch = max_batch
         #: The LM head's plain float32 weight [vocab, hidden] for the C product, or None.
         self.head = head
@@ -237,11 +240,9 @@ class CpuDecodePath:
             rotary = model.model.rotary
             positions = torch.arange(max(1, max_positions), device=pool.device)
             cos, sin = rotary.cos_sin(positions, torch.float32)
-            invariant = Invariant(
-                _invariant_head(model),
-                cos.reshape(len(positions), -1),
-                sin.reshape(len(positions), -1),
-            )
+            head, head_rows = _invariant_head(model)
+            count = len(positions)
+            invariant = Invariant(head, head_rows, cos.reshape(count, -1), sin.reshape(count, -1))
         try:
             layers = DecodeLayers(shape, weights)
         except ValueError as error:
@@ -249,22 +250,22 @@ class CpuDecodePath:
         return cls(model, layers, head=_float_head(model, deterministic), invariant=invariant)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's `compute_logits` of these rows: in C (calls of MAX_ROWS rows) for up to
+        """The model's `compute_logits` of these rows: in C (calls of F32_MAX_ROWS rows) for up to
         `max_batch` rows of a float32 head on one thread, else the model's own product."""
         rows = hidden.shape[0]
-        if self.invariant is not None:  # every row count, in calls of MAX_ROWS
+        if self.invariant is not None:  # every row count, in calls of the head's rows
             hidden = hidden.contiguous()
-            step = kernels.cpu.MAX_ROWS
+            step = self.invariant.rows
             return torch.cat(
                 [self.invariant.head(hidden[i : i + step]) for i in range(0, rows, step)]
             )
         if self.head is None or rows > self.max_batch or torch.get_num_threads() != 1:
             return self.model.compute_logits(hidden)
         hidden = hidden.contiguous()
-        if rows <= kernels.cpu.MAX_ROWS:
+        step = kernels.cpu.F32_MAX_ROWS
+        if rows <= step:
             return kernels.cpu.f32_linear(hidden, self.head)
-        # A decode batch in calls of MAX_ROWS: each row's logits the same bits at any count.
-        step = kernels.cpu.MAX_ROWS
+        # A decode batch in calls: each row's logits the same bits at any count.
         return torch.cat(
             [kernels.cpu.f32_linear(hidden[i : i + step], self.head) for i in range(0, rows, step)]
         )
@@ -411,9 +412,11 @@ class CpuDecodePath:
         else:
             cos, sin = decoder.rotary.cos_sin(positions, torch.float32)
             cos, sin = cos.reshape(count, -1), sin.reshape(count, -1)
-        # Requests are independent within a layer: more than a call takes run in chunks.
-        for start in range(0, count, kernels.cpu.MAX_ROWS):
-            chunk = slice(start, start + kernels.cpu.MAX_ROWS)
+        # Requests are independent within a layer: more than a call takes run in chunks (a
+        # request's rows in order: each chunk's K/V is in the pool before the next attends).
+        step = self.layers.max_rows
+        for start in range(0, count, step):
+            chunk = slice(start, start + step)
             self.layers(
                 hidden[chunk],
                 cos[chunk],
@@ -443,11 +446,13 @@ class MixedStep:
 
 @dataclass(frozen=True)
 class Invariant:
-    """What the path needs for batch-invariant steps: the LM head over at most
-    `kernels.cpu.MAX_ROWS` rows, and the rotary cos / signed sin of every position [positions,
-    head_dim], computed once."""
+    """What the path needs for batch-invariant steps: the LM head over at most `rows` rows a
+    call, and the rotary cos / signed sin of every position [positions, head_dim], computed
+    once."""
 
     head: Callable[[torch.Tensor], torch.Tensor]
+    #: The most rows one call of `head` takes.
+    rows: int
     cos: torch.Tensor
     sin: torch.Tensor
 
