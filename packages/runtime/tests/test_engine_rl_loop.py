@@ -21,9 +21,14 @@ from radixlm import kernels
 from radixlm.runtime import Engine
 from radixlm.runtime.fixtures import build_tiny_model
 
-pytestmark = pytest.mark.skipif(
-    not kernels.cpu.available(), reason="radixlm's CPU kernels are not built here"
-)
+#: Slow (engines started in processes of their own): in the workspace run, not the package's
+#: own environment's (`hatch run alone.runtime:test` deselects `slow`).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not kernels.cpu.available(), reason="radixlm's CPU kernels are not built here"
+    ),
+]
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 2, [40, 41, 42, 43, 44], [300, 301, 7, 9]]
 SAMPLED = {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True}

@@ -19,6 +19,10 @@ import torch
 from radixlm.runtime import Engine
 from radixlm.runtime.fixtures import build_random_lora, build_tiny_model
 
+#: Slow (engines started in processes of their own): in the workspace run, not the package's
+#: own environment's (`hatch run alone.runtime:test` deselects `slow`).
+pytestmark = pytest.mark.slow
+
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [40, 41, 42, 43, 44]]
 OPTIONS: dict[str, Any] = {
