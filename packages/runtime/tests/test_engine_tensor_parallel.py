@@ -21,6 +21,10 @@ from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.fixtures import build_tiny_model, sample_texts, shared_prefix_prompts
 from radixlm.sampling import EngineUnavailable, GenerateRequest
 
+#: Slow (rank processes per engine): in the workspace run, not the package's own
+#: environment's (`hatch run alone.runtime:test` deselects `slow`).
+pytestmark = pytest.mark.slow
+
 GREEDY: dict[str, Any] = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
 # Small prefill chunks: long prompts are prefilled over several steps, mixed with decodes.
 OPTIONS: dict[str, Any] = {
