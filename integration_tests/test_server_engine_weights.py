@@ -19,7 +19,7 @@ import torch
 from starlette.testclient import TestClient
 
 from radixlm.runtime import Engine, FlattenedTensorBucket
-from radixlm.runtime.fixtures import build_tiny_model
+from radixlm.runtime.fixtures import build_tiny_model, checkpoint_tensors
 from radixlm.server.app import create_app
 
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
@@ -59,15 +59,6 @@ def _post(http: TestClient, path: str, body: dict[str, Any] | None = None) -> di
     answer: dict[str, Any] = reply.json()
     assert answer["success"] is True, answer
     return answer
-
-
-def _tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    found: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        found.update(load_file(str(file)))
-    return sorted(found.items())
 
 
 def _base64(data: bytes) -> str:
@@ -143,7 +134,7 @@ def test_release_and_resume_over_http_follow_verls_order(
             "shape": list(t.shape),
             "data": _base64(t.numpy().tobytes()),
         }
-        for n, t in _tensors(after)
+        for n, t in checkpoint_tensors(after)
     ]
     update = _post(
         client, "/update_weights_from_tensor", {"named_tensors": tensors, "weight_version": "v2"}
@@ -162,7 +153,7 @@ def test_update_weights_from_tensor_reads_a_flattened_bucket_and_a_safetensors_f
 
     before, after = policies
     old, new = outputs
-    bucket = FlattenedTensorBucket(named_tensors=_tensors(after))
+    bucket = FlattenedTensorBucket(named_tensors=checkpoint_tensors(after))
     metadata = [
         {"name": m.name, "shape": list(m.shape), "dtype": "float32", "start_idx": m.start_idx,
          "end_idx": m.end_idx, "numel": m.numel}
@@ -178,7 +169,7 @@ def test_update_weights_from_tensor_reads_a_flattened_bucket_and_a_safetensors_f
     back = _post(
         client,
         "/update_weights_from_tensor",
-        {"safetensors": _base64(save(dict(_tensors(before))))},
+        {"safetensors": _base64(save(dict(checkpoint_tensors(before))))},
     )
     assert back["weight_version"] == "2" and _generate(client)["output_ids"] == old
 
@@ -225,7 +216,7 @@ def _trainer(port: int, path: str) -> None:
     group = dist.ProcessGroupGloo(store, 0, 2, timeout)
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    for _name, tensor in _tensors(Path(path)):
+    for _name, tensor in checkpoint_tensors(Path(path)):
         group.broadcast([tensor.contiguous()], options).wait()
 
 
@@ -249,7 +240,7 @@ def test_a_trainer_syncs_its_policy_over_http_and_a_gloo_group(
             "world_size": 2,
         }
         _post(client, "/init_weights_update_group", group)
-        tensors = _tensors(after)
+        tensors = checkpoint_tensors(after)
         body = {
             "names": [n for n, _ in tensors],
             "dtypes": ["float32"] * len(tensors),

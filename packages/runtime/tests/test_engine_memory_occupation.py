@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from radixlm.runtime import Engine
-from radixlm.runtime.fixtures import build_tiny_model
+from radixlm.runtime.fixtures import build_tiny_model, checkpoint_tensors
 from radixlm.runtime.models.linear import cpu_packing_available
 from radixlm.sampling import InvalidRequest
 
@@ -63,15 +63,6 @@ def expected(models: tuple[Path, Path]) -> tuple[list[list[int]], list[list[int]
         new = _outputs(engine)
     assert old != new  # the two policies differ
     return old, new
-
-
-def _tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    found: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        found.update(load_file(str(file)))
-    return sorted(found.items())
 
 
 def _rss(pid: int | None = None) -> int:
@@ -195,7 +186,7 @@ def test_resumed_weights_hold_requests_until_updates_have_written_every_one(
     update and runs once the rest is written, on the new policy."""
     before, after = models
     _old, new = expected
-    tensors = _tensors(after)
+    tensors = checkpoint_tensors(after)
     with _engine(before) as engine:
         assert engine.release_memory_occupation("weights").result()["success"] is True
         assert engine.resume_memory_occupation("weights").result()["success"] is True

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from radixlm.runtime import Engine, FlattenedTensorBucket
-from radixlm.runtime.fixtures import build_tiny_model
+from radixlm.runtime.fixtures import build_tiny_model, checkpoint_tensors
 from radixlm.sampling import InvalidRequest
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
@@ -45,15 +45,6 @@ def _engine(path: Path, **kwargs: Any) -> Engine:
 
 def _outputs(engine: Engine) -> list[list[int]]:
     return [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
-
-
-def _tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    found: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        found.update(load_file(str(file)))
-    return sorted(found.items())
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +85,7 @@ def test_an_update_from_tensors_takes_any_subset(
 ) -> None:
     before, after = models
     _old, new = expected
-    tensors = _tensors(after)
+    tensors = checkpoint_tensors(after)
     with _engine(before) as engine:
         _outputs(engine)
         # A part first (one layer's MLP), then the rest: the result is the new model.
@@ -133,7 +124,7 @@ def test_a_running_request_keeps_going_and_later_ones_do_not_reuse_old_kv(
 
 def test_bad_updates_say_what_is_wrong(models: tuple[Path, Path], tmp_path: Path) -> None:
     before, after = models
-    tensors = dict(_tensors(after))
+    tensors = dict(checkpoint_tensors(after))
     # A checkpoint that lacks a tensor the model needs: nothing changes.
     from safetensors.torch import save_file
 
@@ -163,7 +154,7 @@ def test_a_flattened_bucket_brings_every_tensor_to_an_engine_process_in_one_piec
     it cross to the engine process; its next outputs are the new policy's."""
     before, after = models
     _old, new = expected
-    bucket = FlattenedTensorBucket(named_tensors=_tensors(after))
+    bucket = FlattenedTensorBucket(named_tensors=checkpoint_tensors(after))
     payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
     with _engine(before, engine_process=True, kv_cache_bytes=1 << 22) as engine:
         result = engine.update_weights_from_tensor(payload, load_format="flattened_bucket")
@@ -181,7 +172,7 @@ def test_a_bucket_that_does_not_fit_its_buffer_is_refused_and_changes_nothing(
 ) -> None:
     before, after = models
     old, _new = expected
-    bucket = FlattenedTensorBucket(named_tensors=_tensors(after))
+    bucket = FlattenedTensorBucket(named_tensors=checkpoint_tensors(after))
     short = FlattenedTensorBucket(
         flattened_tensor=bucket.flattened_tensor[:-4], metadata=bucket.metadata
     )
@@ -189,7 +180,7 @@ def test_a_bucket_that_does_not_fit_its_buffer_is_refused_and_changes_nothing(
         with pytest.raises(InvalidRequest, match=r"metadata\[\d+\] \(.*\): .* is not within"):
             engine.update_weights_from_tensor(short, load_format="flattened_bucket")
         with pytest.raises(InvalidRequest, match="load_format is None"):
-            engine.update_weights_from_tensor(_tensors(after), load_format="pickle")
+            engine.update_weights_from_tensor(checkpoint_tensors(after), load_format="pickle")
         assert _outputs(engine) == old
         engine.check_invariants()
 
@@ -205,7 +196,7 @@ def _trainer(port: int, path: str) -> None:
     group = dist.ProcessGroupGloo(store, 0, 2, timeout)  # (the store waits for the engine)
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    for _name, tensor in _tensors(Path(path)):
+    for _name, tensor in checkpoint_tensors(Path(path)):
         group.broadcast([tensor.contiguous()], options).wait()
 
 
@@ -233,7 +224,7 @@ def test_a_trainer_broadcasts_new_weights_over_gloo(
         with _engine(before, enable_deterministic_inference=True) as engine:
             joined = engine.init_weights_update_group("127.0.0.1", port, 1, 2).result(120)
             assert joined["success"], joined
-            tensors = _tensors(after)
+            tensors = checkpoint_tensors(after)
             result = engine.update_weights_from_distributed(
                 [n for n, _ in tensors],
                 [t.dtype for _, t in tensors],

@@ -14,7 +14,7 @@ import torch
 
 from radixlm import kernels
 from radixlm.runtime import Engine
-from radixlm.runtime.fixtures import build_tiny_model
+from radixlm.runtime.fixtures import build_tiny_model, checkpoint_tensors
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [40, 41, 42, 43, 44]]
@@ -45,15 +45,6 @@ def _engine(path: Path | str, **kwargs: Any) -> Engine:
 
 def _outputs(engine: Engine) -> list[list[int]]:
     return [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
-
-
-def _tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    found: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        found.update(load_file(str(file)))
-    return sorted(found.items())
 
 
 def _count_cpu_decode_steps(engine: Engine) -> list[int]:
@@ -98,7 +89,7 @@ def test_an_int8_engine_updated_from_tensors_in_parts_answers_as_one_started_on_
     """Parts of merged projections (q alone, then k and v), the untied LM head (its int8 copy
     is made again) and the rest, pushed one after another."""
     before, after = models
-    tensors = _tensors(after)
+    tensors = checkpoint_tensors(after)
     with _engine(after, quantization="int8") as engine:
         new = _outputs(engine)
     with _engine(before, quantization="int8") as engine:
@@ -142,7 +133,7 @@ def _trainer(port: int, path: str) -> None:
     group = dist.ProcessGroupGloo(store, 0, 2, timeout)
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    for _name, tensor in _tensors(Path(path)):
+    for _name, tensor in checkpoint_tensors(Path(path)):
         group.broadcast([tensor.contiguous()], options).wait()
 
 
@@ -171,10 +162,10 @@ def test_a_gguf_model_refuses_updates_saying_what_to_serve_instead(
         result = engine.update_weights_from_disk(str(after)).result()
         assert not result["success"] and result["weight_version"] == "default"
         assert "GGUF" in result["message"] and "quantization='int4'" in result["message"]
-        pushed = engine.update_weights_from_tensor(_tensors(after)).result()
+        pushed = engine.update_weights_from_tensor(checkpoint_tensors(after)).result()
         assert not pushed["success"] and "GGUF" in pushed["message"]
         assert engine.init_weights_update_group("127.0.0.1", port, 1, 2).result(120)["success"]
-        tensors = _tensors(after)
+        tensors = checkpoint_tensors(after)
         sent = engine.update_weights_from_distributed(
             [n for n, _ in tensors], [t.dtype for _, t in tensors], [t.shape for _, t in tensors]
         ).result(120)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from radixlm.runtime import Engine
-from radixlm.runtime.fixtures import build_random_lora, build_tiny_model
+from radixlm.runtime.fixtures import build_random_lora, build_tiny_model, checkpoint_tensors
 
 #: Slow (engines started in processes of their own): in the workspace run, not the package's
 #: own environment's (`hatch run alone.runtime:test` deselects `slow`).
@@ -68,15 +68,6 @@ def expected(on_a: Engine, on_b: Engine) -> tuple[list[list[int]], list[list[int
     return outputs
 
 
-def _tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    found: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        found.update(load_file(str(file)))
-    return sorted(found.items())
-
-
 def _update_from_disk(engine: Engine, path: Path) -> None:
     result = engine.update_weights_from_disk(str(path)).result(60)
     assert result["success"], result
@@ -104,7 +95,7 @@ def test_an_update_from_tensors_in_parts_gives_the_outputs_of_an_engine_started_
     attention: sharded q/k/v rows with their biases, o_proj's columns), then the rest."""
     a, b = models
     old, new = expected
-    tensors = _tensors(a)
+    tensors = checkpoint_tensors(a)
     part = [(n, t) for n, t in tensors if ".layers.0.self_attn." in n]
     rest = [(n, t) for n, t in tensors if ".layers.0.self_attn." not in n]
     assert on_b.update_weights_from_tensor(part).result(60)["success"]
@@ -136,7 +127,7 @@ def test_get_weights_by_name_gathers_the_whole_tensor_from_the_ranks(
     whole tensor, each rank's shard in its place (past rank 0's rows too), the layers a LoRA
     wrapper holds (`on_b`) included."""
     for engine, path in ((on_a, models[0]), (on_b, models[1])):
-        tensors = dict(_tensors(path))
+        tensors = dict(checkpoint_tensors(path))
         for name in (
             "model.layers.0.self_attn.q_proj.weight",  # rows split over the ranks
             "model.layers.0.self_attn.k_proj.bias",  # one K/V head per rank
@@ -150,7 +141,7 @@ def test_get_weights_by_name_gathers_the_whole_tensor_from_the_ranks(
             assert torch.equal(got, tensors[name][:1000]), name
     q = "model.layers.0.self_attn.q_proj.weight"
     first = torch.tensor(on_a.get_weights_by_name(q, truncate_size=3))
-    assert torch.equal(first, dict(_tensors(models[0]))[q][:3])
+    assert torch.equal(first, dict(checkpoint_tensors(models[0]))[q][:3])
 
 
 def _trainer(port: int, path: str, world_size: int) -> None:
@@ -164,7 +155,7 @@ def _trainer(port: int, path: str, world_size: int) -> None:
     group = dist.ProcessGroupGloo(store, 0, world_size, timeout)
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    for _name, tensor in _tensors(Path(path)):
+    for _name, tensor in checkpoint_tensors(Path(path)):
         group.broadcast([tensor.contiguous()], options).wait()
 
 
@@ -190,7 +181,7 @@ def test_a_trainer_group_reaches_every_rank(
     try:
         joined = on_a.init_weights_update_group("127.0.0.1", port, 1, 3).result(120)
         assert joined == {"success": True, "message": "joined 'weight_update_group' as rank 1..2"}
-        tensors = _tensors(b)
+        tensors = checkpoint_tensors(b)
         result = on_a.update_weights_from_distributed(
             [n for n, _ in tensors], [t.dtype for _, t in tensors], [t.shape for _, t in tensors]
         ).result(120)

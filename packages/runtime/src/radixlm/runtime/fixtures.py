@@ -346,6 +346,17 @@ def build_random_eagle_head(
     return path
 
 
+def checkpoint_tensors(path: str | Path) -> list[tuple[str, Any]]:
+    """Every tensor of a safetensors checkpoint directory as (name, tensor) pairs, in name
+    order (a trainer's new policy to push into an engine, in tests)."""
+    from safetensors.torch import load_file
+
+    found: dict[str, Any] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        found.update(load_file(str(file)))
+    return sorted(found.items())
+
+
 def sample_texts(count: int, seed: int = 0, words: int = 12) -> list[str]:
     """`count` random sentences over the tiny tokenizer's training words."""
     rng = random.Random(seed)
