@@ -2,6 +2,7 @@
 
 from radixlm.sampling._version import __version__
 from radixlm.sampling.defaults import GENERATION_CONFIG_FIELDS, DefaultsMode, SamplingDefaults
+from radixlm.sampling.embedding import EmbeddingOutput, EmbeddingRequest
 from radixlm.sampling.errors import EngineOverloaded, EngineUnavailable, FieldError, InvalidRequest
 from radixlm.sampling.limits import check_text_fits, max_token_chars
 from radixlm.sampling.logit_processor import CustomLogitProcessor
@@ -14,6 +15,8 @@ __all__ = [
     "GENERATION_CONFIG_FIELDS",
     "CustomLogitProcessor",
     "DefaultsMode",
+    "EmbeddingOutput",
+    "EmbeddingRequest",
     "EngineOverloaded",
     "EngineUnavailable",
     "FieldError",
