@@ -98,8 +98,21 @@ class ModelConfig:
     ep_size: int = 1
     revision: str | None = None
     download_dir: str | None = None
+    #: SGLang's `--is-embedding`: serve a causal LM as an embedder (last-token pooling).
+    #: Embedding, classification and reward checkpoints are pooling models without it.
+    is_embedding: bool = False
+    #: A pooling model's rows pooled: "last", "mean" or "cls" (None: the checkpoint's
+    #: sentence-transformers config, else the architecture's default).
+    pooling_method: str | None = None
+    #: Whether embeddings are L2-normalised (None: the checkpoint's sentence-transformers
+    #: config, else yes).
+    normalize_embeddings: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.pooling_method not in (None, "last", "mean", "cls"):
+            raise ValueError(
+                f"pooling_method must be last, mean or cls; got {self.pooling_method!r}"
+            )
         if self.ep_size < 1:
             raise ValueError(f"ep_size must be >= 1; got {self.ep_size}")
         # Spellings of the same dtype (bf16, fp16, half, fp32) are taken as their full names.
@@ -828,6 +841,9 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "expert_parallel_size": ("model", "ep_size", int),
     "revision": ("model", "revision", None),
     "download_dir": ("model", "download_dir", None),
+    "is_embedding": ("model", "is_embedding", bool),
+    "pooling_method": ("model", "pooling_method", None),
+    "normalize_embeddings": ("model", "normalize_embeddings", _optional_bool),
     # memory
     "mem_fraction_static": ("memory", "kv_cache_fraction", None),
     "kv_cache_fraction": ("memory", "kv_cache_fraction", None),

@@ -77,6 +77,8 @@ from radixlm.runtime.output_processor import RequestOutput
 from radixlm.runtime.preparer import FrontendLimits, RequestPreparer
 from radixlm.runtime.tensor_bucket import FlattenedTensorBucket, checked_bucket
 from radixlm.sampling import (
+    EmbeddingOutput,
+    EmbeddingRequest,
     EngineUnavailable,
     GenerateChunk,
     GenerateRequest,
@@ -272,6 +274,7 @@ class Engine:
                 info.hidden_size,
             ),
             lora_adapters=self.lora_adapters if self._lora is not None else None,
+            pooling=info.static_info.get("pooling"),
         )
 
     # ------------------------------------------------------------------------ lifecycle
@@ -395,7 +398,9 @@ class Engine:
     # ---------------------------------------------------------------------- submission
 
     def _submit(
-        self, items: list[GenerateRequest], sinks: list[Callable[[Any], None]]
+        self,
+        items: Sequence[GenerateRequest | EmbeddingRequest],
+        sinks: list[Callable[[Any], None]],
     ) -> list[str]:
         """Prepare every item (raises InvalidRequest before queueing any), then send them; a
         rid already in use is refused here, the one place that routes outputs by rid."""
@@ -403,7 +408,13 @@ class Engine:
             raise EngineUnavailable("the engine is shut down")
         if not self._connection.healthy:
             raise EngineUnavailable("the engine is not serving (its process is down or restarting)")
-        requests = [self._preparer.prepare(item) for item in items]
+        preparer = self._preparer
+        requests = [
+            preparer.prepare_pooling(item)
+            if isinstance(item, EmbeddingRequest)
+            else preparer.prepare(item)
+            for item in items
+        ]
         rids = [r.rid for r in requests]
         with self._lock:
             clash = [r for r in rids if r in self._sinks] or [
@@ -651,6 +662,84 @@ class Engine:
             live = [rid for rid in rids if rid in self._sinks]
         for rid in live:
             self._connection.post(Abort(rid))
+
+    # ------------------------------------------------------------------- pooling models
+
+    def encode(
+        self,
+        prompt: str | list[str] | EmbeddingRequest | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        *,
+        text_pair: str | list[str] | None = None,
+        rid: str | list[str] | None = None,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> Any:
+        """SGLang's `Engine.encode` on a pooling model, blocking: `{"embedding": [...],
+        "meta_info": {...}}` for one input, a list of them for a batch (run together).
+        `embedding` is the pooled embedding, or the head's outputs (a classifier's logits, a
+        cross-encoder's score over (`prompt`, `text_pair`), a reward).
+
+        Given an `EmbeddingRequest` (single) instead, returns an awaitable of its
+        `EmbeddingOutput` (the `EngineClient` form the HTTP server uses)."""
+        if isinstance(prompt, EmbeddingRequest):
+            return self._encode_async(prompt)
+        request = _embedding_request(
+            prompt, input_ids, text_pair, rid, dimensions, normalize, truncate_prompt_tokens
+        )
+        items = request.split()
+        inbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        sinks = [_queue_sink(inbox, k) for k in range(len(items))]
+        rids = self._submit(items, sinks)
+        finals: dict[int, GenerateChunk] = {}
+        for chunk in self._read_sync(inbox, rids, [k for k in range(len(items))]):
+            finals[chunk.index] = chunk
+        results = [_embedding_output(finals.get(k), rid).to_json() for k, rid in enumerate(rids)]
+        return results[0] if request.is_single else results
+
+    async def async_encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        *,
+        text_pair: str | list[str] | None = None,
+        rid: str | list[str] | None = None,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> Any:
+        """`encode` for asyncio."""
+        request = _embedding_request(
+            prompt, input_ids, text_pair, rid, dimensions, normalize, truncate_prompt_tokens
+        )
+        outputs = await asyncio.gather(*(self._encode_async(item) for item in request.split()))
+        results = [output.to_json() for output in outputs]
+        return results[0] if request.is_single else results
+
+    async def _encode_async(self, request: EmbeddingRequest) -> EmbeddingOutput:
+        """One single encode request's result (InvalidRequest, EngineOverloaded or
+        EngineUnavailable as `generate` raises them)."""
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        rids = await loop.run_in_executor(
+            None, self._submit, [request], [_async_sink(loop, inbox, 0)]
+        )
+        final: GenerateChunk | None = None
+        open_ = True
+        try:
+            while open_:
+                _, item = await inbox.get()
+                if item is END:
+                    open_ = False
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    final = item
+        finally:
+            if open_:
+                self._abort_all(rids)
+        return _embedding_output(final, rids[0])
 
     # ----------------------------------------------------------------------- beam search
 
@@ -1021,7 +1110,10 @@ class Engine:
             "model_path": self.config.model_path,
             "tokenizer_path": self.config.tokenizer_path or self.config.model_path,
             "served_model_name": self.config.served_model_name or self.config.model_path,
-            "is_generation": True,
+            "is_generation": self._preparer.pooling is None,
+            # A pooling model's task ("embed", "classify", "score", "reward"), pooling method,
+            # normalisation and labels (None: a generative model).
+            "pooling": self._preparer.pooling,
             "max_context_length": info.context_length,
             "vocab_size": info.vocab_size,
             "chat_template": getattr(self._tokenizer, "chat_template", None),
@@ -1116,6 +1208,47 @@ def _async_sink(
     loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[tuple[int, Any]], k: int
 ) -> Callable[[Any], None]:
     return _AsyncSink(loop, inbox, k)
+
+
+def _embedding_request(
+    prompt: str | list[str] | None,
+    input_ids: list[int] | list[list[int]] | None,
+    text_pair: str | list[str] | None,
+    rid: str | list[str] | None,
+    dimensions: int | None,
+    normalize: bool | None,
+    truncate_prompt_tokens: int | None,
+) -> EmbeddingRequest:
+    body = {
+        "text": prompt,
+        "input_ids": input_ids,
+        "text_pair": text_pair,
+        "rid": rid,
+        "dimensions": dimensions,
+        "normalize": normalize,
+        "truncate_prompt_tokens": truncate_prompt_tokens,
+    }
+    return EmbeddingRequest.parse({k: v for k, v in body.items() if v is not None})
+
+
+def _embedding_output(final: GenerateChunk | None, rid: str) -> EmbeddingOutput:
+    """An encode request's result from its final chunk; one that ended without a result
+    (aborted, or too long for the memory left) raises InvalidRequest saying why."""
+    extra = (final.extra or {}) if final is not None else {}
+    embedding = extra.get("embedding")
+    if final is None or embedding is None:
+        reason = final.finish_reason if final is not None else None
+        message = reason.message if reason is not None and reason.message else "aborted"
+        raise InvalidRequest(
+            "text", f"the encode request {rid!r} ended without a result: {message}"
+        )
+    return EmbeddingOutput(
+        rid=final.rid,
+        embedding=tuple(embedding),
+        prompt_tokens=final.prompt_tokens,
+        cached_tokens=final.cached_tokens,
+        e2e_latency=final.e2e_latency,
+    )
 
 
 def _offsets(items: list[GenerateRequest], single: bool) -> list[int]:

@@ -63,6 +63,7 @@ from radixlm.runtime.messages import (
 )
 from radixlm.runtime.model_files import ModelLoadError
 from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.pooling import finish_embedding
 from radixlm.runtime.request_state import RequestHandle, SequenceState, open_request
 from radixlm.runtime.routed_experts import RoutedExpertsStore
 from radixlm.runtime.sampling_batch import SamplingRequest
@@ -734,11 +735,11 @@ class EngineCore:
                 sampling.append(self._verify_requests(seq, entry.draft))
                 grammars.append(seq.grammar)
                 drafts.append(entry.draft)
-            elif entry.sample:
+            elif entry.sample and seq.pooled is None:
                 sampling.append(self._sampling_request(seq))
                 grammars.append(seq.grammar)
                 drafts.append(())
-            else:
+            else:  # a prefill chunk before the last, or a pooling request (nothing sampled)
                 sampling.append(None)
         result = self.executor.run(
             batch,
@@ -775,6 +776,7 @@ class EngineCore:
         the rows line up with the batch."""
         hidden = result.hidden_states or [None] * len(batch.entries)
         drafted = result.draft_logprobs or [None] * len(batch.entries)
+        pooled: list[SequenceState] = []
         for entry, token, logprob, scored, rows, before in zip(
             batch.entries,
             result.tokens,
@@ -789,12 +791,29 @@ class EngineCore:
             seq = self._seqs[entry.req.rid]
             if rows is not None and seq.hidden_states is not None:
                 seq.hidden_states.record(entry.prefix_len, rows)
+            if rows is not None and seq.pooled is not None:
+                seq.pooled.record(entry.prefix_len, rows)
+                if seq.pooled.done and seq.embedding is None:
+                    pooled.append(seq)
             if entry.logprob_targets is not None:
                 seq.record_input_logprobs(scored or [])
             if logprob is not None and entry.sample and token is not None:
                 for accepted in before or ():  # the accepted drafts come first
                     seq.record_output_logprob(accepted)
                 seq.record_output_logprob(logprob)
+        if pooled:
+            self._finish_pooling(pooled)
+
+    def _finish_pooling(self, seqs: list[SequenceState]) -> None:
+        """The results of the pooling requests whose prompt is computed: the head over their
+        pooled rows (one call), then each embedding as its request asked (Matryoshka
+        dimensions, normalisation)."""
+        vectors = [seq.pooled.vector for seq in seqs if seq.pooled is not None]
+        outputs = self.executor.runner.pool_head(torch.stack(vectors))  # type: ignore[misc]
+        for seq, row in zip(seqs, outputs.cpu(), strict=True):
+            ask = seq.handle.request.pooling
+            assert ask is not None, "a pooled sequence has its pooling ask"
+            seq.embedding = tuple(finish_embedding(row, ask.normalize, ask.dimensions))
 
     def _sampling_request(self, seq: SequenceState) -> SamplingRequest:
         """The sequence's sampling inputs: the same object every step (which lets the
@@ -909,7 +928,11 @@ class EngineCore:
 
 def _entry_inputs(handle: RequestHandle) -> EntryInputs | None:
     """What the executor needs besides ids (None for a plain token request: no cost)."""
-    multimodal = handle.request.multimodal
+    request = handle.request
+    multimodal = request.multimodal
+    pooling = request.pooling
+    if pooling is not None:  # every pooling step returns its rows
+        return EntryInputs(handle.input_embeds, True, multimodal, pooling.token_type_ids)
     if handle.input_embeds is None and not handle.return_hidden_states and multimodal is None:
         return None
     return EntryInputs(handle.input_embeds, handle.return_hidden_states, multimodal)
@@ -989,10 +1012,19 @@ def create_core(
         eos.add(int(tokenizer.eos_token_id))
     eos_token_ids = tuple(sorted(eos))
     pool = runner.kv_pool
+    scheduler_config = config.scheduler
+    if info.pooling is not None and spec.enabled:
+        raise ValueError(
+            "speculative decoding does not apply to a pooling model (it decodes nothing): "
+            "drop speculative_algorithm"
+        )
+    if info.encoder:
+        # Bidirectional: a prompt is computed whole, in one step, and never cached.
+        scheduler_config = dataclasses.replace(scheduler_config, chunked_prefill_size=None)
     cache = RadixCache(
         page_size=pool.page_size,
         eviction_policy=config.cache.eviction_policy,
-        disable=config.cache.disable_radix_cache,
+        disable=config.cache.disable_radix_cache or info.encoder,
     )
     rows = runner.req_to_token_pool
     slots = registry = None
@@ -1028,7 +1060,7 @@ def create_core(
             cost,
         )
     scheduler = Scheduler(
-        config.scheduler,
+        scheduler_config,
         pool,
         rows,
         cache,
@@ -1095,6 +1127,8 @@ def create_core(
             "ep_size": moe.ep_size,
         },
         "routed_experts": routed_store is not None,
+        # A pooling model's task, pooling and labels (None: a generative model).
+        "pooling": None if info.pooling is None else info.pooling.as_dict(info.arch.hidden_size),
         # The adapter pool: None without LoRA, else its slots, largest rank and projections.
         "lora": None
         if runner.lora is None

@@ -88,6 +88,8 @@ class EntryInputs:
     prompt_embeds: torch.Tensor | None = None
     return_hidden_states: bool = False
     multimodal: MultimodalInputs | None = None
+    #: An encoder's token types of the prompt (a text pair's second segment is 1).
+    token_type_ids: tuple[int, ...] | None = None
 
 
 _NO_ASK = InputLogprobAsk()
@@ -188,6 +190,11 @@ class ModelExecutor:
                     return_hidden_states=extra.return_hidden_states,
                     lora_slot=entry.lora_slot,
                     num_logits=1 if entry.draft is None else len(entry.draft) + 1,
+                    token_type_ids=None
+                    if extra.token_type_ids is None
+                    else extra.token_type_ids[
+                        entry.prefix_len : entry.prefix_len + len(entry.input_ids)
+                    ],
                 )
             )
         step = ForwardStep(writes, entries, batch.adapter_table)

@@ -54,6 +54,8 @@ class BatchEntry:
     #: Logits wanted after this many of the last new tokens (more than 1: the rows that
     #: verify draft tokens, speculative decoding).
     num_logits: int = 1
+    #: An encoder's token types of the new tokens (a text pair's second segment is 1).
+    token_type_ids: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ class ForwardBatch:
     mrope_positions: torch.Tensor | None = None
     #: Per request, the last new tokens whose logits are wanted (None: 1 each, the last).
     logit_counts: tuple[int, ...] | None = None
+    #: [T] token types (encoders; None: all 0).
+    token_type_ids: torch.Tensor | None = None
 
     def logit_rows(self) -> torch.Tensor | None:
         """The rows of the new tokens whose logits are wanted, in order (None: each request's
@@ -239,6 +243,12 @@ class ForwardBatch:
         def tensor(values: Sequence[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
+        types: torch.Tensor | None = None
+        if any(e.token_type_ids is not None for e in entries):
+            types = tensor(
+                [t for e in entries for t in (e.token_type_ids or [0] * len(e.input_ids))]
+            )
+
         return cls(
             input_ids=tensor(input_ids),
             positions=tensor(positions),
@@ -257,6 +267,7 @@ class ForwardBatch:
             hidden_state_requests=tuple(i for i, e in enumerate(entries) if e.return_hidden_states),
             mrope_positions=mrope,
             logit_counts=counts,
+            token_type_ids=types,
         )
 
     @classmethod

@@ -22,6 +22,8 @@ from radixlm.runtime.config import ModelConfig
 from radixlm.runtime.distributed import SINGLE, TensorParallel
 from radixlm.runtime.model_files import ModelLoadError, ModelNotFoundError, resolve_model_path
 from radixlm.runtime.models import ArchConfig, DecoderForCausalLM, resolve
+from radixlm.runtime.models.bert import ENCODER_ARCHITECTURES, EncoderModel, encoder_context_length
+from radixlm.runtime.models.decoder_pooling import DecoderForPooling
 from radixlm.runtime.models.linear import (
     LinearFactory,
     PackedCPULinears,
@@ -30,6 +32,7 @@ from radixlm.runtime.models.linear import (
     cpu_packing_available,
 )
 from radixlm.runtime.models.registry import ModelFamily, UnsupportedArchitecture
+from radixlm.runtime.pooling import PoolingConfig, PoolingConfigError, PoolingTask, pooling_config
 from radixlm.runtime.quant import (
     QuantConfig,
     QuantizationError,
@@ -68,6 +71,10 @@ class ModelInfo:
     quantization: QuantConfig | None = None
     #: The GGUF file the weights come from (None: safetensors in `path`).
     gguf_file: Path | None = None
+    #: A pooling model's pooling (None: a generative model).
+    pooling: PoolingConfig | None = None
+    #: A bidirectional encoder (BERT, XLM-RoBERTa): no KV cache, no decode.
+    encoder: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -156,6 +163,9 @@ def read_model_info(config: ModelConfig) -> ModelInfo:
             f"{path} has no config.json; is it a Hugging Face model directory?"
         )
     raw = _read_json(config_file)
+    encoder = next((a for a in raw.get("architectures") or [] if a in ENCODER_ARCHITECTURES), None)
+    if encoder is not None:
+        return _encoder_info(config, path, raw, encoder)
     try:
         family = resolve(raw.get("architectures"))
     except UnsupportedArchitecture as error:
@@ -209,6 +219,13 @@ def read_model_info(config: ModelConfig) -> ModelInfo:
                 f"{str(dtype).removeprefix('torch.')} keeps it"
             ),
         )
+    pooling = None
+    if issubclass(family.model_class, DecoderForPooling) or config.is_embedding:
+        task: PoolingTask = "embed"
+        if arch.pooling_head is not None:
+            kind, labels = arch.pooling_head
+            task = "classify" if kind == "score" and labels > 1 else "reward"
+        pooling = _pooling(config, path, task, "last", hf_config)
     return ModelInfo(
         path=path,
         arch=arch,
@@ -222,6 +239,78 @@ def read_model_info(config: ModelConfig) -> ModelInfo:
         hf_config=hf_config,
         quantization=quantization,
         gguf_file=gguf_file,
+        pooling=pooling,
+    )
+
+
+def _pooling(
+    config: ModelConfig, path: Path, task: PoolingTask, method: str, hf_config: Any
+) -> PoolingConfig:
+    labels = int(getattr(hf_config, "num_labels", 0) or 0) if task != "embed" else 0
+    try:
+        return pooling_config(
+            path,
+            task,
+            method,  # type: ignore[arg-type]
+            method=config.pooling_method,
+            normalize=config.normalize_embeddings,
+            num_labels=labels,
+            id2label=getattr(hf_config, "id2label", None) if labels else None,
+        )
+    except PoolingConfigError as error:
+        raise ModelLoadError(str(error)) from None
+
+
+def _encoder_info(
+    config: ModelConfig, path: Path, raw: dict[str, Any], architecture: str
+) -> ModelInfo:
+    """The info of a BERT-like encoder: served as a pooling model (an embedder, or a
+    classifier / cross-encoder with its head), without a KV cache."""
+    from transformers import AutoConfig
+
+    if config.quantization not in (None, "none") or gguf_checkpoint.sidecar_source(path):
+        raise ModelLoadError(
+            f"{path}: encoder models ({architecture}) run unquantized; drop --quantization"
+        )
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    try:
+        context = encoder_context_length(hf_config)
+    except ValueError as error:
+        raise ModelLoadError(f"{path}: {error}") from None
+    # The ArchConfig only sizes the runner's request table and token ledger: an encoder
+    # keeps no K/V (one layer of one head of one element per token stands for it).
+    arch = ArchConfig(
+        architecture=architecture,
+        vocab_size=int(hf_config.vocab_size),
+        hidden_size=int(hf_config.hidden_size),
+        intermediate_size=int(hf_config.intermediate_size),
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=1,
+        rms_norm_eps=float(getattr(hf_config, "layer_norm_eps", 1e-12)),
+        max_position_embeddings=context,
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+    )
+    if ENCODER_ARCHITECTURES[architecture]:
+        labels = int(hf_config.num_labels)
+        task: PoolingTask = "score" if labels == 1 else "classify"
+    else:
+        task = "embed"
+    device = resolve_device(config.device)
+    dtype, reason = choose_dtype(config.dtype, arch.torch_dtype, device)
+    return ModelInfo(
+        path=path,
+        arch=arch,
+        family=ModelFamily(architecture, lambda _config: arch),
+        dtype=dtype,
+        dtype_reason=reason,
+        device=device,
+        context_length=min(config.context_length or context, context),
+        eos_token_ids=_eos_ids(raw.get("eos_token_id"), raw.get("sep_token_id")),
+        hf_config=hf_config,
+        pooling=_pooling(config, path, task, "cls", hf_config),
+        encoder=True,
     )
 
 
@@ -397,6 +486,33 @@ def _load_gguf_weights(model: DecoderForCausalLM, info: ModelInfo, show: bool) -
         )
 
 
+def _load_encoder(config: ModelConfig, info: ModelInfo, tp: TensorParallel) -> Any:
+    if tp.enabled:
+        raise ModelLoadError(
+            f"{info.path}: encoder models ({info.arch.architecture}) do not run under tensor "
+            "parallelism (they are small: serve them with tp_size 1, or several with dp_size)"
+        )
+    with info.device:
+        model = EncoderModel(info.hf_config, info.dtype)
+    if config.load_format == "dummy":
+        generator = torch.Generator().manual_seed(config.seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "LayerNorm" in name or "layer_norm" in name:
+                    param.fill_(1.0 if name.endswith("weight") else 0.0)
+                else:
+                    values = torch.randn(param.shape, generator=generator) * 0.02
+                    param.copy_(values.to(param.dtype))
+        return model.eval()
+    files = safetensors_files(info.path)
+    weights = iter_safetensors(files, info.device, info.dtype, config.show_progress)
+    try:
+        model.load_weights(weights)
+    except ValueError as error:
+        raise ModelLoadError(f"{info.path}: {error}") from None
+    return model.eval()
+
+
 def load_model(
     config: ModelConfig, tp: TensorParallel = SINGLE, info: ModelInfo | None = None
 ) -> tuple[DecoderForCausalLM, ModelInfo]:
@@ -404,6 +520,8 @@ def load_model(
     tensor parallelism this rank's shard, read slice by slice."""
     info = info or read_model_info(config)
     use_dummy = config.load_format == "dummy"
+    if info.encoder:
+        return _load_encoder(config, info, tp), info
     if use_dummy and info.quantization is not None and info.quantization.source != "load_time":
         # Random weights for a pre-quantized checkpoint: quantized from random full-precision
         # ones into the same format, so the same kernels run.

@@ -32,6 +32,18 @@ class LogprobOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolingAsk:
+    """An encode request's options: the rows pooled (`method`), the embedding's first
+    `dimensions` values, L2-normalised or not (embedders; a head's outputs are raw), and an
+    encoder's token types (a text pair's second segment is 1)."""
+
+    method: str
+    normalize: bool = False
+    dimensions: int | None = None
+    token_type_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One validated, tokenized single request (made by `RequestPreparer.prepare`): all the
     engine core needs to run its `params.n` sequences."""
@@ -59,6 +71,8 @@ class EngineRequest:
     lora_name: str | None = None
     #: `return_routed_experts`: the first prompt position whose experts are returned.
     routed_experts_start: int | None = None
+    #: A pooling model's request (`Engine.encode`): what to return instead of tokens.
+    pooling: PoolingAsk | None = None
     created: float = 0.0  # time.monotonic() when it arrived (system-wide on Linux)
 
 
@@ -304,6 +318,8 @@ class SeqDelta(NamedTuple):
     grammar: dict[str, Any] | None = None
     #: Routed experts not sent yet: (first position, [positions, layers, top_k] int32).
     routed_experts: tuple[int, Any] | None = None
+    #: A pooling request's result (its embedding, or its head's outputs), with its finish.
+    embedding: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

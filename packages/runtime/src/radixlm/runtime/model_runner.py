@@ -23,6 +23,7 @@ from radixlm import kernels
 from radixlm.runtime.attention import AttentionBackend, create_backend
 from radixlm.runtime.config import LoraConfig, RunnerConfig
 from radixlm.runtime.cpu_decode import CpuDecodePath, MixedStep, NotTaken
+from radixlm.runtime.models.decoder_pooling import DecoderForPooling
 from radixlm.runtime.cuda_graph import CudaGraphRunner, cuda_graphs_usable
 from radixlm.runtime.distributed import SINGLE, TensorParallel
 from radixlm.runtime.forward_batch import ForwardBatch
@@ -114,6 +115,13 @@ class ModelRunner:
             model, info = load_model(config.model, tp)
         self.model = model
         self.info = info
+        #: A pooling model: forwards return hidden states, no logits (`radixlm.runtime.pooling`).
+        self.pooling = info.pooling
+        if self.pooling is not None and config.lora.active:
+            raise ValueError("LoRA adapters are not served on pooling models yet; drop them")
+        if info.encoder and kv_slots is None:
+            # An encoder keeps no K/V: the pool is only the scheduler's token ledger.
+            kv_slots = config.memory.max_total_tokens or max(1 << 16, 8 * info.context_length)
         self.device = info.device
         self.dtype = info.dtype
         if info.dtype_reason:
@@ -171,6 +179,7 @@ class ModelRunner:
         # forbids.
         graphs = (
             config.attention.cuda_graph
+            and self.pooling is None
             and tp.backend != "gloo"
             and self.lora is None
             and info.arch.moe is None
@@ -219,7 +228,12 @@ class ModelRunner:
                 "enable_deterministic_inference runs on the CPU (radixlm's batch-invariant "
                 f"kernels are C kernels); this model is on {self.device}: use device='cpu'"
             )
-        if self.device.type != "cpu" or self.tp.enabled or self.capture == "aux":
+        if (
+            self.device.type != "cpu"
+            or self.tp.enabled
+            or self.capture == "aux"
+            or self.pooling is not None
+        ):
             return
         if self.lora is not None:
             logger.info("CPU decode path off: LoRA adapters are served")
@@ -273,6 +287,8 @@ class ModelRunner:
         self.stats.forward_calls += 1
         self.stats.tokens_forwarded += batch.num_tokens
         batch.write_req_to_token()
+        if self.pooling is not None:
+            return self._forward_pooling(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             self.stats.graph_replays += 1
             return LogitsOutput(self.graph_runner.replay(batch))
@@ -311,6 +327,30 @@ class ModelRunner:
             captured = torch.cat(self.model.model.captured, dim=-1)
             self.model.model.captured = []
         return LogitsOutput(logits, input_logprobs, hidden_states, captured)
+
+    def _forward_pooling(self, batch: ForwardBatch) -> LogitsOutput:
+        """A pooling model's step: the new tokens' final hidden states, no logits. An encoder
+        runs each sequence whole and bidirectionally (its prompt is one chunk, never cached)."""
+        if self.info.encoder:
+            hidden = self.model(batch.input_ids, batch.extend_lens_cpu, batch.token_type_ids)
+        else:
+            self.attention.prepare(batch)
+            hidden = self.model(batch.input_ids, batch.model_positions, self.attention, None, None)
+        empty = hidden.new_empty(batch.batch_size, 0, dtype=torch.float32)
+        return LogitsOutput(empty, None, self._hidden_states(hidden, batch))
+
+    def pool_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """A pooling model's head over pooled rows [B, hidden] -> float32 [B, outputs] (the
+        rows themselves for an embedder)."""
+        model: Any = self.model
+        with torch.inference_mode():
+            if self.info.encoder:
+                if not model.has_head:
+                    return pooled.float()
+                return model.head(pooled.to(self.device, self.dtype)).float()  # type: ignore[no-any-return]
+            if not isinstance(model, DecoderForPooling):  # a causal LM served as an embedder
+                return pooled.float()
+            return model.pool_head(pooled.to(self.device))
 
     def _forward_mixed(
         self, batch: ForwardBatch, path: CpuDecodePath, step: MixedStep

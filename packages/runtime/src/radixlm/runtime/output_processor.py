@@ -86,6 +86,8 @@ class SequenceView:
         self.hidden_states: list[Any] = []
         #: The routed experts of the positions computed so far (when asked).
         self.routed: Any = None
+        #: A pooling request's result (its last delta brings it).
+        self.embedding: tuple[float, ...] | None = None
         self.sent_text = 0
         self.sent_ids = 0
         self.sent_logprobs = 0
@@ -124,6 +126,8 @@ class SequenceView:
                 None if e is None else self._texted(e) for e in delta.input_ids_logprobs
             )
         self.hidden_states.extend(delta.hidden_states)
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.routed_experts is not None:
             start, rows = delta.routed_experts
             self.routed = rows if self.routed is None else torch.cat([self.routed[:start], rows])
@@ -232,6 +236,8 @@ class SequenceView:
                 "routed_experts_start_len": start_routed,
             }
         extra = dict(out.get("extra") or {})
+        if self.embedding is not None:
+            extra["embedding"] = self.embedding
         extra["weight_version"] = self.weight_version  # SGLang's: which weights answered
         host, storage = self.cached_tiers
         if host or storage:  # part of the prefix came back from the hierarchical cache's tiers

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from radixlm.runtime.input_embeds import input_embeds_cache_ids, parse_input_embeds
-from radixlm.runtime.messages import EngineRequest, LogprobOptions
+from radixlm.runtime.messages import EngineRequest, LogprobOptions, PoolingAsk
 from radixlm.runtime.multimodal.inputs import MultimodalInputs
 from radixlm.runtime.multimodal.preparer import MultimodalPreparer
 from radixlm.runtime.thinking import THINK_END, end_of_thinking_token
 from radixlm.sampling import (
     CustomLogitProcessor,
+    EmbeddingRequest,
     GenerateRequest,
     InvalidRequest,
     SamplingDefaults,
@@ -73,8 +74,11 @@ class RequestPreparer:
         incremental_streaming: bool = False,
         multimodal: MultimodalPreparer | None = None,
         lora_adapters: Callable[[], Mapping[str, str]] | None = None,
+        pooling: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        #: A pooling model's `PoolingConfig.as_dict()` (None: a generative model).
+        self.pooling = dict(pooling) if pooling is not None else None
         #: The loaded LoRA adapters, name -> directory (None: the engine serves none).
         self.lora_adapters = lora_adapters
         #: A vision model's image and video handling (None: media are refused).
@@ -90,6 +94,12 @@ class RequestPreparer:
 
     def prepare(self, item: GenerateRequest) -> EngineRequest:
         """Validate and tokenize one single request. Raises InvalidRequest naming the field."""
+        if self.pooling is not None:
+            raise InvalidRequest(
+                "text",
+                f"this is a pooling model (task {self.pooling['task']}): it does not generate "
+                "text; call encode (/encode, /v1/embeddings, /v1/rerank, /v1/score, /classify)",
+            )
         self._refuse_unsupported(item)
         lora_name = self._lora_name(item)
         embeds = self._input_embeds(item)
@@ -246,6 +256,81 @@ class RequestPreparer:
                 "input_embeds", "this engine does not take embeddings; send text or input_ids"
             )
         return parse_input_embeds(item.input_embeds, self.limits.hidden_size)  # type: ignore[arg-type]
+
+    def prepare_pooling(self, item: EmbeddingRequest) -> EngineRequest:
+        """Validate and tokenize one single encode request (a pooling model's): its text
+        (a pair with `text_pair`) tokenized with the model's special tokens, as
+        sentence-transformers and transformers do. Raises InvalidRequest naming the field."""
+        pooling = self.pooling
+        if pooling is None:
+            raise InvalidRequest(
+                "text",
+                "this model generates text; encode needs a pooling model (an embedding, "
+                "classification, cross-encoder or reward model, or a causal LM served with "
+                "is_embedding)",
+            )
+        if item.lora_path is not None:
+            raise InvalidRequest("lora_path", "pooling models serve no LoRA adapters")
+        if item.text_pair is not None and pooling["task"] != "score":
+            raise InvalidRequest(
+                "text_pair",
+                f"text pairs are for cross-encoders (task score); this model's task is "
+                f"{pooling['task']}",
+            )
+        types: list[int] | None = None
+        if item.text is not None:
+            text = str(item.text)
+            check_text_fits(text, self.limits.context_length, self.max_token_chars, "text")
+            encoded = self.tokenizer(text, item.text_pair, add_special_tokens=True)
+            ids = list(encoded["input_ids"])
+            types = encoded.get("token_type_ids")
+            field = "text"
+        else:
+            ids = [int(t) for t in item.input_ids or []]  # type: ignore[arg-type]
+            field = "input_ids"
+            outside = [t for t in ids if t >= self.limits.vocab_size]
+            if outside:
+                raise InvalidRequest(
+                    field,
+                    f"token ids {outside[:5]} are outside the vocabulary of "
+                    f"{self.limits.vocab_size} tokens",
+                )
+        keep = item.truncate_prompt_tokens
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:]
+            types = types[-keep:] if types is not None else None
+        if not ids:
+            raise InvalidRequest(field, "the input is empty (it encodes to no tokens)")
+        limit = self.limits.context_length
+        if len(ids) > limit:
+            raise InvalidRequest(
+                field,
+                f"the input has {len(ids)} tokens but the model takes at most {limit}; "
+                "shorten it or set truncate_prompt_tokens",
+            )
+        hidden = int(pooling["hidden_size"])
+        dimensions = item.dimensions
+        if dimensions is not None and (pooling["task"] != "embed" or dimensions > hidden):
+            raise InvalidRequest(
+                "dimensions",
+                f"dimensions applies to embeddings, up to the model's {hidden}; got {dimensions}"
+                if pooling["task"] == "embed"
+                else f"dimensions applies to embeddings; this model's task is {pooling['task']}",
+            )
+        normalize = pooling["normalize"] if item.normalize is None else item.normalize
+        return EngineRequest(
+            rid=item.rid or uuid.uuid4().hex,  # type: ignore[arg-type]
+            prompt_ids=tuple(ids),
+            params=SamplingParams(max_new_tokens=0),
+            max_new_tokens=0,
+            pooling=PoolingAsk(
+                method=str(pooling["method"]),
+                normalize=bool(normalize) and pooling["task"] == "embed",
+                dimensions=dimensions,
+                token_type_ids=tuple(types) if types is not None and any(types) else None,
+            ),
+            created=time.monotonic(),
+        )
 
     def _prompt_ids(self, item: GenerateRequest, embeds: Any = None) -> list[int]:
         if embeds is not None:

@@ -9,6 +9,7 @@ from typing import Any
 from radixlm.runtime.hidden_states import HiddenStates
 from radixlm.runtime.logprobs import TokenLogprob
 from radixlm.runtime.messages import EngineRequest, LogprobOptions, SeqDelta
+from radixlm.runtime.pooling import PooledRows
 from radixlm.runtime.routed_experts import RoutedTape
 from radixlm.runtime.sampling_batch import SamplingRequest
 from radixlm.runtime.scheduler import Req
@@ -91,6 +92,9 @@ def open_request(
     # Outputs go to the front end every step while it watches for stop strings.
     watch_text = bool(params.stop_strings or params.stop_regexes)
     hidden = request.return_hidden_states
+    pooling = request.pooling
+    # Every position is returned or pooled: none comes from the cache.
+    every_row = hidden or (pooling is not None and pooling.method != "last")
     thinking_end = request.thinking_end
     first: Req | None = None
     for index in range(params.n):
@@ -102,8 +106,7 @@ def open_request(
             input_logprob_start=request.logprobs.input_start,
             wait_for=first if prefix_sharing else None,
             stopper=stops,
-            # Every prompt position's hidden state is returned: none comes from the cache.
-            reuse_prefix=not hidden,
+            reuse_prefix=not every_row,
             # KV computed under an adapter is cached under its uid, apart from other adapters'.
             extra_key=lora[0] if lora is not None else None,
             lora=lora,
@@ -122,6 +125,7 @@ def open_request(
             else ThinkingBudget(thinking_end, params.thinking_token_budget),
             hidden_states=HiddenStates(len(prompt_ids)) if hidden else None,
             routed=RoutedTape() if request.routed_experts_start is not None else None,
+            pooled=None if pooling is None else PooledRows(pooling.method, len(prompt_ids)),  # type: ignore[arg-type]
         )
         seq.record_input_logprobs([])  # the first prompt token's entry has no logprob
         req.grammar_pending = req.rewindable = grammar_future is not None
@@ -156,6 +160,9 @@ class SequenceState:
     input_ids_logprobs: list[Entries | None] = field(default_factory=list)
     hidden_states: HiddenStates | None = None  # only when the request asked for them
     routed: RoutedTape | None = None  # only when the request asked for its routed experts
+    #: A pooling request's rows so far, then its result (`embedding`, sent once).
+    pooled: PooledRows | None = None
+    embedding: tuple[float, ...] | None = None
     sent_ids: int = 0
     sent_logprobs: int = 0
     sent_input: int = 0
@@ -243,6 +250,8 @@ class SequenceState:
                 self.sent_hidden = len(entries)
         if self.routed is not None:
             extra["routed_experts"] = self.routed.take_new()
+        if self.embedding is not None and self.finish is not None:
+            extra["embedding"] = self.embedding
         if self.grammar_info is not None:
             extra["grammar"] = {**self.grammar_info, "rollbacks": self.req.grammar_rollbacks}
         delta = SeqDelta(

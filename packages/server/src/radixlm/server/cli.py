@@ -246,6 +246,21 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "help": "no drafts in a step with more than N decoding requests (a full batch gains "
         "nothing from them); default: always draft",
     },
+    # Pooling models (embeddings, rerankers, classifiers, reward models).
+    "is_embedding": {
+        "action": "store_true",
+        "help": "serve a causal LM as an embedding model (last-token pooling); embedding, "
+        "classification, cross-encoder and reward checkpoints are pooling models without it",
+    },
+    "pooling_method": {
+        "choices": ["last", "mean", "cls"],
+        "help": "the rows a pooling model pools (default: the checkpoint's sentence-transformers "
+        "config, else last for decoders, cls for BERT-like encoders)",
+    },
+    "normalize_embeddings": {
+        "action": argparse.BooleanOptionalAction,
+        "help": "L2-normalise embeddings (default: the sentence-transformers config, else yes)",
+    },
     # Reinforcement learning's rollouts.
     "enable_deterministic_inference": {
         "action": "store_true",
@@ -522,7 +537,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     for dest in ENGINE_FLAGS:
         value = getattr(args, dest)
-        if value is not None and value is not False:
+        # A store_true flag left out is False; a --no-X flag's False was given.
+        negated = ENGINE_FLAGS[dest].get("action") is argparse.BooleanOptionalAction
+        if value is not None and (value is not False or negated):
             kwargs[dest] = value
     if args.enable_custom_logit_processor:
         kwargs["enable_custom_logit_processor"] = True

@@ -12,6 +12,7 @@ from radixlm.runtime.models import (  # noqa: F401  (registration)
 )
 from radixlm.runtime.models.arch import ArchConfig, RopeConfig
 from radixlm.runtime.models.decoder import DecoderForCausalLM
+from radixlm.runtime.models.decoder_pooling import register_pooling_families
 from radixlm.runtime.models.linear import Linear, LinearFactory, ReplicatedLinears
 from radixlm.runtime.models.registry import (
     ModelFamily,
@@ -20,6 +21,10 @@ from radixlm.runtime.models.registry import (
     resolve,
     supported_architectures,
 )
+
+# The pooling variants (`Qwen3Model`, `LlamaForSequenceClassification`, ...) of the causal
+# families registered above.
+register_pooling_families()
 
 __all__ = [
     "ArchConfig",

@@ -117,6 +117,10 @@ class ArchConfig:
     multimodal: Any = field(default=None, compare=False, repr=False)
     #: A mixture-of-experts model's experts (None: every layer has a dense MLP).
     moe: MoEConfig | None = None
+    #: A pooling model's head over the pooled hidden state: ("score", num_labels) for a
+    #: sequence classifier's linear layer, ("reward", num_labels) for Qwen2's reward MLP;
+    #: None for an embedder (or a causal LM).
+    pooling_head: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.sliding_windows:

@@ -28,6 +28,11 @@ def register(family: ModelFamily) -> ModelFamily:
     return family
 
 
+def family_of(architecture: str) -> ModelFamily:
+    """The registered family of one architecture name (KeyError when unknown)."""
+    return _FAMILIES[architecture]
+
+
 def supported_architectures() -> list[str]:
     """Names accepted in config.json's `architectures`, sorted."""
     return sorted(_FAMILIES)

@@ -835,10 +835,12 @@ class Scheduler:
         for index, (entry, token) in enumerate(zip(batch.entries, tokens, strict=True)):
             req = entry.req
             stopper = req.stopper
-            if req.status is not ReqStatus.RUNNING or not entry.sample or token is None:
+            if req.status is not ReqStatus.RUNNING or not entry.sample:
+                continue
+            if token is None and req.max_new_tokens != 0:
                 continue
             assert stopper is not None, "a running request that samples has a stopper"
-            if req.max_new_tokens == 0:  # prompt scoring: nothing is generated
+            if req.max_new_tokens == 0:  # prompt scoring or pooling: nothing is generated
                 stopper.finish_length()
             elif entry.draft:
                 assert accepted is not None, "a step with drafts says how many were accepted"
