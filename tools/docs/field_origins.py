@@ -177,6 +177,47 @@ ORIGINS: dict[str, dict[str, str]] = {
         "service_tier": f"{OAI}: accepted, ignored",
         "tools": f"{OAI}: function tools only (no built-in tools)",
     },
+    # The pooling routes (packages/server/src/radixlm/server/pooling.py).
+    "EmbeddingsRequest": {
+        "*": OAI,
+        "model": _OPENAI_SHARED["model"],
+        "user": f"{OAI}: accepted, unused",
+        "encoding_format": OAI,
+        "dimensions": f"{OAI}: the first n values, normalised again when the model normalises",
+        "truncate_prompt_tokens": V,
+        "normalize": V,
+    },
+    "RerankRequest": {
+        "*": f"{V} / Jina / Cohere",
+        "model": _OPENAI_SHARED["model"],
+        "user": f"{V}: accepted, unused",
+        "top_n": f"{V} / Jina / Cohere: none or 0 is every document",
+        "return_documents": "Jina / Cohere",
+        "truncate_prompt_tokens": V,
+    },
+    "RerankDocument": {"*": "Jina / Cohere"},
+    "ScoreRequest": {
+        "*": V,
+        "model": _OPENAI_SHARED["model"],
+        "user": f"{V}: accepted, unused",
+    },
+    "GenerativeScoreRequest": {
+        "*": S,
+        "model": _OPENAI_SHARED["model"],
+        "label_token_ids": f"{S}: its presence chooses this form of /v1/score",
+    },
+    "ClassifyRequest": {
+        "*": V,
+        "model": _OPENAI_SHARED["model"],
+        "user": f"{V}: accepted, unused",
+        "input": f"{V}: also token ids, as /v1/embeddings",
+    },
+    "EmbeddingRequest": {
+        "*": S,
+        "truncate_prompt_tokens": V,
+        "dimensions": f"{S} / {V}",
+        "normalize": V,
+    },
     # The rollout engine's routes (packages/server/src/radixlm/server/weights.py).
     "UpdateWeightsFromDisk": {
         "*": S,

@@ -170,10 +170,13 @@ def render(schema: dict[str, Any]) -> str:
             kind = type_of(param.get("schema", {}))
             lines += [f"Path parameter `{param['name']}` ({kind}).", ""]
         body = op.get("requestBody", {}).get("content", {}).get("application/json", {})
-        model = body.get("schema")
-        if model:
+        schema = body.get("schema")
+        # A body that is one of several models (SGLang's and vLLM's /v1/score): each in turn.
+        models = schema.get("anyOf", [schema]) if schema else []
+        for number, model in enumerate(models):
             title = model.get("title", "body")
-            lines += [f"Request body: `{title}`. {model.get('description', '')}".rstrip(), ""]
+            lead = "Request body" if len(models) == 1 else f"Request body, form {number + 1}"
+            lines += [f"{lead}: `{title}`. {model.get('description', '')}".rstrip(), ""]
             lines += fields_table(model, title)
             for name, sub in sorted(model.get("$defs", {}).items()):
                 lines += [f"`{name}`: {sub.get('description', '')}".rstrip(), ""]

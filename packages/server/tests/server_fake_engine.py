@@ -16,6 +16,12 @@ an item it cannot read (here: one holding "broken"), naming it as radixlm's engi
 (`image_data` when it is the only one, else `image_data[i]`). A text-only fake refuses any
 image or video, naming the field.
 
+Asked for `token_ids_logprob`, it reports those ids' logprobs at each output position
+(`token_id_logprob(id, prompt length)`), as SGLang's scoring reads them.
+
+`PoolingFakeEngine` stands for a pooling model (embedding, classifier, cross-encoder, reward
+model): the optional `encode` member of EngineClient, with deterministic outputs.
+
 `LoraFakeEngine` adds LoRA adapters, held in memory as name -> path: the optional
 `load_lora_adapter` / `unload_lora_adapter` / `lora_adapters` members of EngineClient, with
 radixlm's engine's refusals (fields `lora_name` / `lora_path`), and a request naming an
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator
@@ -39,6 +46,8 @@ from typing import Any
 
 from radixlm.sampling import (
     CustomLogitProcessor,
+    EmbeddingOutput,
+    EmbeddingRequest,
     EngineOverloaded,
     FinishReason,
     GenerateChunk,
@@ -366,6 +375,11 @@ class FakeEngine:
     def logprob(token: int) -> float:
         return -0.25 * (1 + token % 4)
 
+    @staticmethod
+    def token_id_logprob(token: int, prompt_tokens: int) -> float:
+        """The logprob reported for a `token_ids_logprob` id after a prompt of this length."""
+        return -0.25 * (1 + (token + prompt_tokens) % 4)
+
     def _chunk(
         self, request: GenerateRequest, seq: _Sequence, prompt: list[int], arrival: float
     ) -> GenerateChunk:
@@ -379,6 +393,14 @@ class FakeEngine:
             logprobs["output_top_logprobs"] = tuple(
                 self._top(t, k, text) if k else () for t in seq.ids
             )
+            wanted = [int(t) for t in request.token_ids_logprob or ()]  # type: ignore[arg-type]
+            if wanted:
+                logprobs["output_token_ids_logprobs"] = tuple(
+                    tuple(
+                        self._triple(t, self.token_id_logprob(t, len(prompt)), text) for t in wanted
+                    )
+                    for _ in seq.ids
+                )
             start = int(request.logprob_start_len)  # type: ignore[arg-type]
             if start >= 0:
                 positions = range(start, len(prompt))
@@ -505,6 +527,122 @@ class LoraFakeEngine(FakeEngine):
         if lora_name not in self.lora_registry:
             raise InvalidRequest("lora_name", f"no LoRA adapter named {lora_name!r} is loaded")
         del self.lora_registry[lora_name]
+
+
+POOLING_HIDDEN_SIZE = 8
+CLASS_LABELS = {"0": "negative", "1": "neutral", "2": "positive"}
+
+
+class PoolingFakeEngine(FakeEngine):
+    """A FakeEngine serving a pooling model of `task` (embed, classify, score, reward): its
+    model info says `is_generation: False` and describes the model under `pooling`, and its
+    `encode` computes deterministic outputs from the prompt's tokens (see `pooled`):
+
+    - embed: POOLING_HIDDEN_SIZE values, value j the mean over the tokens t of cos(t * (j+1)),
+      cut to `dimensions`, then L2-normalised unless `normalize` is False;
+    - classify: three logits (CLASS_LABELS), logit k the count of tokens t with t % 3 == k,
+      over 2;
+    - score: one logit, the count of distinct words `text` and `text_pair` share, minus 1 (a
+      text alone: 0.1 per token);
+    - reward: one score, 0.5 per token.
+
+    A pair is tokenized as text then text_pair. `truncate_prompt_tokens` keeps the last
+    tokens; a longer prompt than the context, `dimensions` above the hidden size, a rid in
+    use and a text (or text_pair) holding "<<fail>>" are refused with InvalidRequest naming
+    that field. `encoded` records each
+    request, `peak` the most it ran at once; each takes `encode_delay` seconds.
+    """
+
+    def __init__(
+        self, tokenizer: Any, *, task: str = "embed", encode_delay: float = 0.005, **kwargs: Any
+    ) -> None:
+        super().__init__(tokenizer, **kwargs)
+        self.task = task
+        self.encode_delay = encode_delay
+        self.encoded: list[EmbeddingRequest] = []
+        self.running = 0
+        self.peak = 0
+
+    def model_info(self) -> dict[str, Any]:
+        num_labels = {"embed": 0, "classify": len(CLASS_LABELS)}.get(self.task, 1)
+        labels = CLASS_LABELS if self.task == "classify" else {"0": "LABEL_0"}
+        return {
+            **super().model_info(),
+            "is_generation": False,
+            "pooling": {
+                "task": self.task,
+                "method": "mean" if self.task == "embed" else "cls",
+                "normalize": self.task == "embed",
+                "num_labels": num_labels,
+                "id2label": labels if num_labels else {},
+                "hidden_size": POOLING_HIDDEN_SIZE,
+            },
+        }
+
+    def prompt_of(self, request: EmbeddingRequest) -> list[int]:
+        """The tokens `encode` pools for a request (after truncation)."""
+        if request.input_ids is not None:
+            ids = [int(t) for t in request.input_ids]  # type: ignore[arg-type]
+        else:
+            ids = list(self._tokenizer.encode(str(request.text), add_special_tokens=False))
+            if request.text_pair is not None:
+                pair = str(request.text_pair)
+                ids += list(self._tokenizer.encode(pair, add_special_tokens=False))
+        keep = request.truncate_prompt_tokens
+        return ids[-keep:] if keep is not None else ids
+
+    def pooled(self, request: EmbeddingRequest, ids: list[int]) -> tuple[float, ...]:
+        if self.task == "embed":
+            size = request.dimensions or POOLING_HIDDEN_SIZE
+            vector = [
+                sum(math.cos(t * (j + 1)) for t in ids) / max(len(ids), 1) for j in range(size)
+            ]
+            if request.normalize is not False:
+                norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+                vector = [v / norm for v in vector]
+            return tuple(vector)
+        if self.task == "classify":
+            return tuple(sum(1 for t in ids if t % 3 == k) / 2 for k in range(len(CLASS_LABELS)))
+        if self.task == "score":
+            if request.text_pair is None:
+                return (0.1 * len(ids),)
+            words = set(str(request.text).lower().split())
+            shared = words & set(str(request.text_pair).lower().split())
+            return (len(shared) - 1.0,)
+        return (0.5 * len(ids),)
+
+    async def encode(self, request: EmbeddingRequest) -> EmbeddingOutput:
+        self.encoded.append(request)
+        rid = str(request.rid)
+        if rid in self.active:
+            raise InvalidRequest("rid", f"request id {rid!r} is already in use")
+        field_name = "text" if request.text is not None else "input_ids"
+        for name in ("text", "text_pair"):
+            if "<<fail>>" in str(getattr(request, name)):
+                raise InvalidRequest(name, "cannot pool this text")
+        if request.dimensions is not None and request.dimensions > POOLING_HIDDEN_SIZE:
+            raise InvalidRequest(
+                "dimensions", f"the model's embeddings have {POOLING_HIDDEN_SIZE} dimensions"
+            )
+        ids = self.prompt_of(request)
+        if len(ids) > self.max_context_length:
+            raise InvalidRequest(
+                field_name,
+                f"the prompt has {len(ids)} tokens; the context holds {self.max_context_length}",
+            )
+        self.active[rid] = {"abort": False}
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            await asyncio.sleep(self.encode_delay)
+        except asyncio.CancelledError:
+            self.closed_early.append(rid)
+            raise
+        finally:
+            self.running -= 1
+            del self.active[rid]
+        self.completed.append(rid)
+        return EmbeddingOutput(rid, self.pooled(request, ids), len(ids), len(ids) // 2, 0.001)
 
 
 class ForceToken(CustomLogitProcessor):

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -57,11 +57,11 @@ class EmbeddingRequest(BaseModel):
         if self.batch_size == 0:
             raise InvalidRequest(given[0], "the batch is empty; give at least one input")
         ids = self.input_ids
-        lists = [] if ids is None else [ids] if self.is_single else ids
-        for row in lists:
+        rows = [] if ids is None else [ids] if self.is_single else ids
+        for row in cast(list[list[int]], rows):
             if not row:
                 raise InvalidRequest("input_ids", "an input must hold at least one token id")
-            if min(row) < 0:  # type: ignore[type-var]
+            if min(row) < 0:
                 raise InvalidRequest("input_ids", "token ids must be >= 0")
         if self.text_pair is not None and self.text is None:
             raise InvalidRequest("text_pair", "a pair needs its first text in `text`")

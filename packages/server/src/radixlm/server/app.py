@@ -23,6 +23,7 @@ from radixlm.server.openai_completions import create_completion
 from radixlm.server.openai_models import ChatCompletionRequest, CompletionRequest
 from radixlm.server.openai_responses import create_response, delete_response, stored_response
 from radixlm.server.openai_responses_models import ResponsesRequest
+from radixlm.server.pooling import pooling_router
 from radixlm.server.protocol import EngineClient
 from radixlm.server.state import ServerState
 from radixlm.server.streams import ClientDisconnected
@@ -214,6 +215,7 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
     app.include_router(lora_router(state))
     app.include_router(weights_router(state))
     app.include_router(_openai_router(state))
+    app.include_router(pooling_router(state))
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes, metrics=state.metrics)
     if config.api_key is not None:  # outermost: checked first
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

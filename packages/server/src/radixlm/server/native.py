@@ -11,10 +11,17 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from radixlm.sampling import EngineUnavailable, GenerateChunk, GenerateRequest, SamplingParams
+from radixlm.sampling import (
+    EmbeddingRequest,
+    EngineUnavailable,
+    GenerateChunk,
+    GenerateRequest,
+    SamplingParams,
+)
 from radixlm.server._version import __version__
 from radixlm.server.errors import APIError, as_api_error, unavailable
 from radixlm.server.metrics import CONTENT_TYPE
+from radixlm.server.pooling import refuse_generation
 from radixlm.server.state import ServerState, renamed_errors
 from radixlm.server.streams import (
     DONE_EVENT,
@@ -91,6 +98,7 @@ def native_router(state: ServerState) -> APIRouter:
     @router.post("/generate", openapi_extra=_schema_of(GenerateRequest), tags=["native"])
     async def generate(http: Request) -> Response:
         """SGLang's `/generate`: text or token ids, single or batch, streamed as SSE on request."""
+        refuse_generation(state)
         request = await state.read_body(http, GenerateRequest.parse)
         with renamed_errors(_SAMPLING_NAMES):  # the engine names bare SamplingParams fields
             call = _Generate(state, request)
@@ -114,15 +122,20 @@ def native_router(state: ServerState) -> APIRouter:
 
     @router.get("/health_generate", tags=["native"])
     async def health_generate() -> Response:
-        """Readiness: 200 once a real one-token generation succeeds, 503 otherwise."""
-        probe = GenerateRequest(
-            input_ids=[0],
-            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
-            rid=state.new_id("health-"),
-        )
-        streams = state.streams("/health_generate", [probe])
+        """Readiness: 200 once a real one-token generation (on a pooling model: one encode)
+        succeeds, 503 otherwise."""
+        rid = state.new_id("health-")
 
         async def run() -> None:
+            if state.model_info.get("is_generation", True) is False:
+                await state.encode("/health_generate", EmbeddingRequest(input_ids=[0], rid=rid))
+                return
+            probe = GenerateRequest(
+                input_ids=[0],
+                sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
+                rid=rid,
+            )
+            streams = state.streams("/health_generate", [probe])
             try:
                 await streams.start()
                 async for _ in streams:

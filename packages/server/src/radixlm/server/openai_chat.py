@@ -35,6 +35,7 @@ from radixlm.server.openai_models import (
     NamedToolChoice,
     Tool,
 )
+from radixlm.server.pooling import refuse_generation
 from radixlm.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
 from radixlm.server.state import ServedModel, ServerState, renamed_errors
 from radixlm.server.streams import (
@@ -439,6 +440,7 @@ class _Chat:
 
 
 async def create_chat_completion(state: ServerState, http: Request) -> Response:
+    refuse_generation(state)
     request = await state.read_body(http, partial(parse_body, ChatCompletionRequest))
     model = state.check_model(request.model).with_lora_path(request.lora_path)
     with renamed_errors({"text": "messages", "input_ids": "messages", **param_names(request)}):

@@ -24,6 +24,7 @@ from radixlm.server.openai_common import (
     usage,
 )
 from radixlm.server.openai_models import CompletionRequest
+from radixlm.server.pooling import refuse_generation
 from radixlm.server.state import ServedModel, ServerState, renamed_errors
 from radixlm.server.streams import (
     EngineJSONResponse,
@@ -217,6 +218,7 @@ class _Completion:
 
 
 async def create_completion(state: ServerState, http: Request) -> Response:
+    refuse_generation(state)
     request = await state.read_body(http, partial(parse_body, CompletionRequest))
     model = state.check_model(request.model).with_lora_path(request.lora_path)
     names = {"text": "prompt", "input_ids": "prompt", **model.error_names(), **param_names(request)}

@@ -24,6 +24,7 @@ from radixlm.server.openai_responses_models import (
     MessageItem,
     ResponsesRequest,
 )
+from radixlm.server.pooling import refuse_generation
 from radixlm.server.response_store import StoredResponse
 from radixlm.server.state import ServedModel, ServerState
 from radixlm.server.streams import (
@@ -436,6 +437,7 @@ class _ResponseEvents:
 
 
 async def create_response(state: ServerState, http: Request) -> Response:
+    refuse_generation(state)
     request = await state.read_body(http, partial(parse_body, ResponsesRequest))
     turn = await _Turn.start(state, request, state.check_model(request.model))
     try:

@@ -71,6 +71,31 @@ class EngineClient(Protocol):
     hold the cumulative logprob over generated_len ** length_penalty). Errors are raised as for
     `generate`; cancelling it aborts whatever it has running.
 
+        async def encode(request: EmbeddingRequest) -> EmbeddingOutput
+
+    A pooling model's output for one single (already split) `radixlm.sampling.EmbeddingRequest`,
+    always with a `rid` (the client's or a fresh one), for `/v1/embeddings`, `/v1/rerank`,
+    `/v1/score`, `/v1/classify` and `/encode` (without it those routes answer a 400 "this
+    engine does not serve pooling models"). `embedding` holds what `model_info()["pooling"]`'s
+    task says: task embed, the pooled vector (cut to `dimensions` and normalised as asked);
+    classify, the classifier's logits, one per label; score, a cross-encoder's logit(s) for
+    the pair (`text`, `text_pair`); reward, the reward model's raw score(s). `prompt_tokens`
+    counts the tokens pooled (after `truncate_prompt_tokens`); the routes' usage sums it.
+    Errors are raised as for `generate`: `InvalidRequest` (a 400 with its field as `param`:
+    a prompt longer than the context, token ids outside the vocabulary, an unknown
+    `lora_path`, `dimensions` above the model's), `EngineOverloaded` and `EngineUnavailable`
+    (503). The server runs the inputs of a call concurrently; cancelling the coroutine (the
+    client went away, or another input of the call failed) aborts the request in the engine.
+    A pooling model's `model_info()` says `is_generation: False` and describes the model as
+    `pooling: {"task": "embed" | "classify" | "score" | "reward", "method": "last" | "mean" |
+    "cls", "normalize": bool, "num_labels": int, "id2label": {"0": "LABEL_0", ...},
+    "hidden_size": int}` (None, or absent, for a generative model). The generation routes
+    (`/generate`, `/v1/completions`, `/v1/chat/completions`, `/v1/responses`) refuse a
+    model whose `is_generation` is False; the pooling routes refuse one without `pooling`
+    (SGLang's form of `/v1/score`, with `label_token_ids`, calls `generate` instead, asking
+    for one token's `token_ids_logprob`), and `/health_generate` probes a pooling model with
+    one `encode`.
+
         healthy: bool  # a property, read on every /health
 
     False while the engine cannot serve (its process died and is restarting, or it shut
@@ -155,9 +180,12 @@ class EngineClient(Protocol):
         ...
 
     def model_info(self) -> dict[str, Any]:
-        """SGLang's `/get_model_info`: `model_path`, `tokenizer_path`, `is_generation`,
-        `max_context_length`, `vocab_size`, `chat_template` (None if the model has none),
-        `eos_token_ids`, and anything else the engine wants to report."""
+        """SGLang's `/get_model_info`: `model_path`, `tokenizer_path`, `is_generation` (False
+        for a pooling model; absent counts as True), `pooling` (None for a generative model,
+        else the pooling model's task, method, normalize, num_labels, id2label and
+        hidden_size: see `encode` above), `max_context_length`, `vocab_size`, `chat_template`
+        (None if the model has none), `eos_token_ids`, and anything else the engine wants to
+        report. Read once, when the server first needs it."""
         ...
 
     def server_info(self) -> dict[str, Any]:

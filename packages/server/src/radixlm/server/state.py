@@ -18,6 +18,8 @@ from typing import Any, ParamSpec, TypeVar
 from starlette.requests import Request
 
 from radixlm.sampling import (
+    EmbeddingOutput,
+    EmbeddingRequest,
     EngineOverloaded,
     EngineUnavailable,
     GenerateChunk,
@@ -336,6 +338,42 @@ class ServerState:
                 ",".join(reasons),
                 latency,
             )
+
+    async def encode(self, route: str, request: EmbeddingRequest) -> EmbeddingOutput:
+        """One single embedding request on the engine's optional `encode` (a 400 when the
+        engine has none), with a fresh `rid` when the client gave none; tracked in flight and
+        in the metrics as a generation request is. Cancelling it cancels the engine's call."""
+        encode = getattr(self.engine, "encode", None)
+        if not callable(encode):
+            raise APIError(400, "this engine does not serve pooling models", code="not_supported")
+        if request.rid is None:
+            request = request.model_copy(update={"rid": self.new_id("")})
+        rid = str(request.rid)
+        arrival = time.monotonic()
+        owner = rid not in self.inflight
+        if owner:
+            self.inflight[rid] = arrival
+        try:
+            output: EmbeddingOutput = await encode(request)
+        except (InvalidRequest, EngineOverloaded, EngineUnavailable) as error:
+            if self.config.log_requests:
+                logger.info("%s rid=%s refused by the engine (%s)", route, rid, error)
+            raise
+        finally:
+            if owner:
+                self.inflight.pop(rid, None)
+        latency = time.monotonic() - arrival
+        if self.metrics is not None:
+            # A pooling request finishes when it is pooled: "stop", as vLLM counts it.
+            self.metrics.record_sequence(
+                route, "stop", output.prompt_tokens, output.cached_tokens, 0, latency
+            )
+        if self.config.log_requests:
+            logger.info(
+                "%s rid=%s prompt_tokens=%d cached_tokens=%d latency=%.3fs",
+                route, rid, output.prompt_tokens, output.cached_tokens, latency,
+            )  # fmt: skip
+        return output
 
     async def abort_all(self) -> int:
         count = 0
