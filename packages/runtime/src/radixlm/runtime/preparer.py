@@ -417,6 +417,13 @@ class RequestPreparer:
         output_count = self._logprob_count(params, "logprobs")
         prompt_count = self._logprob_count(params, "prompt_logprobs")
         ids = item.token_ids_logprob or params.logprob_token_ids
+        outside = [t for t in item.token_ids_logprob or () if t >= self.limits.vocab_size]
+        if outside:
+            raise InvalidRequest(
+                "token_ids_logprob",
+                f"token ids {outside[:5]} are outside the vocabulary of "
+                f"{self.limits.vocab_size} tokens",
+            )
         enabled = bool(_one(item.return_logprob, bool)) or output_count is not None
         # Asking for the logprobs of given token ids asks for logprobs.
         enabled = enabled or prompt_count is not None or bool(ids)
