@@ -15,6 +15,12 @@ from safetensors.torch import save_file
 
 from radixlm.runtime import Engine
 from radixlm.runtime.fixtures import build_tiny_model, sample_texts
+from radixlm.runtime.fixtures_pooling import (
+    build_tiny_bert,
+    build_tiny_cross_encoder,
+    build_tiny_xlm_roberta,
+    write_sentence_transformers_config,
+)
 from radixlm.sampling import EmbeddingRequest, InvalidRequest
 
 TOL = 1e-5
@@ -124,16 +130,17 @@ def test_a_causal_lm_served_as_an_embedder(causal: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(causal, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(causal)
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([tokenizer(text)["input_ids"]]), output_hidden_states=True)
+        out = model(
+            input_ids=torch.tensor([tokenizer(text)["input_ids"]]), output_hidden_states=True
+        )
     want = torch.nn.functional.normalize(out.hidden_states[-1][0, -1], dim=-1)
     with _engine(causal, is_embedding=True) as engine:
         _close(engine.encode(text)["embedding"], want)
 
 
 def test_generation_and_pooling_refuse_each_other(causal: Path, embedder: Path) -> None:
-    with _engine(embedder) as engine:
-        with pytest.raises(InvalidRequest, match="pooling model"):
-            engine.generate("hello", {"max_new_tokens": 2})
+    with _engine(embedder) as engine, pytest.raises(InvalidRequest, match="pooling model"):
+        engine.generate("hello", {"max_new_tokens": 2})
     with _engine(causal) as engine:
         assert engine.model_info()["pooling"] is None
         with pytest.raises(InvalidRequest, match="generates text"):
@@ -207,3 +214,73 @@ def test_the_engine_client_form(embedder: Path) -> None:
         assert nothing_left == engine.run_in_loop(lambda core: core.pool_size) - engine.run_in_loop(
             lambda core: core.scheduler.cache.total_size
         )
+
+
+# ------------------------------------------------------------------ encoders (BERT, XLM-R)
+
+
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_encoder_embeddings_match_sentence_transformers(family: str, tmp_path: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    build = build_tiny_bert if family == "bert" else build_tiny_xlm_roberta
+    path = build(tmp_path / family)
+    write_sentence_transformers_config(path, pooling="mean", normalize=True)
+    texts = [*sample_texts(6, seed=11, words=10), "short"]
+    want = SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_tensor=True)
+    with _engine(path) as engine:
+        pooling = engine.model_info()["pooling"]
+        assert (pooling["task"], pooling["method"], pooling["normalize"]) == ("embed", "mean", True)
+        batched = engine.encode(texts)
+        alone = [engine.encode(text) for text in texts]
+    for row, one, ref in zip(batched, alone, want, strict=True):
+        _close(row["embedding"], ref)
+        _close(one["embedding"], ref)
+        assert row["meta_info"]["cached_tokens"] == 0  # an encoder never reuses a prefix
+
+
+def test_cross_encoder_scores_match_sentence_transformers(tmp_path: Path) -> None:
+    from sentence_transformers import CrossEncoder
+
+    path = build_tiny_cross_encoder(tmp_path / "ce")
+    query = "which word follows the fox"
+    documents = sample_texts(4, seed=13, words=9)
+    want = CrossEncoder(str(path), device="cpu").predict(
+        [(query, d) for d in documents], convert_to_tensor=True
+    )
+    with _engine(path) as engine:
+        assert engine.model_info()["pooling"]["task"] == "score"
+        got = engine.encode([query] * len(documents), text_pair=documents)
+        with pytest.raises(InvalidRequest, match="dimensions"):
+            engine.encode(query, text_pair=documents[0], dimensions=2)
+    for row, ref in zip(got, want.cpu(), strict=True):
+        assert len(row["embedding"]) == 1
+        _close([torch.sigmoid(torch.tensor(row["embedding"][0])).item()], ref)
+
+
+def test_encoder_classifier_logits(tmp_path: Path) -> None:
+    path = build_tiny_xlm_roberta(tmp_path / "xc", classifier=True, num_labels=3)
+    texts = sample_texts(3, seed=17, words=7)
+    reference = transformers.AutoModelForSequenceClassification.from_pretrained(
+        path, dtype=torch.float32
+    ).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    with _engine(path) as engine:
+        assert engine.model_info()["pooling"]["task"] == "classify"
+        with pytest.raises(InvalidRequest, match="text_pair"):
+            engine.encode(texts[0], text_pair=texts[1])
+        got = engine.encode(texts)
+    with torch.no_grad():
+        for row, text in zip(got, texts, strict=True):
+            logits = reference(**tokenizer(text, return_tensors="pt")).logits[0]
+            _close(row["embedding"], logits)
+
+
+def test_an_encoder_input_longer_than_its_context_is_refused(tmp_path: Path) -> None:
+    path = build_tiny_bert(tmp_path / "b")
+    long_text = " ".join(sample_texts(40, seed=19, words=12))
+    with _engine(path) as engine:
+        with pytest.raises(InvalidRequest, match="truncate_prompt_tokens"):
+            engine.encode(long_text)
+        kept = engine.encode(long_text, truncate_prompt_tokens=50)
+        assert kept["meta_info"]["prompt_tokens"] == 50

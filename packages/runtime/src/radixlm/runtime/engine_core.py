@@ -809,7 +809,7 @@ class EngineCore:
         pooled rows (one call), then each embedding as its request asked (Matryoshka
         dimensions, normalisation)."""
         vectors = [seq.pooled.vector for seq in seqs if seq.pooled is not None]
-        outputs = self.executor.runner.pool_head(torch.stack(vectors))  # type: ignore[misc]
+        outputs = self.executor.runner.pool_head(torch.stack(vectors))  # type: ignore[arg-type]
         for seq, row in zip(seqs, outputs.cpu(), strict=True):
             ask = seq.handle.request.pooling
             assert ask is not None, "a pooled sequence has its pooling ask"

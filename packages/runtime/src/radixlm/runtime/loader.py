@@ -492,8 +492,14 @@ def _load_encoder(config: ModelConfig, info: ModelInfo, tp: TensorParallel) -> A
             f"{info.path}: encoder models ({info.arch.architecture}) do not run under tensor "
             "parallelism (they are small: serve them with tp_size 1, or several with dp_size)"
         )
+    pack = config.cpu_weight_packing and info.device.type == "cpu"
+    linears: LinearFactory = (
+        PackedCPULinears(info.dtype)
+        if pack and cpu_packing_available(info.dtype)
+        else ReplicatedLinears(info.dtype)
+    )
     with info.device:
-        model = EncoderModel(info.hf_config, info.dtype)
+        model = EncoderModel(info.hf_config, info.dtype, linears)
     if config.load_format == "dummy":
         generator = torch.Generator().manual_seed(config.seed)
         with torch.no_grad():

@@ -23,7 +23,6 @@ from radixlm import kernels
 from radixlm.runtime.attention import AttentionBackend, create_backend
 from radixlm.runtime.config import LoraConfig, RunnerConfig
 from radixlm.runtime.cpu_decode import CpuDecodePath, MixedStep, NotTaken
-from radixlm.runtime.models.decoder_pooling import DecoderForPooling
 from radixlm.runtime.cuda_graph import CudaGraphRunner, cuda_graphs_usable
 from radixlm.runtime.distributed import SINGLE, TensorParallel
 from radixlm.runtime.forward_batch import ForwardBatch
@@ -34,6 +33,7 @@ from radixlm.runtime.lora.manager import LoraManager, pool_shape
 from radixlm.runtime.memory import KVPool, ReqToTokenPool, kv_pool_capacity
 from radixlm.runtime.models import DecoderForCausalLM
 from radixlm.runtime.models.decoder import STACKED_PROJECTIONS
+from radixlm.runtime.models.decoder_pooling import DecoderForPooling
 from radixlm.runtime.models.linear import RowLinear, VocabEmbedding
 from radixlm.runtime.quant.linear import finalize_quantized, lm_head_source, reopen_lm_head
 from radixlm.runtime.sampler import SampleOutput, Sampler

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from radixlm.runtime.input_embeds import input_embeds_cache_ids, parse_input_embeds
 from radixlm.runtime.messages import EngineRequest, LogprobOptions, PoolingAsk
@@ -417,7 +417,8 @@ class RequestPreparer:
         output_count = self._logprob_count(params, "logprobs")
         prompt_count = self._logprob_count(params, "prompt_logprobs")
         ids = item.token_ids_logprob or params.logprob_token_ids
-        outside = [t for t in item.token_ids_logprob or () if t >= self.limits.vocab_size]
+        asked = cast("list[int]", item.token_ids_logprob or [])
+        outside = [t for t in asked if t >= self.limits.vocab_size]
         if outside:
             raise InvalidRequest(
                 "token_ids_logprob",

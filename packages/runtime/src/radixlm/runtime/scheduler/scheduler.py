@@ -837,11 +837,11 @@ class Scheduler:
             stopper = req.stopper
             if req.status is not ReqStatus.RUNNING or not entry.sample:
                 continue
-            if token is None and req.max_new_tokens != 0:
-                continue
             assert stopper is not None, "a running request that samples has a stopper"
             if req.max_new_tokens == 0:  # prompt scoring or pooling: nothing is generated
                 stopper.finish_length()
+            elif token is None:
+                continue
             elif entry.draft:
                 assert accepted is not None, "a step with drafts says how many were accepted"
                 if self._append_verified(req, entry.draft, accepted[index], token):
