@@ -23,7 +23,7 @@ cross-encoder of the same shape (`BertForSequenceClassification`, one label) aga
     .venv/bin/python tools/bench/embed_bench.py                       # minilm, a few minutes
     .venv/bin/python tools/bench/embed_bench.py --shape bge-base
     .venv/bin/python tools/bench/embed_bench.py --cross-encoder
-    .venv/bin/python tools/bench/embed_bench.py --shape qwen3-0.6b    # slow: builds 2.4 GB
+    .venv/bin/python tools/bench/embed_bench.py --shape qwen3-0.6b    # ~15 min, ~13 GB of memory
     .venv/bin/python tools/bench/embed_bench.py --quick               # a tiny model, seconds
 """
 
