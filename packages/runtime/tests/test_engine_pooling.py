@@ -284,3 +284,24 @@ def test_an_encoder_input_longer_than_its_context_is_refused(tmp_path: Path) -> 
             engine.encode(long_text)
         kept = engine.encode(long_text, truncate_prompt_tokens=50)
         assert kept["meta_info"]["prompt_tokens"] == 50
+
+
+@pytest.mark.slow  # two rank processes: in the workspace run, not the package's own
+def test_a_decoder_embedder_under_tensor_parallelism(causal: Path, tmp_path: Path) -> None:
+    path = _derive(causal, tmp_path / "cls", "Qwen3ForSequenceClassification", num_labels=2)
+    texts = sample_texts(4, seed=23, words=8)
+    with _engine(path) as engine:
+        want = engine.encode(texts)
+    with Engine(str(path), dtype="float32", device="cpu", tp_size=2, show_progress=False) as split:
+        assert split.server_info()["tp_size"] == 2
+        got = split.encode(texts)
+    for row, ref in zip(got, want, strict=True):
+        _close(row["embedding"], torch.tensor(ref["embedding"]))
+
+
+def test_a_cross_encoder_names_its_activation(tmp_path: Path) -> None:
+    path = build_tiny_cross_encoder(
+        tmp_path / "ce", activation_fn="torch.nn.modules.linear.Identity"
+    )
+    with _engine(path) as engine:
+        assert engine.model_info()["pooling"]["activation"] == "identity"
