@@ -305,3 +305,17 @@ def test_a_cross_encoder_names_its_activation(tmp_path: Path) -> None:
     )
     with _engine(path) as engine:
         assert engine.model_info()["pooling"]["activation"] == "identity"
+
+
+@pytest.mark.parametrize("method", ["last", "mean", "cls"])
+def test_chunked_prefills_pool_as_one(embedder: Path, method: str) -> None:
+    texts = [" ".join(sample_texts(3, seed=29, words=12)), "a short one"]
+    pick = {"last": lambda h: h[-1], "mean": lambda h: h.mean(dim=0), "cls": lambda h: h[0]}
+    want = [
+        torch.nn.functional.normalize(pick[method](h), dim=-1) for h in _hidden(embedder, texts)
+    ]
+    with _engine(embedder, pooling_method=method, chunked_prefill_size=8) as engine:
+        got = engine.encode(texts)
+        assert engine.server_info()["forward_passes"] > 3  # the long text took several chunks
+    for row, ref in zip(got, want, strict=True):
+        _close(row["embedding"], ref)
