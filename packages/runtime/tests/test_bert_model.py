@@ -18,6 +18,7 @@ from radixlm.runtime.fixtures_pooling import (
     build_tiny_xlm_roberta,
     write_sentence_transformers_config,
 )
+from radixlm.runtime.models import bert
 from radixlm.runtime.models.bert import EncoderModel, encoder_context_length
 from radixlm.runtime.models.linear import PackedCPULinears, cpu_packing_available
 
@@ -104,6 +105,22 @@ def test_packed_sequences_match_each_run_alone(tiny: Callable[..., Path], family
         ours = load_ours(path)(ids, lens)
         reference = torch.cat([run_alone(hf, e).last_hidden_state[0] for e in encodings])
     assert_close(ours, reference)
+
+
+def test_a_big_step_runs_in_groups_of_whole_sequences_with_the_same_rows(
+    tiny: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny("bert")
+    texts = [sample_texts(1, seed=3, words=words)[0] for words in (4, 6, 30, 5, 8, 7)]
+    ids, lens, _ = packed(encode(path, texts))
+    model = load_ours(path)
+    with torch.no_grad():
+        whole = model(ids, lens)
+        # Groups of up to 16 tokens: several sequences share one, the longest runs alone.
+        monkeypatch.setattr(bert, "GROUP_TOKENS", 16)
+        assert len(bert._groups(lens, 16)) >= 3 and max(lens) > 16
+        grouped = model(ids, lens)
+    assert_close(grouped, whole)
 
 
 def test_bert_pairs_use_token_types(tiny: Callable[..., Path]) -> None:

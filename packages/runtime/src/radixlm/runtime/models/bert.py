@@ -93,6 +93,28 @@ class EncoderEmbeddings(nn.Module):
         return normed
 
 
+#: Tokens of the sequences run through the layers together: a big step's sequences go in
+#: groups of about this many (whole sequences), so that a group's activations stay in the
+#: CPU's caches from one operation to the next (a MiniLM-sized model ran 9-13 % faster on one
+#: core than with a 9,000-token step at once). A sequence is never split: a group changes
+#: only how many rows each matrix product takes.
+GROUP_TOKENS = 2048
+
+
+def _groups(seq_lens: list[int], limit: int) -> list[list[int]]:
+    """`seq_lens` cut, in order, into runs of at most `limit` tokens (a longer sequence
+    alone)."""
+    groups: list[list[int]] = [[]]
+    total = 0
+    for length in seq_lens:
+        if groups[-1] and total + length > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(length)
+        total += length
+    return groups
+
+
 def packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int], num_heads: int
 ) -> torch.Tensor:
@@ -100,22 +122,24 @@ def packed_attention(
     token attends to every token of its own sequence and to none of another's.
 
     One attention call per sequence: no padding and no mask, so the cost is the sum of the
-    squared lengths, and a sequence's attention is computed just as when it runs alone.
+    squared lengths, and a sequence's attention is computed just as when it runs alone. The
+    calls take [1, heads, len, head_dim]: on a CPU only 4-D inputs reach torch's fused (flash)
+    kernel; 3-D ones fall back to the unfused math, twice as slow on long sequences.
     """
     tokens, width = q.shape
-    q, k, v = (x.view(tokens, num_heads, width // num_heads).transpose(0, 1) for x in (q, k, v))
+    q, k, v = (x.view(1, tokens, num_heads, width // num_heads).transpose(1, 2) for x in (q, k, v))
     if len(seq_lens) == 1:
         out = F.scaled_dot_product_attention(q, k, v)
     else:
-        q_parts, k_parts, v_parts = (torch.split(x, list(seq_lens), dim=1) for x in (q, k, v))
+        q_parts, k_parts, v_parts = (torch.split(x, list(seq_lens), dim=2) for x in (q, k, v))
         out = torch.cat(
             [
                 F.scaled_dot_product_attention(qs, ks, vs)
                 for qs, ks, vs in zip(q_parts, k_parts, v_parts, strict=True)
             ],
-            dim=1,
+            dim=2,
         )
-    return out.transpose(0, 1).reshape(tokens, width)
+    return out.transpose(1, 2).reshape(tokens, width)
 
 
 class EncoderLayer(nn.Module):
@@ -233,9 +257,16 @@ class EncoderModel(nn.Module):
         hidden: torch.Tensor = self.embeddings(
             input_ids, index + self.first_position, token_type_ids
         )
-        for layer in self.layers:
-            hidden = layer(hidden, lens)
-        return hidden
+        outputs = []
+        start = 0
+        for group in _groups(lens, GROUP_TOKENS):
+            end = start + sum(group)
+            rows = hidden[start:end]
+            for layer in self.layers:
+                rows = layer(rows, group)
+            outputs.append(rows)
+            start = end
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def head(self, first_rows: torch.Tensor) -> torch.Tensor:
         """Float32 logits [B, num_labels] of the classification head, from each sequence's
