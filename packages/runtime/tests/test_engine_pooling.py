@@ -73,7 +73,7 @@ def _hidden(path: Path, texts: list[str]) -> list[torch.Tensor]:
 
 
 def _engine(path: Path, **kwargs: Any) -> Engine:
-    return Engine(str(path), dtype="float32", device="cpu", cpu_threads=1, **kwargs)
+    return Engine(str(path), dtype="float32", device="cpu", **kwargs)
 
 
 def _close(got: list[float], want: torch.Tensor) -> None:
