@@ -141,7 +141,7 @@ def test_bad_streamed_request_is_refused_before_the_stream(http: httpx.Client, r
 
 def test_unknown_route_is_404(http: httpx.Client) -> None:
     _check_error(http.get("/v2/nothing"), 404, None)
-    _check_error(http.post("/v1/embeddings", json={"input": "x"}), 404, None)
+    _check_error(http.post("/v1/audio/transcriptions", json={"input": "x"}), 404, None)
     _healthy(http)
 
 

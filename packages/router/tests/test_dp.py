@@ -11,6 +11,8 @@ import pytest
 
 from radixlm.router import DataParallelEngine
 from radixlm.sampling import (
+    EmbeddingOutput,
+    EmbeddingRequest,
     EngineUnavailable,
     FinishReason,
     GenerateChunk,
@@ -275,3 +277,37 @@ def test_lora_adapters_are_loaded_on_every_replica_or_none() -> None:
     assert engine.lora_adapters() == {}
     with pytest.raises(InvalidRequest, match="no adapter"):
         asyncio.run(engine.unload_lora_adapter("x"))
+
+
+class EncodingReplica(FakeReplica):
+    """A replica serving a pooling model: its `encode` answers the prompt's length."""
+
+    async def encode(self, request: EmbeddingRequest) -> EmbeddingOutput:
+        if not self.healthy:
+            raise EngineUnavailable(f"{self.name} is down")
+        ids = self.tokenizer.encode(str(request.text))
+        cached = self._cached(ids)
+        self.seen.append(ids)
+        return EmbeddingOutput(str(request.rid), (float(len(ids)),), len(ids), cached)
+
+
+def test_encode_requests_route_by_prefix_to_the_replica_that_cached_it() -> None:
+    replicas = [EncodingReplica("a"), EncodingReplica("b")]
+    engine = DataParallelEngine(replicas, "cache_aware")
+    instruction = "Instruct: find the passage that answers this question. Query:"
+
+    async def main() -> list[EmbeddingOutput]:
+        first = await engine.encode(EmbeddingRequest(text=f"{instruction} one", rid="1"))
+        second = await engine.encode(EmbeddingRequest(text=f"{instruction} two", rid="2"))
+        return [first, second]
+
+    first, second = asyncio.run(main())
+    assert second.cached_tokens == len(instruction.split())  # same replica: its cache hit
+    assert sum(len(r.seen) for r in replicas) == 2
+    assert first.embedding == (float(len(instruction.split()) + 1),)
+
+
+def test_encode_on_replicas_without_it_is_refused() -> None:
+    engine = DataParallelEngine([FakeReplica("a")], "round_robin")
+    with pytest.raises(InvalidRequest, match="pooling"):
+        asyncio.run(engine.encode(EmbeddingRequest(text="x", rid="1")))

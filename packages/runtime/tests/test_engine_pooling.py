@@ -73,7 +73,7 @@ def _hidden(path: Path, texts: list[str]) -> list[torch.Tensor]:
 
 
 def _engine(path: Path, **kwargs: Any) -> Engine:
-    return Engine(str(path), dtype="float32", device="cpu", cpu_threads=1, **kwargs)
+    return Engine(str(path), dtype="float32", device="cpu", **kwargs)
 
 
 def _close(got: list[float], want: torch.Tensor) -> None:
@@ -284,3 +284,38 @@ def test_an_encoder_input_longer_than_its_context_is_refused(tmp_path: Path) -> 
             engine.encode(long_text)
         kept = engine.encode(long_text, truncate_prompt_tokens=50)
         assert kept["meta_info"]["prompt_tokens"] == 50
+
+
+@pytest.mark.slow  # two rank processes: in the workspace run, not the package's own
+def test_a_decoder_embedder_under_tensor_parallelism(causal: Path, tmp_path: Path) -> None:
+    path = _derive(causal, tmp_path / "cls", "Qwen3ForSequenceClassification", num_labels=2)
+    texts = sample_texts(4, seed=23, words=8)
+    with _engine(path) as engine:
+        want = engine.encode(texts)
+    with Engine(str(path), dtype="float32", device="cpu", tp_size=2, show_progress=False) as split:
+        assert split.server_info()["tp_size"] == 2
+        got = split.encode(texts)
+    for row, ref in zip(got, want, strict=True):
+        _close(row["embedding"], torch.tensor(ref["embedding"]))
+
+
+def test_a_cross_encoder_names_its_activation(tmp_path: Path) -> None:
+    path = build_tiny_cross_encoder(
+        tmp_path / "ce", activation_fn="torch.nn.modules.linear.Identity"
+    )
+    with _engine(path) as engine:
+        assert engine.model_info()["pooling"]["activation"] == "identity"
+
+
+@pytest.mark.parametrize("method", ["last", "mean", "cls"])
+def test_chunked_prefills_pool_as_one(embedder: Path, method: str) -> None:
+    texts = [" ".join(sample_texts(3, seed=29, words=12)), "a short one"]
+    pick = {"last": lambda h: h[-1], "mean": lambda h: h.mean(dim=0), "cls": lambda h: h[0]}
+    want = [
+        torch.nn.functional.normalize(pick[method](h), dim=-1) for h in _hidden(embedder, texts)
+    ]
+    with _engine(embedder, pooling_method=method, chunked_prefill_size=8) as engine:
+        got = engine.encode(texts)
+        assert engine.server_info()["forward_passes"] > 3  # the long text took several chunks
+    for row, ref in zip(got, want, strict=True):
+        _close(row["embedding"], ref)

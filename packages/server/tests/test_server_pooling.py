@@ -477,3 +477,11 @@ def test_pooling_requests_are_counted_in_the_metrics(embedder: Served) -> None:
     embedder.ok("/v1/embeddings", {"input": "Hello"})
     text = embedder.http.get("/metrics").text
     assert 'radixlm_requests_total{finish_reason="stop",route="/v1/embeddings"}' in text
+
+
+def test_a_cross_encoder_with_an_identity_activation_scores_its_raw_logit() -> None:
+    from radixlm.server.score_math import relevance
+
+    assert relevance([2.5], "identity") == 2.5
+    assert relevance([2.5]) == pytest.approx(sigmoid(2.5))
+    assert relevance([0.0, 1.0], "identity") == pytest.approx(softmax([0.0, 1.0])[-1])

@@ -28,7 +28,14 @@ from typing import Any
 from radixlm.router.keys import prompt_key
 from radixlm.router.policies import Policy
 from radixlm.router.router import NoReplicaAvailable, Router
-from radixlm.sampling import EngineUnavailable, GenerateChunk, GenerateRequest
+from radixlm.sampling import (
+    EmbeddingOutput,
+    EmbeddingRequest,
+    EngineUnavailable,
+    GenerateChunk,
+    GenerateRequest,
+    InvalidRequest,
+)
 
 #: Seconds between reads of the replicas' load (at most; read when routing).
 _REFRESH_S = 0.05
@@ -103,7 +110,7 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------------------- routing
 
-    async def _key(self, request: GenerateRequest) -> list[int]:
+    async def _key(self, request: GenerateRequest | EmbeddingRequest) -> list[int]:
         input_ids = request.input_ids
         text = request.text
         if input_ids is not None or text is None:
@@ -117,7 +124,7 @@ class DataParallelEngine:
             return prompt_key(text=text, tokenizer=self._tokenizer)
         return await asyncio.to_thread(prompt_key, None, text, self._tokenizer)
 
-    async def route(self, request: GenerateRequest) -> int:
+    async def route(self, request: GenerateRequest | EmbeddingRequest) -> int:
         """The index of the replica `request` goes to (a 503 when none serves)."""
         key = await self._key(request)
         self.refresh()
@@ -147,6 +154,23 @@ class DataParallelEngine:
             if rid is not None:
                 with self._lock:
                     self._owners.pop(rid, None)
+
+    async def encode(self, request: EmbeddingRequest) -> EmbeddingOutput:
+        """Route one single encode request (a pooling model's) by its prefix, as `generate`
+        routes (a decoder embedder's replicas cache shared instruction prefixes)."""
+        index = await self.route(request)
+        encode = getattr(self.replicas[index], "encode", None)
+        if encode is None:
+            raise InvalidRequest("text", "this engine does not serve pooling models")
+        self.router.begin(str(index))
+        try:
+            output: EmbeddingOutput = await encode(request)
+            return output
+        except EngineUnavailable:
+            self.refresh(force=True)
+            raise
+        finally:
+            self.router.end(str(index))
 
     async def beam_search(
         self, request: GenerateRequest, beam_width: int, **options: Any

@@ -693,7 +693,7 @@ class Engine:
         sinks = [_queue_sink(inbox, k) for k in range(len(items))]
         rids = self._submit(items, sinks)
         finals: dict[int, GenerateChunk] = {}
-        for chunk in self._read_sync(inbox, rids, [k for k in range(len(items))]):
+        for chunk in self._read_sync(inbox, rids, list(range(len(items)))):
             finals[chunk.index] = chunk
         results = [_embedding_output(finals.get(k), rid).to_json() for k, rid in enumerate(rids)]
         return results[0] if request.is_single else results

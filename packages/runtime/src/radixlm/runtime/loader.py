@@ -32,7 +32,13 @@ from radixlm.runtime.models.linear import (
     cpu_packing_available,
 )
 from radixlm.runtime.models.registry import ModelFamily, UnsupportedArchitecture
-from radixlm.runtime.pooling import PoolingConfig, PoolingConfigError, PoolingTask, pooling_config
+from radixlm.runtime.pooling import (
+    PoolingConfig,
+    PoolingConfigError,
+    PoolingTask,
+    cross_encoder_activation,
+    pooling_config,
+)
 from radixlm.runtime.quant import (
     QuantConfig,
     QuantizationError,
@@ -256,6 +262,7 @@ def _pooling(
             normalize=config.normalize_embeddings,
             num_labels=labels,
             id2label=getattr(hf_config, "id2label", None) if labels else None,
+            activation=cross_encoder_activation(path, hf_config) if task == "score" else None,
         )
     except PoolingConfigError as error:
         raise ModelLoadError(str(error)) from None

@@ -57,6 +57,9 @@ class PoolingConfig:
     id2label: dict[str, str] = field(default_factory=dict)
     #: Where `method` and `normalize` came from (logged, reported by get_model_info).
     source: str = ""
+    #: A cross-encoder's activation over its logit ("sigmoid" or "identity", from its
+    #: sentence-transformers config; None: the default, sigmoid for one label).
+    activation: str | None = None
 
     def as_dict(self, hidden_size: int) -> dict[str, Any]:
         """The `pooling` entry of `model_info()` (what the HTTP server reads)."""
@@ -68,6 +71,7 @@ class PoolingConfig:
             "id2label": dict(self.id2label),
             "hidden_size": hidden_size,
             "source": self.source,
+            "activation": self.activation,
         }
 
 
@@ -121,6 +125,33 @@ def _st_pooling(directory: Path) -> PoolingMethod:
     return chosen[0]  # type: ignore[return-value]
 
 
+_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity"}
+
+
+def cross_encoder_activation(path: Path, hf_config: Any) -> str | None:
+    """The activation sentence-transformers' CrossEncoder applies to this checkpoint's logit:
+    `activation_fn` in `config_sentence_transformers.json` (6.x), else in config.json's
+    `sentence_transformers` entry (4.x, 5.x) or `sbert_ce_default_activation_function`."""
+    names = []
+    st_file = path / "config_sentence_transformers.json"
+    if st_file.is_file():
+        names.append(json.loads(st_file.read_text()).get("activation_fn"))
+    entry = getattr(hf_config, "sentence_transformers", None)
+    if isinstance(entry, dict):
+        names.append(entry.get("activation_fn"))
+    names.append(getattr(hf_config, "sbert_ce_default_activation_function", None))
+    for name in names:
+        if name:
+            short = str(name).rsplit(".", 1)[-1]
+            if short not in _ACTIVATIONS:
+                raise PoolingConfigError(
+                    f"{path}: the cross-encoder activation {name!r} is not supported "
+                    "(radixlm applies Sigmoid or Identity)"
+                )
+            return _ACTIVATIONS[short]
+    return None
+
+
 def pooling_config(
     path: Path,
     task: PoolingTask,
@@ -130,6 +161,7 @@ def pooling_config(
     normalize: bool | None = None,
     num_labels: int = 0,
     id2label: dict[Any, Any] | None = None,
+    activation: str | None = None,
 ) -> PoolingConfig:
     """The pooling of a checkpoint: the engine's flags (`method`, `normalize`), else its
     sentence-transformers files, else the architecture's default (`default_method`;
@@ -159,6 +191,7 @@ def pooling_config(
         num_labels=num_labels,
         id2label=labels or {str(i): f"LABEL_{i}" for i in range(num_labels)},
         source=", ".join(sources) or "the architecture's default",
+        activation=activation,
     )
 
 

@@ -58,6 +58,9 @@ class PoolingInfo:
     num_labels: int = 1
     id2label: Mapping[str, str] = field(default_factory=dict)
     hidden_size: int = 0
+    #: A cross-encoder's activation over its one logit ("sigmoid", the default, or
+    #: "identity"), as the checkpoint's sentence-transformers config names it.
+    activation: str = "sigmoid"
 
     @classmethod
     def of(cls, state: ServerState) -> PoolingInfo | None:
@@ -73,6 +76,7 @@ class PoolingInfo:
             num_labels=int(raw.get("num_labels", 1)),
             id2label={str(k): str(v) for k, v in labels.items()},
             hidden_size=int(raw.get("hidden_size", 0)),
+            activation=str(raw.get("activation") or "sigmoid"),
         )
 
     def label(self, index: int) -> str:
@@ -205,7 +209,7 @@ async def _pair_scores(
             for i, text in enumerate(seconds)
         ]
         outputs = await encode_all(state, route, jobs)
-        return [relevance(output.embedding) for output in outputs], outputs
+        return [relevance(output.embedding, info.activation) for output in outputs], outputs
     jobs = [_job({**names, "text": first}, text=text, **shared) for text in firsts]
     jobs += [_job({**names, "text": second}, text=text, **shared) for text in seconds]
     outputs = await encode_all(state, route, jobs)

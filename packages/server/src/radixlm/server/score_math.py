@@ -31,10 +31,13 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     return dot / norm if norm > 0 else 0.0
 
 
-def relevance(logits: Sequence[float]) -> float:
-    """A cross-encoder's relevance: the sigmoid of its one logit, else the softmax probability
-    of its last class (the "relevant" one of a two-class head)."""
-    return sigmoid(logits[0]) if len(logits) == 1 else softmax(logits)[-1]
+def relevance(logits: Sequence[float], activation: str = "sigmoid") -> float:
+    """A cross-encoder's relevance: its one logit through `activation` (sigmoid, or identity:
+    the raw logit), else the softmax probability of its last class (the "relevant" one of a
+    two-class head)."""
+    if len(logits) != 1:
+        return softmax(logits)[-1]
+    return float(logits[0]) if activation == "identity" else sigmoid(logits[0])
 
 
 def class_probs(task: str, logits: Sequence[float]) -> list[float]:
