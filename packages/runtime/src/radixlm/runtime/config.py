@@ -402,6 +402,13 @@ class SchedulerConfig:
       decays step by step and resets when requests had to be retracted.
     - `in_batch_prefix_min`: a queued request that shares at least this many uncached tokens
       with a request admitted in the same step waits one step, so it reuses them from the cache.
+    - `enable_priority_scheduling` (SGLang's flag): requests carry a `priority`; the queue is
+      ordered by it first (the policy orders requests of equal priority), a waiting request
+      whose priority beats a running one's by at least
+      `priority_scheduling_preemption_threshold` preempts it (it goes back to the queue, its
+      computed tokens to the cache) when it could not run otherwise, and a full queue makes
+      room for a request by refusing its lowest-priority waiting one. A larger value is a
+      higher priority unless `schedule_low_priority_values_first`.
     """
 
     schedule_policy: SchedulePolicy = "lpm"
@@ -416,6 +423,9 @@ class SchedulerConfig:
     clip_max_new_tokens: int = 4096
     in_batch_prefix_min: int = 32
     random_seed: int = 0
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
 
     def __post_init__(self) -> None:
         _choice("schedule_policy", self.schedule_policy, SchedulePolicy)
@@ -430,6 +440,11 @@ class SchedulerConfig:
             raise ValueError(f"max_queued_requests must be >= 0; got {self.max_queued_requests}")
         if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
             raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise ValueError(
+                "priority_scheduling_preemption_threshold must be >= 0; got "
+                f"{self.priority_scheduling_preemption_threshold}"
+            )
 
     @property
     def prefill_budget(self) -> int:
@@ -875,6 +890,17 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "enable_mixed_chunk": ("scheduler", "enable_mixed_chunk", None),
     "max_running_requests": ("memory", "max_running_requests", None),
     "max_queued_requests": ("scheduler", "max_queued_requests", None),
+    "enable_priority_scheduling": ("scheduler", "enable_priority_scheduling", None),
+    "schedule_low_priority_values_first": (
+        "scheduler",
+        "schedule_low_priority_values_first",
+        None,
+    ),
+    "priority_scheduling_preemption_threshold": (
+        "scheduler",
+        "priority_scheduling_preemption_threshold",
+        None,
+    ),
     "random_seed": ("scheduler", "random_seed", None),
     # cache
     "disable_radix_cache": ("cache", "disable_radix_cache", None),

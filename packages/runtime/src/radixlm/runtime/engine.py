@@ -264,6 +264,7 @@ class Engine:
                 hidden_size=info.hidden_size,
                 mixture_of_experts=info.static_info.get("moe") is not None,
                 routed_experts=bool(info.static_info.get("routed_experts")),
+                priority_scheduling=config.scheduler.enable_priority_scheduling,
             ),
             config.incremental_streaming_output,
             multimodal_preparer(
@@ -475,6 +476,8 @@ class Engine:
         lora_path: str | list[str | None] | None = None,
         return_routed_experts: bool | list[bool] = False,
         routed_experts_start_len: int | list[int] = 0,
+        priority: int | list[int | None] | None = None,
+        timeout: float | list[float | None] | None = None,
     ) -> Any: ...
 
     def generate(
@@ -499,10 +502,14 @@ class Engine:
         lora_path: str | list[str | None] | None = None,
         return_routed_experts: bool | list[bool] = False,
         routed_experts_start_len: int | list[int] = 0,
+        priority: int | list[int | None] | None = None,
+        timeout: float | list[float | None] | None = None,
     ) -> Any:
         """Generate, SGLang's way, blocking: a dict for one prompt (n == 1), a list of dicts
         for a batch or n > 1 (prompt-major), or with `stream=True` an iterator of chunks
-        (cumulative text; `index` tells sequences apart).
+        (cumulative text; `index` tells sequences apart). `priority` needs an engine with
+        `enable_priority_scheduling`; `timeout` (seconds from arrival) ends a request with
+        finish reason abort, keeping what it generated.
 
         Given a `GenerateRequest` instead, returns an async iterator of its chunks (the
         `EngineClient` form the HTTP server uses).
@@ -533,6 +540,8 @@ class Engine:
                 lora_path=lora_path,
                 return_routed_experts=return_routed_experts,
                 routed_experts_start_len=routed_experts_start_len,
+                priority=priority,
+                timeout=timeout,
             ),
         )
         chunks = self._stream_sync(request)
@@ -562,6 +571,8 @@ class Engine:
         lora_path: str | list[str | None] | None = None,
         return_routed_experts: bool | list[bool] = False,
         routed_experts_start_len: int | list[int] = 0,
+        priority: int | list[int | None] | None = None,
+        timeout: float | list[float | None] | None = None,
     ) -> Any:
         """`generate` for asyncio: awaits the result, or with `stream=True` returns an async
         iterator of chunks (`async for chunk in await engine.async_generate(..., stream=True)`)."""
@@ -589,6 +600,8 @@ class Engine:
                 lora_path=lora_path,
                 return_routed_experts=return_routed_experts,
                 routed_experts_start_len=routed_experts_start_len,
+                priority=priority,
+                timeout=timeout,
             ),
         )
         chunks = self._stream_async(request)

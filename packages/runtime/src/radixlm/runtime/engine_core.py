@@ -10,6 +10,7 @@ a request whose grammar is compiling simply stays in the queue.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import queue
 import time
@@ -139,6 +140,8 @@ class EngineCore:
         #: The engine-side state of each running sequence, by its scheduler request's rid.
         self._seqs: dict[str, SequenceState] = {}
         self._compiling: list[SequenceState] = []
+        #: (deadline, rid) of the requests that have a timeout, soonest first.
+        self._deadlines: list[tuple[float, str]] = []
         self._out: list[Output] = []
         self._stopped = False
         #: The weights' version (SGLang's `weight_version`, in every response's meta_info)
@@ -585,17 +588,30 @@ class EngineCore:
             for seq in handle.seqs:
                 seq.req.extra_key = (_WEIGHTS, self._weights_epoch, seq.req.extra_key)
         added = []
+        bumped = []
         try:
             for seq in handle.seqs:
-                self.scheduler.add(seq.req)
+                other = self.scheduler.add(seq.req)
                 added.append(seq)
+                if other is not None:
+                    bumped.append(self._seqs[other.rid].handle)
         except EngineOverloaded as error:
             for seq in added:
                 self.scheduler.abort(seq.req)
             handle.closed = True
             self._out.append(RequestFailed(rid, error))
             return
+        for other_handle in bumped:  # priority scheduling gave their places to this one
+            self._close_with_error(
+                other_handle,
+                EngineOverloaded(
+                    "the engine's queue is full and a request of higher priority took this "
+                    "one's place; retry later"
+                ),
+            )
         self.handles[rid] = handle
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, rid))
         if lora is not None and self.adapters is not None:
             self.adapters.open(lora[0])
             self._lora_of[rid] = lora[0]
@@ -618,18 +634,31 @@ class EngineCore:
             and self.executor.routed_store is None
         )
 
-    def abort(self, rid: str) -> bool:
-        """End a request: its sequences finish with `abort`, all its memory is freed."""
+    def abort(self, rid: str, message: str = "aborted by request") -> bool:
+        """End a request: its sequences finish with `abort` (with `message`), all its memory
+        is freed."""
         handle = self.handles.get(rid)
         if handle is None:
             return False
         for seq in handle.seqs:
             if seq.finish is None:
                 self.scheduler.abort(seq.req)
-                seq.stops.abort("aborted by request")
+                seq.stops.abort(message)
                 seq.dirty = True
         self._emit(handle)
         return True
+
+    def _expire(self) -> None:
+        """End the requests whose timeout has passed (finish reason abort; what they
+        generated is kept and their computed tokens are freed, not cached)."""
+        now = time.monotonic()
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _deadline, rid = heapq.heappop(deadlines)
+            handle = self.handles.get(rid)
+            if handle is not None:
+                timeout = handle.request.deadline - handle.request.created  # type: ignore[operator]
+                self.abort(rid, f"the request timed out after {timeout:.3g} s (its timeout)")
 
     def stop_sequence(self, rid: str, index: int) -> None:
         """The front end found a stop string: the sequence ends normally (its computed tokens
@@ -702,6 +731,8 @@ class EngineCore:
 
     def step(self) -> None:
         """One scheduling step (does nothing when nothing can run)."""
+        if self._deadlines:
+            self._expire()
         self._poll_grammars()
         batch = self.scheduler.schedule()
         touched: dict[str, RequestHandle] = {}

@@ -73,6 +73,10 @@ class EngineRequest:
     routed_experts_start: int | None = None
     #: A pooling model's request (`Engine.encode`): what to return instead of tokens.
     pooling: PoolingAsk | None = None
+    #: Its scheduling priority (the scheduler's `enable_priority_scheduling`).
+    priority: int = 0
+    #: time.monotonic() past which it ends with finish reason abort (None: no limit).
+    deadline: float | None = None
     created: float = 0.0  # time.monotonic() when it arrived (system-wide on Linux)
 
 

@@ -61,6 +61,8 @@ class FrontendLimits:
     #: Whether the model has experts, and whether the engine keeps their routing.
     mixture_of_experts: bool = False
     routed_experts: bool = False
+    #: Whether requests may carry a `priority` (the scheduler's `enable_priority_scheduling`).
+    priority_scheduling: bool = False
 
 
 class RequestPreparer:
@@ -140,6 +142,8 @@ class RequestPreparer:
                 f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} "
                 "to generate); ask for fewer tokens or shorten the prompt",
             )
+        created = time.monotonic()
+        timeout = _one(item.timeout, float)
         return EngineRequest(
             rid=_one(item.rid, str) or uuid.uuid4().hex,
             prompt_ids=tuple(prompt_ids),
@@ -157,8 +161,25 @@ class RequestPreparer:
             thinking_end=thinking_end,
             lora_name=lora_name,
             routed_experts_start=self._routed_experts_start(item, len(prompt_ids)),
-            created=time.monotonic(),
+            priority=self._priority(item),
+            deadline=None if timeout is None else created + timeout,
+            created=created,
         )
+
+    def _priority(self, item: GenerateRequest) -> int:
+        """The request's priority (0 when it names none); refused unless the engine
+        schedules by priority, so that a priority is never silently ignored."""
+        priority = _one(item.priority, int)
+        if priority is None:
+            return 0
+        if not self.limits.priority_scheduling:
+            raise InvalidRequest(
+                "priority",
+                "this engine does not schedule by priority; start it with "
+                "--enable-priority-scheduling (enable_priority_scheduling=True) or drop "
+                "the field",
+            )
+        return priority
 
     def _routed_experts_start(self, item: GenerateRequest, prompt_len: int) -> int | None:
         """`routed_experts_start_len` when the request asks for its routed experts."""

@@ -110,6 +110,7 @@ def open_request(
             # KV computed under an adapter is cached under its uid, apart from other adapters'.
             extra_key=lora[0] if lora is not None else None,
             lora=lora,
+            priority=request.priority,
         )
         seq = SequenceState(
             handle,

@@ -25,6 +25,8 @@ _PER_ITEM_SCALARS = (
     "return_hidden_states",
     "return_routed_experts",
     "routed_experts_start_len",
+    "priority",
+    "timeout",
 )
 # Fields whose single-request value is itself a list, so only a list of lists is per-item.
 _PER_ITEM_LISTS = ("token_ids_logprob",)
@@ -66,6 +68,13 @@ class GenerateRequest(BaseModel):
     #: `routed_experts_start_len` on.
     return_routed_experts: bool | list[bool] = False
     routed_experts_start_len: int | list[int] = 0
+    #: Scheduling priority (the engine must run with `enable_priority_scheduling`): by
+    #: default a larger value runs first (`schedule_low_priority_values_first` reverses it);
+    #: None is the engine's default priority, 0.
+    priority: int | list[int | None] | None = None
+    #: Seconds the request may take from its arrival; past it the request ends with
+    #: finish reason abort (what it generated is kept). None: no limit.
+    timeout: float | list[float | None] | None = None
 
     @classmethod
     def parse(cls, data: Mapping[str, Any]) -> GenerateRequest:
@@ -105,6 +114,9 @@ class GenerateRequest(BaseModel):
                 raise InvalidRequest("input_ids", "a prompt must hold at least one token id")
             if min(ids) < 0:
                 raise InvalidRequest("input_ids", "token ids must be >= 0")
+        timeouts = self.timeout if isinstance(self.timeout, list) else [self.timeout]
+        if any(value is not None and not value > 0 for value in timeouts):
+            raise InvalidRequest("timeout", "must be a number of seconds > 0 (or null: no limit)")
         for name in ("logprob_start_len", "top_logprobs_num", "routed_experts_start_len"):
             values = getattr(self, name)
             floor = -1 if name == "logprob_start_len" else 0

@@ -27,6 +27,7 @@ from radixlm.server.pooling import pooling_router
 from radixlm.server.protocol import EngineClient
 from radixlm.server.state import ServerState
 from radixlm.server.streams import ClientDisconnected
+from radixlm.server.tokenize import tokenize_router
 from radixlm.server.weights import weights_router
 
 # Reachable without the API key (load balancers and orchestrators probe them).
@@ -97,6 +98,39 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, counted, send)
+
+
+class DrainMiddleware:
+    """While the server drains (SIGTERM, `ServerState.draining`): 503 with Retry-After for new
+    work (every POST) and for the health probes, so that load balancers and orchestrators
+    send nothing more; reads (models, metrics, server info) still answer, and the requests in
+    flight finish undisturbed. It counts the HTTP requests open (`ServerState.open_requests`,
+    a streamed one until its last byte is sent): the drain waits for none."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.state
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if state.draining and (scope["method"] == "POST" or scope["path"] in OPEN_PATHS):
+            response = APIError(
+                503,
+                "the server is shutting down and takes no new requests; send them to another "
+                "replica",
+                code="draining",
+                type="server_error",
+            ).response()
+            await response(scope, receive, send)
+            return
+        state.open_requests += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.open_requests -= 1
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -216,7 +250,9 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
     app.include_router(weights_router(state))
     app.include_router(_openai_router(state))
     app.include_router(pooling_router(state))
+    app.include_router(tokenize_router(state))
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes, metrics=state.metrics)
+    app.add_middleware(DrainMiddleware, state=state)
     if config.api_key is not None:  # outermost: checked first
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app

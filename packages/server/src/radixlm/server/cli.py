@@ -73,6 +73,21 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "type": int,
         "help": "most requests waiting; beyond it requests get HTTP 503",
     },
+    "enable_priority_scheduling": {
+        "action": "store_true",
+        "help": "requests carry a priority (the `priority` field): the queue runs higher ones "
+        "first, they preempt running requests of much lower priority, and a full queue "
+        "refuses its lowest-priority request for them",
+    },
+    "schedule_low_priority_values_first": {
+        "action": "store_true",
+        "help": "with --enable-priority-scheduling, a smaller priority value runs first",
+    },
+    "priority_scheduling_preemption_threshold": {
+        "type": int,
+        "help": "how much higher a waiting request's priority must be to preempt a running "
+        "one (default 10)",
+    },
     "chunked_prefill_size": {"type": int, "help": "most prompt tokens prefilled per step"},
     "page_size": {"type": int, "help": "tokens per KV cache page"},
     "schedule_policy": {
@@ -457,6 +472,15 @@ def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
         help="largest request body accepted, in bytes; larger ones get HTTP 413, refused from "
         "their Content-Length before they are read (default 32 MiB)",
     )
+    server.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, answer new requests with 503 and /health with 503 while the "
+        "requests in flight finish, for at most this long, then exit 0 (default 30; 0: stop "
+        "at once)",
+    )
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     engine = parser.add_argument_group("engine")
     from radixlm.server.launcher import engine_choices
@@ -527,6 +551,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         response_store_size=args.response_store_size,
         max_request_bytes=args.max_request_bytes,
+        graceful_shutdown_timeout=args.graceful_shutdown_timeout,
     )
 
 

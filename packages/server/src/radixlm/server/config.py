@@ -36,6 +36,9 @@ class ServerConfig:
       go first; 0 keeps none.
     - `max_request_bytes`: the largest request body accepted, in bytes (413 beyond it, before
       the body is read when its `Content-Length` says so, else once that much has arrived).
+    - `graceful_shutdown_timeout`: on SIGTERM the server drains: new work gets 503 and
+      `/health` turns unhealthy while the requests in flight finish, for at most this many
+      seconds; then it exits with status 0 (0: stop at once, as on SIGINT).
     """
 
     served_model_name: str | None = None
@@ -51,8 +54,14 @@ class ServerConfig:
     log_requests: bool = True
     response_store_size: int = 1024
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    graceful_shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError(
+                "graceful_shutdown_timeout must be >= 0 seconds (0: exit at once on SIGTERM); "
+                f"got {self.graceful_shutdown_timeout}"
+            )
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "

@@ -10,7 +10,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import signal
 import threading
+import time
+from types import FrameType
 from typing import Any
 
 from radixlm.server.app import create_app
@@ -270,6 +273,57 @@ class EngineWatchdog:
                 return
 
 
+class GracefulDrain:
+    """SIGTERM drains the server instead of stopping it at once (what Kubernetes sends before
+    it kills a pod): new work and the health probes get 503 (`ServerState.draining`) while
+    the HTTP requests open finish, for at most `timeout` seconds; then the server stops and
+    the process exits 0. A second SIGTERM, SIGINT, or a timeout of 0 stop as uvicorn does.
+
+    Installed as the uvicorn server's `handle_exit` (its signal handler)."""
+
+    def __init__(
+        self, server: Any, state: Any, timeout: float, interval: float = 0.05, linger: float = 1.0
+    ) -> None:
+        self.server = server  # a uvicorn.Server
+        self.state = state  # the app's ServerState: `draining`, `open_requests`
+        self.timeout = timeout
+        self.interval = interval
+        self.linger = linger  # seconds the requests still open get once the drain ends
+        self._stop = server.handle_exit  # uvicorn's own handler
+        self.thread: threading.Thread | None = None
+
+    def install(self) -> GracefulDrain:
+        self.server.handle_exit = self.handle_exit
+        return self
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self.timeout <= 0 or self.state.draining:
+            self._stop(sig, frame)
+            return
+        # Not passed on to uvicorn: it would raise the SIGTERM again once it stopped, and
+        # the process would die of it rather than exit 0.
+        self.state.draining = True
+        logger.warning(
+            "SIGTERM: draining (new requests get 503) while %d requests finish, for at most %g s",
+            self.state.open_requests,
+            self.timeout,
+        )
+        self.thread = threading.Thread(target=self._drain, name="radixlm-drain", daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while self.state.open_requests > 0 and time.monotonic() < deadline:
+            time.sleep(self.interval)
+        left = self.state.open_requests
+        if left:
+            logger.warning("drain timed out with %d requests open: stopping anyway", left)
+        else:
+            logger.info("drained: every request finished; stopping")
+        self.server.config.timeout_graceful_shutdown = self.linger
+        self.server.should_exit = True
+
+
 def launch(
     model_path: str,
     config: ServerConfig,
@@ -301,6 +355,7 @@ def launch(
             app, host=config.host, port=config.port, log_level=config.log_level
         )
         server = uvicorn.Server(uvicorn_config)
+        GracefulDrain(server, app.state.radixlm, config.graceful_shutdown_timeout).install()
         watchdog = EngineWatchdog(engine, server).start()
         server.run()
     finally:

@@ -144,6 +144,7 @@ def render_chat(
     tools: list[dict[str, Any]] | None,
     template: str | None,
     template_kwargs: dict[str, Any] | None,
+    add_generation_prompt: bool = True,
 ) -> str:
     """The prompt text of a conversation; InvalidRequest when the template cannot render it."""
     if tokenizer is None:
@@ -161,7 +162,11 @@ def render_chat(
         kwargs["chat_template"] = template
     try:
         prompt = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **kwargs,
         )
     except Exception as error:  # jinja2 errors, raise_exception() in templates, bad kwargs
         raise InvalidRequest(
@@ -271,6 +276,8 @@ class _Chat:
                 "stream": request.stream,
                 "custom_logit_processor": request.custom_logit_processor,
                 "lora_path": model.lora,
+                "priority": request.priority,
+                "timeout": request.timeout,
             }
         )
         self.item = state.prepare(item)

@@ -78,6 +78,8 @@ class _Completion:
                     "stream": request.stream,
                     "custom_logit_processor": request.custom_logit_processor,
                     "lora_path": model.lora,
+                    "priority": request.priority,
+                    "timeout": request.timeout,
                 }
             )
             self.items.append(state.prepare(item))

@@ -103,6 +103,10 @@ class SamplingFields(BaseModel):
     rid: str | None = None
     #: SGLang's field: the LoRA adapter to answer with (or name it in `model`).
     lora_path: str | None = None
+    #: vLLM's and SGLang's field (the server must run with --enable-priority-scheduling).
+    priority: int | None = None
+    #: Seconds the request may take; past them it ends with finish reason abort.
+    timeout: float | None = None
 
     @field_validator("n")
     @classmethod

@@ -120,6 +120,10 @@ class ServerState:
         self.engine = engine
         self.config = config
         self.inflight: dict[str, float] = {}
+        #: Set on SIGTERM (the launcher's GracefulDrain): new work is refused with 503 while
+        #: what is in flight finishes.
+        self.draining = False
+        self.open_requests = 0  # HTTP requests being answered (counted by DrainMiddleware)
         self.metrics: ServerMetrics | None = None
         if config.enable_metrics:
             self.metrics = ServerMetrics(engine.server_info, lambda: len(self.inflight))

@@ -72,6 +72,7 @@ class Req:
         stopper: Stopper | None = None,
         reuse_prefix: bool = True,
         lora: tuple[str, str] | None = None,
+        priority: int = 0,
     ) -> None:
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -106,6 +107,8 @@ class Req:
         #: Its LoRA adapter: (uid, adapter directory), or None for the base model. The cache
         #: key's `extra_key` should name the adapter too (KV differs under each adapter).
         self.lora = lora
+        #: Its scheduling priority (used when the scheduler orders by priority).
+        self.priority = priority
         self._prompt_key: array[int] | None = None
         self.arrival = next(_ARRIVALS)
         self.status = ReqStatus.WAITING

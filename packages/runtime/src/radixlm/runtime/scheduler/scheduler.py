@@ -222,17 +222,71 @@ class Scheduler:
         slots is not a queue, even before the loop has admitted it."""
         return max(0, len(self.waiting) + incoming - self.headroom())
 
-    def add(self, req: Req) -> None:
-        """Queue a request; raises EngineOverloaded beyond `max_queued_requests` waiting."""
+    def add(self, req: Req) -> Req | None:
+        """Queue a request; raises EngineOverloaded beyond `max_queued_requests` waiting.
+        Under priority scheduling a full queue takes a request whose priority beats a waiting
+        one's that has not run yet: that one leaves the queue (unfinished) and is returned
+        for its owner to refuse."""
         limit = self.config.max_queued_requests
+        bumped = None
         if limit is not None and self.backlog(1) > limit:
-            raise EngineOverloaded(
-                f"the engine's queue is full ({limit} requests waiting); retry later"
-            )
+            bumped = self._bumped_by(req)
+            if bumped is None:
+                raise EngineOverloaded(
+                    f"the engine's queue is full ({limit} requests waiting); retry later"
+                )
+            self.waiting.remove(bumped)
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
         if self.tiers is not None and req.reuse_prefix:
             self.tiers.prefetch(req.key(), req.extra_key)  # storage reads while it waits
+        return bumped
+
+    # ------------------------------------------------------------------------- priorities
+
+    def rank(self, req: Req) -> int:
+        """Smaller runs first: the request's priority in the configured direction (0 for
+        every request without priority scheduling)."""
+        config = self.config
+        if not config.enable_priority_scheduling:
+            return 0
+        return req.priority if config.schedule_low_priority_values_first else -req.priority
+
+    def _victim(self, among: Sequence[Req]) -> Req:
+        """The request to retract first: the lowest priority, the youngest among equals."""
+        return max(among, key=lambda r: (self.rank(r), r.arrival))
+
+    def _bumped_by(self, req: Req) -> Req | None:
+        """The waiting request a full queue refuses to take `req` (priority scheduling): the
+        lowest-priority one below `req`'s that never ran (one that ran has sent output)."""
+        if not self.config.enable_priority_scheduling:
+            return None
+        rank = self.rank(req)
+        fresh = [r for r in self.waiting if r.retractions == 0 and self.rank(r) > rank]
+        return self._victim(fresh) if fresh else None
+
+    def _preempt(self, retracted: list[Req]) -> None:
+        """Priority scheduling: retract running requests whose priority the best waiting
+        request beats by the preemption threshold (lowest first) until it could be admitted:
+        a running slot and room for its next chunk beside what the others keep."""
+        config = self.config
+        waiting = [r for r in self.waiting if not r.blocked()]
+        if not waiting:
+            return
+        req = min(waiting, key=lambda r: (self.rank(r), r.arrival))
+        floor = self.rank(req) + max(config.priority_scheduling_preemption_threshold, 1)
+        while True:
+            victims = [r for r in self.running if self.rank(r) >= floor]
+            if not victims:
+                return
+            count = min(req.seq_len, config.prefill_budget)
+            future = self.new_token_ratio * min(req.max_new_tokens, config.clip_max_new_tokens)
+            reserve = sum(self._reserve(r) for r in self.running)
+            free = self.pool.available + (self.cache.evictable_size if self.caching else 0)
+            fits = free >= self._tokens_to_alloc(req, count) + reserve + future
+            if len(self.running) < self.max_running and fits:
+                return
+            retracted.append(self._retract(self._victim(victims)))
 
     def abort(self, req: Req) -> None:
         """Remove a request wherever it is and give back everything it holds (nothing is
@@ -402,6 +456,8 @@ class Scheduler:
         retracted: list[Req] = []
         dropped: list[Req] = []
         budget = self.config.prefill_budget
+        if self.config.enable_priority_scheduling and self.waiting:
+            self._preempt(retracted)
         while True:
             if self.config.enable_mixed_chunk:
                 entries = self._schedule_decodes(retracted, dropped)
@@ -414,7 +470,7 @@ class Scheduler:
                 break
             # Nothing could run but requests hold memory: free some and try again.
             if len(self.running) > 1:
-                retracted.append(self._retract(self._youngest()))
+                retracted.append(self._retract(self._victim(self.running)))
             else:
                 dropped.append(self._drop(self.running[0]))
         if any(not e.is_prefill for e in entries):
@@ -424,9 +480,6 @@ class Scheduler:
             )
         table = self.adapters.snapshot() if self.adapters is not None else None
         return ScheduledBatch(tuple(entries), tuple(retracted), tuple(dropped), table)
-
-    def _youngest(self, among: Sequence[Req] | None = None) -> Req:
-        return max(among if among is not None else self.running, key=lambda r: r.arrival)
 
     def _retract(self, req: Req) -> Req:
         """Send a running request back to the queue: its computed tokens go to the cache (or
@@ -519,12 +572,12 @@ class Scheduler:
             if drafts:  # drafts never cost another request its place
                 drafts = {}
                 continue
-            oldest = min(decoding, key=_arrival)
-            victims = [r for r in self.running if r is not oldest]
+            first = min(decoding, key=lambda r: (self.rank(r), r.arrival))
+            victims = [r for r in self.running if r is not first]
             if not victims:
                 dropped.append(self._drop(decoding[0]))
                 return []
-            victim = self._youngest(victims)
+            victim = self._victim(victims)
             retracted.append(self._retract(victim))
             if victim in decoding:
                 decoding.remove(victim)
@@ -653,6 +706,8 @@ class Scheduler:
         self.memory_bound = bool(retracted)  # set again below if memory stops admission
         self._matches.clear()
         order = self.policy.order(candidates, self._prefix_length)
+        if self.config.enable_priority_scheduling:
+            order.sort(key=self.rank)  # stable: the policy's order among equal priorities
         prefix_aware = self.policy.name in ("lpm", "dfs-weight") and (
             len(candidates) <= self.config.policy_fallback_queue_len
         )
@@ -994,10 +1049,6 @@ class Scheduler:
             f"slot leak: free {self.pool.available} + cached {self.cache.total_size} + held "
             f"{self.held_tokens()} = {total} != pool size {pool_size}"
         )
-
-
-def _arrival(req: Req) -> int:
-    return req.arrival
 
 
 def _violation(grammar: Any) -> Any:
