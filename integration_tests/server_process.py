@@ -28,15 +28,18 @@ def served(
     port: int,
     timeout: float = 90,
     command: Sequence[str] | None = None,
+    started: list[subprocess.Popen[bytes]] | None = None,
 ) -> Iterator[str]:
     """Run `COMMAND ARGS --port PORT` (output to `log`; the command defaults to
     `python -m radixlm.server`) until `/health` answers; yields its base URL and stops it with
-    SIGINT afterwards."""
+    SIGINT afterwards (unless it exited). The process is appended to `started` if given."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     program = list(command) if command is not None else [sys.executable, "-m", "radixlm.server"]
     command = [*program, *args, "--port", str(port)]
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    if started is not None:
+        started.append(process)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
