@@ -36,6 +36,9 @@ class ServerConfig:
       go first; 0 keeps none.
     - `max_request_bytes`: the largest request body accepted, in bytes (413 beyond it, before
       the body is read when its `Content-Length` says so, else once that much has arrived).
+    - `otlp_traces_endpoint`: when set, OpenTelemetry traces of the requests are exported over
+      OTLP/HTTP to this URL (`http://host:4318/v1/traces`; a URL without a path gets
+      `/v1/traces`, one without a scheme `http://`). Needs `radixlm-server[tracing]`.
     """
 
     served_model_name: str | None = None
@@ -51,6 +54,7 @@ class ServerConfig:
     log_requests: bool = True
     response_store_size: int = 1024
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -75,6 +79,13 @@ class ServerConfig:
             raise ValueError(f"response_store_size must be >= 0; got {self.response_store_size}")
         if self.max_request_bytes <= 0:
             raise ValueError(f"max_request_bytes must be positive; got {self.max_request_bytes}")
+        if self.otlp_traces_endpoint is not None and (
+            not self.otlp_traces_endpoint.strip() or " " in self.otlp_traces_endpoint.strip()
+        ):
+            raise ValueError(
+                "otlp_traces_endpoint must be a URL such as http://localhost:4318/v1/traces; "
+                f"got {self.otlp_traces_endpoint!r} (omit it to disable tracing)"
+            )
         if self.api_key == "":
             raise ValueError("api_key must not be empty; omit it to disable authentication")
 
