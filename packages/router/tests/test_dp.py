@@ -311,3 +311,60 @@ def test_encode_on_replicas_without_it_is_refused() -> None:
     engine = DataParallelEngine([FakeReplica("a")], "round_robin")
     with pytest.raises(InvalidRequest, match="pooling"):
         asyncio.run(engine.encode(EmbeddingRequest(text="x", rid="1")))
+
+
+def test_each_routing_decision_is_a_span_under_the_callers_span() -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    replicas = [FakeReplica("a"), FakeReplica("b")]
+    engine = DataParallelEngine(replicas, "cache_aware", tracer_provider=provider)
+    ids = list(range(50))
+
+    async def requests() -> list[GenerateChunk]:
+        with provider.get_tracer("test").start_as_current_span("http"):
+            chunks = await _run(engine, [GenerateRequest(input_ids=ids, rid="x")])
+            return chunks + await _run(engine, [GenerateRequest(input_ids=[*ids, 7], rid="y")])
+
+    first, second = asyncio.run(requests())
+    spans = exporter.get_finished_spans()
+    http = next(s for s in spans if s.name == "http")
+    routes = [s for s in spans if s.name == "route"]
+    assert len(routes) == 2
+    for route in routes:
+        assert route.parent is not None and route.parent.span_id == http.context.span_id
+        assert route.context.trace_id == http.context.trace_id
+        assert route.attributes is not None
+        assert route.attributes["radixlm.router.policy"] == "cache_aware"
+    later = next(r for r in routes if (r.attributes or {})["gen_ai.request.id"] == "y")
+    attributes = dict(later.attributes or {})
+    # The second prompt extends the first: it goes where the first went, 50 tokens matched.
+    assert attributes["radixlm.router.replica"] == "ab".index(first.text)
+    assert second.text == first.text
+    assert attributes["radixlm.router.reason"] == "prefix"
+    assert attributes["radixlm.router.matched_tokens"] == 50
+    assert attributes["radixlm.router.prompt_tokens"] == 51
+    assert not trace.get_current_span().is_recording()  # nothing left attached
+
+
+def test_a_routing_failure_is_an_error_span() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    replicas = [FakeReplica("a")]
+    replicas[0].healthy = False
+    engine = DataParallelEngine(replicas, "round_robin", tracer_provider=provider)
+    with pytest.raises(EngineUnavailable):
+        asyncio.run(_run(engine, [GenerateRequest(input_ids=[1, 2], rid="z")]))
+    (route,) = exporter.get_finished_spans()
+    assert route.name == "route" and route.status.status_code is StatusCode.ERROR

@@ -3,6 +3,7 @@ front end's `RequestOutput` makes the text, finds stop strings and tells the cor
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -159,3 +160,30 @@ def test_each_of_n_sequences_stops_on_its_own(engine: Engine) -> None:
     assert [o["text"] for o in outs] == [expected] * 3
     assert engine.server_info(fresh=True)["num_running_reqs"] == 0
     engine.check_invariants()
+
+
+def _assert_ordered(stamps: dict[str, Any]) -> None:
+    order = ["arrival", "scheduled", "first_token", "last_token", "detokenized"]
+    assert set(stamps) == set(order)
+    values = [stamps[k] for k in order]
+    assert all(isinstance(v, float) for v in values), stamps
+    assert values == sorted(values), stamps
+    assert abs(values[-1] - time.time()) < 60  # seconds since the epoch
+
+
+def test_the_final_chunk_says_when_the_request_arrived_ran_and_was_detokenized(
+    engine: Engine,
+) -> None:
+    chunks = list(engine.generate("A timed prompt", GREEDY, stream=True))
+    assert all("timestamps" not in c["meta_info"] for c in chunks[:-1])
+    stamps = chunks[-1]["meta_info"]["timestamps"]
+    _assert_ordered(stamps)
+    assert stamps["last_token"] > stamps["first_token"]  # 16 tokens: decode steps ran
+
+
+def test_a_sequence_ended_by_a_front_end_stop_string_has_its_timestamps(engine: Engine) -> None:
+    prompt = "Stamped stop"
+    stop, _ = _a_stop_string(engine, prompt)
+    out = engine.generate(prompt, {**GREEDY, "stop": stop})
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    _assert_ordered(out["meta_info"]["timestamps"])

@@ -91,12 +91,15 @@ def server(engine: Any) -> Iterator[LiveServer]:
 
 @pytest.fixture
 def make_server(tokenizer: Any) -> Iterator[Callable[..., tuple[LiveServer, Any]]]:
-    """Start a server with its own config and engine (engine keywords go to FakeEngine)."""
+    """Start a server with its own config and engine (engine keywords go to FakeEngine;
+    `tracer_provider` to `create_app`)."""
     started: list[LiveServer] = []
 
-    def start(config: ServerConfig, **engine_kwargs: Any) -> tuple[LiveServer, Any]:
+    def start(
+        config: ServerConfig, *, tracer_provider: Any = None, **engine_kwargs: Any
+    ) -> tuple[LiveServer, Any]:
         engine = fake.FakeEngine(tokenizer, **engine_kwargs)
-        live = LiveServer(create_app(engine, config)).start()
+        live = LiveServer(create_app(engine, config, tracer_provider=tracer_provider)).start()
         started.append(live)
         return live, engine
 

@@ -7,7 +7,8 @@ What it generates, in order of precedence:
 - otherwise a fixed sentence, rotated by the sequence index so n > 1 choices differ.
 The text is tokenized and emitted one token at a time (EOS after it unless ignore_eos), with
 stop strings, stop token ids and max_new_tokens applied, cumulative text, and fake but
-well-formed logprobs. It records what it received and which streams were closed early.
+well-formed logprobs. It records what it received and which streams were closed early. A
+final chunk carries `meta_info["timestamps"]` as radixlm's engine reports them.
 
 With `vision=True` it stands for a vision-language model: its model info names an image
 placeholder (IMAGE_TOKEN) and a video placeholder (VIDEO_TOKEN), and, as radixlm's engine, it
@@ -167,6 +168,11 @@ class _Sequence:
     ids: list[int] = field(default_factory=list)
     text: str = ""
     finish: FinishReason | None = None
+    # When it arrived, was first advanced, got its first and last token (time.time()).
+    arrived: float = 0.0
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
 
 
 class FakeEngine:
@@ -422,8 +428,20 @@ class FakeEngine:
             cached_tokens=len(prompt) // 2,
             finish_reason=seq.finish,
             e2e_latency=time.monotonic() - arrival,
+            extra=None if seq.finish is None else {"timestamps": self._timestamps(seq)},
             **logprobs,
         )
+
+    @staticmethod
+    def _timestamps(seq: _Sequence) -> dict[str, float | None]:
+        """radixlm's engine's `meta_info["timestamps"]` of a final chunk."""
+        return {
+            "arrival": seq.arrived,
+            "scheduled": seq.scheduled,
+            "first_token": seq.first_token,
+            "last_token": seq.last_token,
+            "detokenized": time.time(),
+        }
 
     def _advance(self, seq: _Sequence, params: SamplingParams, limit: int | None) -> None:
         token = seq.target[len(seq.ids)] if len(seq.ids) < len(seq.target) else self.eos_id
@@ -431,6 +449,8 @@ class FakeEngine:
             seq.finish = FinishReason("stop", token)
             return
         seq.ids.append(token)
+        seq.last_token = time.time()
+        seq.first_token = seq.first_token or seq.last_token
         seq.text = str(self._tokenizer.decode(seq.ids, skip_special_tokens=True))
         if token in (params.stop_token_ids or []):
             seq.finish = FinishReason("stop", token)
@@ -455,6 +475,8 @@ class FakeEngine:
         self._check(request, prompt)
         prompt_text = str(self._tokenizer.decode(prompt))
         seqs = [_Sequence(i, t) for i, t in enumerate(self._targets(request, prompt_text))]
+        for seq in seqs:
+            seq.arrived = time.time()
         arrival = time.monotonic()
         state = {"abort": False}
         self.active[rid] = state
@@ -471,6 +493,7 @@ class FakeEngine:
                 for seq in seqs:
                     if seq.finish is not None:
                         continue
+                    seq.scheduled = seq.scheduled or time.time()
                     if state["abort"]:
                         seq.finish = FinishReason("abort", message="aborted by request")
                     else:

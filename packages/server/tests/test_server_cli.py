@@ -420,3 +420,10 @@ def test_dp_size_starts_replicas_behind_the_router(
     for bad in (["--dp-size", "0"], ["--router-policy", "fastest"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(bad)
+
+
+def test_otlp_traces_endpoint_turns_tracing_on_and_is_off_by_default() -> None:
+    args = build_parser().parse_args(["--otlp-traces-endpoint", "http://collector:4318/v1/traces"])
+    assert server_config(args).otlp_traces_endpoint == "http://collector:4318/v1/traces"
+    assert "otlp_traces_endpoint" not in engine_kwargs(args)
+    assert server_config(build_parser().parse_args([])).otlp_traces_endpoint is None

@@ -14,6 +14,12 @@ in front of it is the one of a single replica. A request's key is its prompt's t
 see `radixlm.router.keys`). A replica that is not healthy is out of routing until it is again
 (its engine process restarts): requests in flight there end with its `EngineUnavailable` (a
 503 the client may retry), new ones go to the others.
+
+Given an OpenTelemetry `tracer_provider`, each routing decision is a span (`route`, a child
+of the span current where the request is routed, e.g. the server's HTTP span) naming the
+replica, the policy, its reason and how many prompt tokens the chosen replica's tree
+matched; the replica then runs in that same trace context. Without one, nothing of
+OpenTelemetry is touched.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from radixlm.router._version import __version__
 from radixlm.router.keys import prompt_key
-from radixlm.router.policies import Policy
+from radixlm.router.policies import CacheAwareDecision, Policy
 from radixlm.router.router import NoReplicaAvailable, Router
 from radixlm.sampling import (
     EmbeddingOutput,
@@ -53,11 +60,13 @@ class DataParallelEngine:
         *,
         tokenizer: Any = None,
         match_on: str = "tokens",
+        tracer_provider: Any = None,
         **policy_options: Any,
     ) -> None:
         """`match_on="tokens"` keys requests by token ids (the tokenizer is the first
         replica's unless given); `"text"` by the prompt text's bytes (a chat, which the server
-        sends as token ids, is still keyed by them)."""
+        sends as token ids, is still keyed by them). `tracer_provider`: an OpenTelemetry
+        TracerProvider for the routing spans (None: no spans)."""
         if not replicas:
             raise ValueError("a data-parallel engine needs at least one replica")
         if match_on not in ("tokens", "text"):
@@ -69,6 +78,11 @@ class DataParallelEngine:
         self._owners: dict[str, int] = {}  # rid -> replica index, while it runs
         self._lock = threading.Lock()
         self._refreshed = 0.0
+        self._tracer: Any = (
+            None
+            if tracer_provider is None
+            else tracer_provider.get_tracer("radixlm.router", __version__)
+        )
 
     # --------------------------------------------------------------------------- state
 
@@ -125,13 +139,35 @@ class DataParallelEngine:
         return await asyncio.to_thread(prompt_key, None, text, self._tokenizer)
 
     async def route(self, request: GenerateRequest | EmbeddingRequest) -> int:
-        """The index of the replica `request` goes to (a 503 when none serves)."""
+        """The index of the replica `request` goes to (a 503 when none serves); a `route`
+        span when tracing."""
+        if self._tracer is None:
+            return await self._route(request, None)
+        with self._tracer.start_as_current_span("route") as span:
+            return await self._route(request, span)
+
+    async def _route(self, request: GenerateRequest | EmbeddingRequest, span: Any) -> int:
         key = await self._key(request)
         self.refresh()
         try:
             replica = self.router.choose(key, namespace=getattr(request, "lora_path", None))
         except NoReplicaAvailable as error:
             raise EngineUnavailable(str(error)) from None
+        if span is not None:
+            policy = self.router.policy
+            attributes: dict[str, Any] = {
+                "radixlm.router.replica": int(replica.id),
+                "radixlm.router.policy": policy.name,
+                "radixlm.router.prompt_tokens": len(key),
+            }
+            if isinstance(request.rid, str):
+                attributes["gen_ai.request.id"] = request.rid
+            # The policy's own account of this choice (no await since it chose).
+            decision = getattr(policy, "last", None)
+            if isinstance(decision, CacheAwareDecision) and decision.replica == replica.id:
+                attributes["radixlm.router.reason"] = decision.reason
+                attributes["radixlm.router.matched_tokens"] = decision.matched
+            span.set_attributes(attributes)
         return int(replica.id)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:

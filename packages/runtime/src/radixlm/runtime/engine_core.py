@@ -753,8 +753,11 @@ class EngineCore:
         grammars: list[Any] = []
         drafts: list[Sequence[int]] = []
         inputs: list[EntryInputs | None] = []
+        started = time.monotonic()
         for entry in batch.entries:
             seq = self._seqs[entry.req.rid]
+            if seq.scheduled_at is None:
+                seq.scheduled_at = started
             options = seq.handle.logprobs
             inputs.append(_entry_inputs(seq.handle))
             asks.append(
@@ -794,8 +797,14 @@ class EngineCore:
         ):
             self._record(batch, result)
         # The one update phase: the scheduler appends, takes back, stops and ends requests.
-        for update in self.scheduler.update(batch, result.tokens, result.accepted):
+        updated = self.scheduler.update(batch, result.tokens, result.accepted)
+        done = time.monotonic()
+        for update in updated:
             seq = self._seqs[update.req.rid]
+            if update.req.output_ids:
+                if seq.first_token_at is None:
+                    seq.first_token_at = done
+                seq.last_token_at = done
             # Logprobs of tokens taken back (or of a token the grammar refused) go too.
             if len(seq.output_logprobs) > len(update.req.output_ids):
                 seq.truncate_logprobs(len(update.req.output_ids))

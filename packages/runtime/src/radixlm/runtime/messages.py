@@ -324,6 +324,10 @@ class SeqDelta(NamedTuple):
     routed_experts: tuple[int, Any] | None = None
     #: A pooling request's result (its embedding, or its head's outputs), with its finish.
     embedding: tuple[float, ...] | None = None
+    #: The core's `time.monotonic()` when the sequence was first scheduled, produced its
+    #: first output token and its last one so far (None: not yet); sent on the final delta
+    #: and on every delta the front end may end the sequence at (it watches stop strings).
+    times: tuple[float | None, float | None, float | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,6 +88,8 @@ class SequenceView:
         self.routed: Any = None
         #: A pooling request's result (its last delta brings it).
         self.embedding: tuple[float, ...] | None = None
+        #: The core's monotonic times: first scheduled, first and last output token.
+        self.times: tuple[float | None, float | None, float | None] = (None, None, None)
         self.sent_text = 0
         self.sent_ids = 0
         self.sent_logprobs = 0
@@ -128,6 +130,8 @@ class SequenceView:
         self.hidden_states.extend(delta.hidden_states)
         if delta.embedding is not None:
             self.embedding = delta.embedding
+        if delta.times is not None:
+            self.times = delta.times
         if delta.routed_experts is not None:
             start, rows = delta.routed_experts
             self.routed = rows if self.routed is None else torch.cat([self.routed[:start], rows])
@@ -189,6 +193,22 @@ class SequenceView:
             return []
         return self.hidden_states[: 1 + max(num_ids - 1, 0)]
 
+    def _timestamps(self) -> dict[str, float | None]:
+        """`meta_info["timestamps"]` of the final chunk: when the request arrived (prepared),
+        was first scheduled, produced its first and last output token, and when its output
+        was detokenized (now), in seconds since the epoch (None: it never got there). The
+        core's times are `time.monotonic()`, one clock for every process of the machine."""
+        now = time.time()
+        offset = now - time.monotonic()
+        scheduled, first, last = self.times
+        return {
+            "arrival": self.request.created + offset,
+            "scheduled": None if scheduled is None else scheduled + offset,
+            "first_token": None if first is None else first + offset,
+            "last_token": None if last is None else last + offset,
+            "detokenized": now,
+        }
+
     def chunk(self, visible: tuple[str, int, int] | None = None) -> GenerateChunk:
         """The sequence's output now: cumulative, or only what is new since the last chunk
         when the request streams incrementally. Marks what it returns as sent."""
@@ -246,6 +266,8 @@ class SequenceView:
                 "host": host,
                 "storage": storage,
             }
+        if final:
+            extra["timestamps"] = self._timestamps()
         out["extra"] = extra
         chunk = GenerateChunk(
             rid=request.rid,

@@ -174,6 +174,11 @@ class SequenceState:
     #: Its sampling inputs, built once and reused every step while they hold (the output ids
     #: are the request's own list, so the object stays current as tokens are appended).
     sampling: SamplingRequest | None = None
+    #: `time.monotonic()` of the step that first ran it, and of the steps that produced its
+    #: first and (so far) last output token (the front end's timestamps and trace spans).
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
 
     @property
     def finish(self) -> FinishReason | None:
@@ -255,6 +260,8 @@ class SequenceState:
             extra["embedding"] = self.embedding
         if self.grammar_info is not None:
             extra["grammar"] = {**self.grammar_info, "rollbacks": self.req.grammar_rollbacks}
+        if self.finish is not None or self.watch_text:
+            extra["times"] = (self.scheduled_at, self.first_token_at, self.last_token_at)
         delta = SeqDelta(
             rid=self.handle.rid,
             index=self.index,

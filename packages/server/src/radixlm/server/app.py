@@ -206,12 +206,19 @@ def _openai_router(state: ServerState) -> APIRouter:
     return router
 
 
-def create_app(engine: EngineClient, config: ServerConfig | None = None) -> FastAPI:
+def create_app(
+    engine: EngineClient, config: ServerConfig | None = None, *, tracer_provider: Any = None
+) -> FastAPI:
     """A FastAPI app serving `engine` with radixlm's native and OpenAI-compatible routes.
 
     The app holds its own state (no module globals), so several apps may run in one process.
     Add routes or middleware to the returned app as to any FastAPI app; `app.state.radixlm` is
     the ServerState (engine, config, in-flight requests, metrics).
+
+    Tracing (OpenTelemetry, `radixlm-server[tracing]`) is on when `tracer_provider` is given
+    (an SDK `TracerProvider`, yours to shut down) or `config.otlp_traces_endpoint` is set (the
+    app then makes an OTLP/HTTP exporting provider, shut down with the app). Off, nothing of
+    OpenTelemetry is imported.
     """
     config = config or ServerConfig()
     if not isinstance(engine, EngineClient):
@@ -224,6 +231,15 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             f"{type(engine).__name__} is not an EngineClient (missing: {', '.join(missing) or 'tokenizer'})"
         )
     state = ServerState(engine, config)
+    owned_provider: Any = None
+    if tracer_provider is None and config.otlp_traces_endpoint is not None:
+        tracer_provider = owned_provider = otlp_provider(config.otlp_traces_endpoint)
+    tracing_middleware: Any = None
+    if tracer_provider is not None:
+        from radixlm.server.tracing import RequestTracer, TracingMiddleware
+
+        state.tracer = RequestTracer(tracer_provider)
+        tracing_middleware = TracingMiddleware
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -231,6 +247,8 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
             yield
         finally:
             state.close()
+            if owned_provider is not None:
+                owned_provider.shutdown()  # exports the spans still queued
 
     app = FastAPI(
         title="radixlm",
@@ -253,6 +271,22 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> Fast
     app.include_router(tokenize_router(state))
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes, metrics=state.metrics)
     app.add_middleware(DrainMiddleware, state=state)
-    if config.api_key is not None:  # outermost: checked first
+    if config.api_key is not None:  # checked first (but for tracing)
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if tracing_middleware is not None:  # outermost: refused requests get their span too
+        app.add_middleware(tracing_middleware, tracing=state.tracer)
     return app
+
+
+def otlp_provider(endpoint: str) -> Any:
+    """An OpenTelemetry TracerProvider exporting to `endpoint` over OTLP/HTTP (batched);
+    RuntimeError naming the extra to install when OpenTelemetry is missing."""
+    try:
+        from radixlm.server.tracing import otlp_tracer_provider
+
+        return otlp_tracer_provider(endpoint)
+    except ImportError as error:
+        raise RuntimeError(
+            f"--otlp-traces-endpoint needs OpenTelemetry ({error}); install it with "
+            "`pip install 'radixlm-server[tracing]'`"
+        ) from None

@@ -481,6 +481,14 @@ def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
         "requests in flight finish, for at most this long, then exit 0 (default 30; 0: stop "
         "at once)",
     )
+    server.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="export OpenTelemetry traces of the requests over OTLP/HTTP to URL (e.g. "
+        "http://localhost:4318/v1/traces; needs radixlm-server[tracing]); a root span per "
+        "HTTP request (continuing an incoming traceparent) with queue, prefill, decode and "
+        "detokenize spans per engine request (default: no tracing)",
+    )
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     engine = parser.add_argument_group("engine")
     from radixlm.server.launcher import engine_choices
@@ -552,6 +560,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         response_store_size=args.response_store_size,
         max_request_bytes=args.max_request_bytes,
         graceful_shutdown_timeout=args.graceful_shutdown_timeout,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 

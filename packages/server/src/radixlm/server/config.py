@@ -39,6 +39,9 @@ class ServerConfig:
     - `graceful_shutdown_timeout`: on SIGTERM the server drains: new work gets 503 and
       `/health` turns unhealthy while the requests in flight finish, for at most this many
       seconds; then it exits with status 0 (0: stop at once, as on SIGINT).
+    - `otlp_traces_endpoint`: when set, OpenTelemetry traces of the requests are exported over
+      OTLP/HTTP to this URL (`http://host:4318/v1/traces`; a URL without a path gets
+      `/v1/traces`, one without a scheme `http://`). Needs `radixlm-server[tracing]`.
     """
 
     served_model_name: str | None = None
@@ -55,6 +58,7 @@ class ServerConfig:
     response_store_size: int = 1024
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     graceful_shutdown_timeout: float = 30.0
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.graceful_shutdown_timeout < 0:
@@ -84,6 +88,13 @@ class ServerConfig:
             raise ValueError(f"response_store_size must be >= 0; got {self.response_store_size}")
         if self.max_request_bytes <= 0:
             raise ValueError(f"max_request_bytes must be positive; got {self.max_request_bytes}")
+        if self.otlp_traces_endpoint is not None and (
+            not self.otlp_traces_endpoint.strip() or " " in self.otlp_traces_endpoint.strip()
+        ):
+            raise ValueError(
+                "otlp_traces_endpoint must be a URL such as http://localhost:4318/v1/traces; "
+                f"got {self.otlp_traces_endpoint!r} (omit it to disable tracing)"
+            )
         if self.api_key == "":
             raise ValueError("api_key must not be empty; omit it to disable authentication")
 

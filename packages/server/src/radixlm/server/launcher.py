@@ -16,7 +16,7 @@ import time
 from types import FrameType
 from typing import Any
 
-from radixlm.server.app import create_app
+from radixlm.server.app import create_app, otlp_provider
 from radixlm.server.config import ServerConfig
 from radixlm.server.protocol import EngineClient
 
@@ -48,11 +48,16 @@ def build_engine(model_path: str, engine_kwargs: dict[str, Any]) -> EngineClient
 
 
 def build_replicas(
-    model_path: str, engine_kwargs: dict[str, Any], dp_size: int, router_policy: str
+    model_path: str,
+    engine_kwargs: dict[str, Any],
+    dp_size: int,
+    router_policy: str,
+    tracer_provider: Any = None,
 ) -> EngineClient:
     """`dp_size` engines (each in its own engine process, on its own GPU or share of the CPU
     cores: `radixlm.runtime.replicas`) behind `radixlm.router.DataParallelEngine`, which
-    routes each request with `router_policy`. The replicas start in parallel."""
+    routes each request with `router_policy` (a span per routing decision when
+    `tracer_provider` is given). The replicas start in parallel."""
     from concurrent.futures import ThreadPoolExecutor
 
     try:
@@ -87,7 +92,9 @@ def build_replicas(
         # The replicas' hierarchical caches share one storage directory: what any of them
         # wrote there, every one of them hits.
         policy_options["shared_storage"] = True
-    dp: EngineClient = router.DataParallelEngine(started, router_policy, **policy_options)
+    dp: EngineClient = router.DataParallelEngine(
+        started, router_policy, tracer_provider=tracer_provider, **policy_options
+    )
     return dp
 
 
@@ -342,13 +349,19 @@ def launch(
         level=getattr(logging, level, logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    provider: Any = None
+    if config.otlp_traces_endpoint is not None:  # before the engines start: fail fast
+        try:
+            provider = otlp_provider(config.otlp_traces_endpoint)
+        except RuntimeError as error:
+            raise LaunchError(str(error)) from None
     if dp_size > 1:
-        engine = build_replicas(model_path, engine_kwargs, dp_size, router_policy)
+        engine = build_replicas(model_path, engine_kwargs, dp_size, router_policy, provider)
     else:
         engine = build_engine(model_path, engine_kwargs)
     watchdog: EngineWatchdog | None = None
     try:
-        app = create_app(engine, config)
+        app = create_app(engine, config, tracer_provider=provider)
         served = app.state.radixlm.served_model_name
         print(usage_banner(config, served), flush=True)
         uvicorn_config = uvicorn.Config(
@@ -364,6 +377,8 @@ def launch(
         shutdown = getattr(engine, "shutdown", None)
         if callable(shutdown):
             shutdown()
+        if provider is not None:
+            provider.shutdown()  # exports the spans still queued
     if watchdog.tripped:
         logger.error("radixlm serve exits with status 1: its engine is dead")
         return 1

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from starlette.requests import Request
 
@@ -34,6 +34,9 @@ from radixlm.server.metrics import ServerMetrics
 from radixlm.server.protocol import EngineClient
 from radixlm.server.response_store import ResponseStore
 from radixlm.server.streams import EngineStreams, close_iterator
+
+if TYPE_CHECKING:
+    from radixlm.server.tracing import RequestTracer
 
 logger = logging.getLogger("radixlm.server")
 P = ParamSpec("P")
@@ -132,6 +135,8 @@ class ServerState:
         # Read once, before serving: it walks the whole vocabulary.
         self.max_token_chars = max_token_chars(getattr(engine, "tokenizer", None))
         self._pool: ThreadPoolExecutor | None = None  # started on first use
+        #: OpenTelemetry spans (set by `create_app` when tracing is on; None: no spans).
+        self.tracer: RequestTracer | None = None
 
     # Work off the event loop.
 
@@ -296,6 +301,8 @@ class ServerState:
             if owner:
                 self.inflight.pop(rid, None)
             self._account(route, request, finals, time.monotonic() - arrival, outcome)
+            if self.tracer is not None:
+                self.tracer.record(request, finals, outcome)
 
     def _account(
         self,
