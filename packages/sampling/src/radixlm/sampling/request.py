@@ -25,6 +25,7 @@ _PER_ITEM_SCALARS = (
     "return_hidden_states",
     "return_routed_experts",
     "routed_experts_start_len",
+    "require_reasoning",
 )
 # Fields whose single-request value is itself a list, so only a list of lists is per-item.
 _PER_ITEM_LISTS = ("token_ids_logprob",)
@@ -66,6 +67,10 @@ class GenerateRequest(BaseModel):
     #: `routed_experts_start_len` on.
     return_routed_experts: bool | list[bool] = False
     routed_experts_start_len: int | list[int] = 0
+    #: SGLang's: the model reasons (`<think>...</think>`) before its answer, so a
+    #: structured-output constraint applies only after `</think>` (the reasoning is free).
+    #: The chat API sets it itself when the server has a reasoning parser.
+    require_reasoning: bool | list[bool] = False
 
     @classmethod
     def parse(cls, data: Mapping[str, Any]) -> GenerateRequest:
