@@ -475,6 +475,7 @@ class Engine:
         lora_path: str | list[str | None] | None = None,
         return_routed_experts: bool | list[bool] = False,
         routed_experts_start_len: int | list[int] = 0,
+        require_reasoning: bool | list[bool] = False,
     ) -> Any: ...
 
     def generate(
@@ -499,6 +500,7 @@ class Engine:
         lora_path: str | list[str | None] | None = None,
         return_routed_experts: bool | list[bool] = False,
         routed_experts_start_len: int | list[int] = 0,
+        require_reasoning: bool | list[bool] = False,
     ) -> Any:
         """Generate, SGLang's way, blocking: a dict for one prompt (n == 1), a list of dicts
         for a batch or n > 1 (prompt-major), or with `stream=True` an iterator of chunks
@@ -533,6 +535,7 @@ class Engine:
                 lora_path=lora_path,
                 return_routed_experts=return_routed_experts,
                 routed_experts_start_len=routed_experts_start_len,
+                require_reasoning=require_reasoning,
             ),
         )
         chunks = self._stream_sync(request)
@@ -562,6 +565,7 @@ class Engine:
         lora_path: str | list[str | None] | None = None,
         return_routed_experts: bool | list[bool] = False,
         routed_experts_start_len: int | list[int] = 0,
+        require_reasoning: bool | list[bool] = False,
     ) -> Any:
         """`generate` for asyncio: awaits the result, or with `stream=True` returns an async
         iterator of chunks (`async for chunk in await engine.async_generate(..., stream=True)`)."""
@@ -589,6 +593,7 @@ class Engine:
                 lora_path=lora_path,
                 return_routed_experts=return_routed_experts,
                 routed_experts_start_len=routed_experts_start_len,
+                require_reasoning=require_reasoning,
             ),
         )
         chunks = self._stream_async(request)
