@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema

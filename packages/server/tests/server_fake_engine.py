@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from radixlm.sampling import (
+    CONSTRAINT_FIELDS,
     CustomLogitProcessor,
     EmbeddingOutput,
     EmbeddingRequest,
@@ -317,8 +318,7 @@ class FakeEngine:
     ) -> str:
         constraint = params.constraint
         if constraint is not None and reasoning:
-            free = params.model_copy(update={"json_schema": None, "regex": None, "ebnf": None,
-                                             "structural_tag": None, "choice": None})  # fmt: skip
+            free = params.model_copy(update=dict.fromkeys(CONSTRAINT_FIELDS))
             opened = prompt.rstrip().endswith("<think>")
             thinking = self._target_text(prompt, free, index)
             answer = self._target_text(prompt, params, index)
