@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -41,11 +42,23 @@ _keys = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny-reasoning"))
-    with Engine(
-        str(path), show_progress=False, max_total_tokens=2048, enable_custom_logit_processor=True
-    ) as eng:
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-reasoning"))
+
+
+def _engine(model_dir: Path, engine_process: bool) -> Engine:
+    return Engine(
+        str(model_dir),
+        show_progress=False,
+        max_total_tokens=2048,
+        enable_custom_logit_processor=True,
+        engine_process=engine_process,
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[Engine]:
+    with _engine(model_dir, engine_process=False) as eng:
         yield eng
 
 
@@ -128,6 +141,17 @@ def test_max_new_tokens_counts_the_thinking_and_the_answer(engine: Engine) -> No
 
 
 def test_a_streamed_output_adds_up_to_the_whole_one(engine: Engine) -> None:
+    _streamed_equals_whole(engine)
+
+
+def test_a_streamed_output_from_an_engine_process_adds_up_to_the_whole_one(
+    model_dir: Path,
+) -> None:
+    with _engine(model_dir, engine_process=True) as engine:
+        _streamed_equals_whole(engine)
+
+
+def _streamed_equals_whole(engine: Engine) -> None:
     params, _ = scripted(engine, f"{THOUGHT}{THINK_END}", **CONSTRAINED)
     whole = engine.generate(
         "the answer",
