@@ -79,6 +79,8 @@ ORIGINS: dict[str, dict[str, str]] = {
         "--enable-return-routed-experts; meta_info.routed_experts: base64 int32 "
         "[tokens, layers, top_k]",
         "routed_experts_start_len": f"{S}: in [0, prompt_tokens], else a 400",
+        "require_reasoning": f"{S}: a constraint applies after </think>; needs "
+        "--reasoning-parser, else a 400",
         "logprob_start_len": f"{S}: at or past the prompt's length a 400 (not clamped)",
         "token_ids_logprob": f"{S}: turns logprobs on by itself",
         "return_hidden_states": f"{S}: the prompt is recomputed, not served from the cache",

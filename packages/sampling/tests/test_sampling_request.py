@@ -63,6 +63,14 @@ def test_split_broadcasts_scalars_and_takes_lists_per_item() -> None:
     assert first.stream and second.stream
 
 
+def test_require_reasoning_is_broadcast_or_taken_per_item() -> None:
+    assert GenerateRequest.parse({"text": "a"}).require_reasoning is False
+    both = GenerateRequest.parse({"text": ["a", "b"], "require_reasoning": True}).split()
+    assert [item.require_reasoning for item in both] == [True, True]
+    each = GenerateRequest.parse({"text": ["a", "b"], "require_reasoning": [True, False]})
+    assert [item.require_reasoning for item in each.split()] == [True, False]
+
+
 def test_split_takes_per_item_sampling_params_and_logprob_ids() -> None:
     request = GenerateRequest.parse(
         {

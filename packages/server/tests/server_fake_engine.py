@@ -2,7 +2,9 @@
 
 What it generates, in order of precedence:
 - a custom logit processor's argmax (over zero logits) when the request names one;
-- an example of the structured-output constraint (json_schema, regex, ebnf, choice);
+- an example of the structured-output constraint (json_schema, regex, ebnf, choice); with
+  `require_reasoning`, as a reasoning model answers: the text of the rule below as its
+  thinking, `</think>`, then the example (`<think>` first unless the prompt opened it);
 - the text between `<<say:` and `:say>>` when the prompt holds that marker (the last one);
 - otherwise a fixed sentence, rotated by the sequence index so n > 1 choices differ.
 The text is tokenized and emitted one token at a time (EOS after it unless ignore_eos), with
@@ -46,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from radixlm.sampling import (
+    CONSTRAINT_FIELDS,
     CustomLogitProcessor,
     EmbeddingOutput,
     EmbeddingRequest,
@@ -316,8 +319,16 @@ class FakeEngine:
                 f"{len(items)} {kind}s",
             )
 
-    def _target_text(self, prompt: str, params: SamplingParams, index: int) -> str:
+    def _target_text(
+        self, prompt: str, params: SamplingParams, index: int, reasoning: bool = False
+    ) -> str:
         constraint = params.constraint
+        if constraint is not None and reasoning:
+            free = params.model_copy(update=dict.fromkeys(CONSTRAINT_FIELDS))
+            opened = prompt.rstrip().endswith("<think>")
+            thinking = self._target_text(prompt, free, index)
+            answer = self._target_text(prompt, params, index)
+            return f"{'' if opened else '<think>'}{thinking}</think>{answer}"
         if constraint is not None:
             kind, value = constraint
             if kind == "json_schema":
@@ -353,7 +364,8 @@ class FakeEngine:
             return [tokens for _ in range(params.n)]
         targets = []
         for index in range(params.n):
-            ids = list(self._tokenizer.encode(self._target_text(prompt, params, index)))
+            text = self._target_text(prompt, params, index, bool(request.require_reasoning))
+            ids = list(self._tokenizer.encode(text))
             if params.ignore_eos:
                 ids = (ids * (limit // max(len(ids), 1) + 1))[:limit]
             else:

@@ -8,6 +8,7 @@ import json
 import random
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -264,3 +265,87 @@ def test_thinking_token_budget_reaches_the_engine(make_server: Any) -> None:
         model="toy", messages=say("Hi"), extra_body={"thinking_token_budget": 5}
     )
     assert engine.received[-1].params.thinking_token_budget == 5
+
+
+# Structured output after the reasoning (the toy engine answers a constrained request that has
+# `require_reasoning` with its `<<say:...:say>>` text as the thinking, then the schema's example).
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "population": {"type": "integer"}},
+    "required": ["name", "population"],
+}
+CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}}
+
+
+def city(content: str | None) -> dict[str, Any]:
+    """The content, which must be a JSON object with the schema's required fields."""
+    value = json.loads(content or "")
+    assert isinstance(value["name"], str) and isinstance(value["population"], int)
+    return dict(value)
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek-r1"])
+def test_response_format_constrains_the_answer_after_the_reasoning(
+    make_server: Any, parser: str
+) -> None:
+    client, engine = client_for(make_server, reasoning_parser=parser)
+    kwargs: dict[str, Any] = {"messages": say("Paris, I think."), "response_format": CITY_FORMAT}
+    result = client.chat.completions.create(model="toy", **kwargs)
+    assert engine.received[-1].require_reasoning is True
+    message = result.choices[0].message
+    assert getattr(message, "reasoning_content", None) == "Paris, I think."
+    city(message.content)
+
+    deltas, finishes = streamed(client, **kwargs)
+    assert joined(deltas, "reasoning") == "Paris, I think."
+    assert city(joined(deltas, "content")) == city(message.content)
+    assert finishes == ["stop"]
+
+
+def test_json_object_with_thinking_disabled_is_constrained_from_the_first_token(
+    make_server: Any,
+) -> None:
+    client, engine = client_for(make_server, reasoning_parser="qwen3", chat_template=QWEN3_TEMPLATE)
+    result = client.chat.completions.create(
+        model="toy",
+        messages=say("Hmm."),
+        response_format={"type": "json_object"},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert engine.received[-1].require_reasoning is False
+    assert json.loads(result.choices[0].message.content or "") == {}
+    assert "reasoning_content" not in result.choices[0].message.model_dump()
+
+
+def test_without_a_parser_a_constraint_applies_from_the_first_token(
+    client: openai.OpenAI, engine: Any
+) -> None:
+    result = client.chat.completions.create(
+        model="toy", messages=say("Hmm."), response_format=CITY_FORMAT
+    )
+    assert engine.received[-1].require_reasoning is False
+    city(result.choices[0].message.content)
+
+
+def test_generate_passes_require_reasoning_with_a_parser(make_server: Any) -> None:
+    live, engine = make_server(ServerConfig(reasoning_parser="deepseek-r1"))
+    body = {
+        "text": "<<say:Paris.:say>>",
+        "sampling_params": {"json_schema": json.dumps(CITY_SCHEMA)},
+        "require_reasoning": True,
+    }
+    with httpx.Client(base_url=live.url) as http:
+        out = http.post("/generate", json=body).json()
+    assert engine.received[-1].require_reasoning is True
+    reasoning, content = ReasoningFormat(opens_inside=True).split(out["text"])
+    assert reasoning == "Paris." and city(content)
+
+
+def test_generate_refuses_require_reasoning_without_a_parser(make_server: Any) -> None:
+    live, _ = make_server(ServerConfig())
+    body = {"text": "x", "sampling_params": {"regex": "[ab]+"}, "require_reasoning": True}
+    with httpx.Client(base_url=live.url) as http:
+        response = http.post("/generate", json=body)
+    assert response.status_code == 400
+    assert "require_reasoning" in response.text and "--reasoning-parser" in response.text

@@ -478,6 +478,7 @@ class Engine:
         routed_experts_start_len: int | list[int] = 0,
         priority: int | list[int | None] | None = None,
         timeout: float | list[float | None] | None = None,
+        require_reasoning: bool | list[bool] = False,
     ) -> Any: ...
 
     def generate(
@@ -504,6 +505,7 @@ class Engine:
         routed_experts_start_len: int | list[int] = 0,
         priority: int | list[int | None] | None = None,
         timeout: float | list[float | None] | None = None,
+        require_reasoning: bool | list[bool] = False,
     ) -> Any:
         """Generate, SGLang's way, blocking: a dict for one prompt (n == 1), a list of dicts
         for a batch or n > 1 (prompt-major), or with `stream=True` an iterator of chunks
@@ -542,6 +544,7 @@ class Engine:
                 routed_experts_start_len=routed_experts_start_len,
                 priority=priority,
                 timeout=timeout,
+                require_reasoning=require_reasoning,
             ),
         )
         chunks = self._stream_sync(request)
@@ -573,6 +576,7 @@ class Engine:
         routed_experts_start_len: int | list[int] = 0,
         priority: int | list[int | None] | None = None,
         timeout: float | list[float | None] | None = None,
+        require_reasoning: bool | list[bool] = False,
     ) -> Any:
         """`generate` for asyncio: awaits the result, or with `stream=True` returns an async
         iterator of chunks (`async for chunk in await engine.async_generate(..., stream=True)`)."""
@@ -602,6 +606,7 @@ class Engine:
                 routed_experts_start_len=routed_experts_start_len,
                 priority=priority,
                 timeout=timeout,
+                require_reasoning=require_reasoning,
             ),
         )
         chunks = self._stream_async(request)

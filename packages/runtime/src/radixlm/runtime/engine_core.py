@@ -915,7 +915,10 @@ class EngineCore:
                 self._close_with_error(seq.handle, self.grammar.explain(error))
                 continue
             req = seq.req
-            req.grammar = self.grammar.matcher(compiled)
+            # With `grammar_after` (the end of the thinking) it constrains from the token after.
+            req.grammar = self.grammar.gate(
+                self.grammar.matcher(compiled), seq.handle.request.grammar_after
+            )
             # Forced tokens are appended unless the request wants logprobs of each one.
             req.jump_forward = self.jump_forward and not seq.handle.logprobs.enabled
             seq.grammar_info = self.grammar.describe(compiled)

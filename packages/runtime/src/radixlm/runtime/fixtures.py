@@ -391,6 +391,29 @@ class ForceTokenProcessor(CustomLogitProcessor):
         return logits
 
 
+class ScriptedTokensProcessor(CustomLogitProcessor):
+    """A deterministic custom logit processor for tests: a request's rows sample the tokens of
+    `custom_params["script"]` in order, one per call, then are left alone. The position in
+    each script is kept per `custom_params["script_key"]` (the engine keeps one instance of a
+    processor), so give each request its own key. Rows without a script are left alone."""
+
+    def __init__(self) -> None:
+        self._calls: dict[str, int] = {}
+
+    def __call__(self, logits: Any, custom_param_list: list[dict[str, Any] | None]) -> Any:
+        for row, params in enumerate(custom_param_list):
+            if not params or "script" not in params:
+                continue
+            key = str(params.get("script_key", ""))
+            position = self._calls.get(key, 0)
+            self._calls[key] = position + 1
+            script = params["script"]
+            if position < len(script):
+                logits[row, :] = float("-inf")
+                logits[row, int(script[position])] = 0.0
+        return logits
+
+
 def build_tiny_gguf(
     model_dir: str | Path, gguf_file: str | Path, linear_type: str = "Q4_0"
 ) -> Path:

@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from radixlm.runtime.config import GrammarConfig
+from radixlm.runtime.grammar_gate import GatedGrammar
 from radixlm.sampling import InvalidRequest, SamplingParams
 
 logger = logging.getLogger("radixlm.runtime.grammar")
@@ -179,7 +180,13 @@ class GrammarService:
         """An int32 bitmask [rows, words]: each grammar's allowed tokens (all for None rows);
         None when no row has a grammar. With `drafts` (speculative decoding), grammar i has
         `len(drafts[i]) + 1` rows: its allowed tokens now and after each of its draft tokens
-        (which it must accept; it is left as it was)."""
+        (which it must accept; it is left as it was). A grammar gated on a marker not yet
+        generated masks nothing: its rows stay all allowed (without drafts it counts as None,
+        so a batch of only such rows needs no mask)."""
+        grammars = [
+            None if _free_for_now(g) and not (drafts and drafts[i]) else g
+            for i, g in enumerate(grammars)
+        ]
         if all(g is None for g in grammars):
             return None
         from radixlm.constrained import allocate_bitmask
@@ -200,7 +207,17 @@ class GrammarService:
             row += counts[index]
         return mask
 
+    def gate(self, matcher: Any, marker: Sequence[int]) -> Any:
+        """`matcher` as it applies to a request: from the first output token (no `marker`), or
+        from the token after `marker` (the end of a reasoning model's thinking)."""
+        return GatedGrammar(matcher, marker) if marker else matcher
+
     def shutdown(self) -> None:
         with self._lock:
             if self._compiler is not None:
                 self._compiler.shutdown()
+
+
+def _free_for_now(grammar: Any) -> bool:
+    """A gated grammar whose marker is still to come: it masks nothing this step."""
+    return isinstance(grammar, GatedGrammar) and not grammar.started

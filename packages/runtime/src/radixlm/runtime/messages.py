@@ -67,6 +67,10 @@ class EngineRequest:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     #: The token that ends the thinking, when `params.thinking_token_budget` is set.
     thinking_end: int | None = None
+    #: The token ids after which the request's constraint applies (those of `</think>` when
+    #: the request has `require_reasoning`): the output is free until they are generated, and
+    #: the grammar starts fresh at the next token. Empty: it applies from the first token.
+    grammar_after: tuple[int, ...] = ()
     #: The LoRA adapter's name (None: the base model); the core resolves it to its uid.
     lora_name: str | None = None
     #: `return_routed_experts`: the first prompt position whose experts are returned.

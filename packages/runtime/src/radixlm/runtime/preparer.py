@@ -18,7 +18,7 @@ from radixlm.runtime.input_embeds import input_embeds_cache_ids, parse_input_emb
 from radixlm.runtime.messages import EngineRequest, LogprobOptions, PoolingAsk
 from radixlm.runtime.multimodal.inputs import MultimodalInputs
 from radixlm.runtime.multimodal.preparer import MultimodalPreparer
-from radixlm.runtime.thinking import THINK_END, end_of_thinking_token
+from radixlm.runtime.thinking import THINK_END, end_of_thinking_token, think_end_ids
 from radixlm.sampling import (
     CustomLogitProcessor,
     EmbeddingRequest,
@@ -110,7 +110,8 @@ class RequestPreparer:
         hidden = bool(_one(item.return_hidden_states, bool))
         params = self.defaults.apply(item.sampling_params)  # type: ignore[arg-type]
         params.check(self.limits.vocab_size)
-        thinking_end = self._thinking_end(params)
+        grammar_after = self._grammar_after(item, params)
+        thinking_end = self._thinking_end(params, grammar_after)
         custom = _one(item.custom_logit_processor, str)
         if custom:
             self._check_custom(custom)
@@ -159,6 +160,7 @@ class RequestPreparer:
             return_hidden_states=hidden,
             bad_words_ids=self._bad_words(params),
             thinking_end=thinking_end,
+            grammar_after=grammar_after,
             lora_name=lora_name,
             routed_experts_start=self._routed_experts_start(item, len(prompt_ids)),
             priority=self._priority(item),
@@ -384,15 +386,30 @@ class RequestPreparer:
             )
         return ids
 
-    def _thinking_end(self, params: SamplingParams) -> int | None:
+    def _grammar_after(self, item: GenerateRequest, params: SamplingParams) -> tuple[int, ...]:
+        """The token ids the constraint starts after: those of `</think>` when the request
+        has a constraint and `require_reasoning` (the model thinks freely first); else none."""
+        if not _one(item.require_reasoning, bool) or params.constraint is None:
+            return ()
+        ids = think_end_ids(self.tokenizer)
+        if not ids or max(ids) >= self.limits.vocab_size:
+            raise InvalidRequest(
+                "require_reasoning",
+                f"this model's tokenizer cannot write {THINK_END!r} within its vocabulary, so "
+                "the end of its reasoning cannot be found; remove require_reasoning",
+            )
+        return ids
+
+    def _thinking_end(self, params: SamplingParams, grammar_after: tuple[int, ...]) -> int | None:
         """The token that ends the thinking, when the request sets a thinking_token_budget."""
         if params.thinking_token_budget is None:
             return None
-        if params.constraint is not None:
+        if params.constraint is not None and not grammar_after:
             raise InvalidRequest(
                 "thinking_token_budget",
-                "cannot be combined with a structured-output constraint (the grammar would "
-                "also shape the thinking); remove one of them",
+                "cannot be combined with a structured-output constraint that shapes the "
+                "thinking too; set require_reasoning (the constraint then applies after "
+                "the thinking) or remove one of them",
             )
         end = end_of_thinking_token(self.tokenizer)
         if end is None or end >= self.limits.vocab_size:

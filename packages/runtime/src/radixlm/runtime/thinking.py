@@ -1,4 +1,4 @@
-"""`thinking_token_budget` (vLLM's): end a reasoning model's thinking after N output tokens."""
+"""The end of a reasoning model's thinking: `</think>`'s ids, and vLLM's `thinking_token_budget`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,16 @@ from typing import Any
 THINK_END = "</think>"
 
 
+def think_end_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The token ids of `</think>` as the tokenizer writes it (one id for Qwen3 and
+    DeepSeek-R1 tokenizers, which hold it as an added token; several for others)."""
+    return tuple(int(t) for t in tokenizer.encode(THINK_END, add_special_tokens=False))
+
+
 def end_of_thinking_token(tokenizer: Any) -> int | None:
     """The id of `</think>` when the tokenizer holds it as a single token, else None."""
-    ids = list(tokenizer.encode(THINK_END, add_special_tokens=False))
-    return int(ids[0]) if len(ids) == 1 else None
+    ids = think_end_ids(tokenizer)
+    return ids[0] if len(ids) == 1 else None
 
 
 @dataclass

@@ -27,6 +27,7 @@ _PER_ITEM_SCALARS = (
     "routed_experts_start_len",
     "priority",
     "timeout",
+    "require_reasoning",
 )
 # Fields whose single-request value is itself a list, so only a list of lists is per-item.
 _PER_ITEM_LISTS = ("token_ids_logprob",)
@@ -75,6 +76,10 @@ class GenerateRequest(BaseModel):
     #: Seconds the request may take from its arrival; past it the request ends with
     #: finish reason abort (what it generated is kept). None: no limit.
     timeout: float | list[float | None] | None = None
+    #: SGLang's: the model reasons (`<think>...</think>`) before its answer, so a
+    #: structured-output constraint applies only after `</think>` (the reasoning is free).
+    #: The chat API sets it itself when the server has a reasoning parser.
+    require_reasoning: bool | list[bool] = False
 
     @classmethod
     def parse(cls, data: Mapping[str, Any]) -> GenerateRequest:

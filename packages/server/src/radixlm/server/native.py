@@ -16,6 +16,7 @@ from radixlm.sampling import (
     EngineUnavailable,
     GenerateChunk,
     GenerateRequest,
+    InvalidRequest,
     SamplingParams,
 )
 from radixlm.server._version import __version__
@@ -51,6 +52,12 @@ class _Generate:
 
     def __init__(self, state: ServerState, request: GenerateRequest) -> None:
         self.items = [state.prepare(item) for item in request.split()]
+        if state.config.reasoning_parser is None and any(i.require_reasoning for i in self.items):
+            raise InvalidRequest(
+                "require_reasoning",
+                "needs a reasoning parser to know where the reasoning ends; start the server "
+                "with --reasoning-parser (qwen3 or deepseek-r1) or remove require_reasoning",
+            )
         self.n = [item.params.n for item in self.items]
         self.offsets = [sum(self.n[:i]) for i in range(len(self.items))]
         self.single = request.is_single and self.n[0] == 1

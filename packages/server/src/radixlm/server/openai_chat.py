@@ -249,11 +249,12 @@ class _Chat:
                 self.reader_mode = "required"
             else:
                 self.reader_mode = state.config.tool_call_parser
-        self.reasoning: ReasoningFormat | None = None
-        if request.separate_reasoning:
-            self.reasoning = reasoning_format(
-                state.config.reasoning_parser, prompt.text, request.chat_template_kwargs
-            )
+        # The output's reasoning section (None: no reasoning parser, or thinking disabled):
+        # returned apart unless `separate_reasoning` is false, and left free by a constraint.
+        reasoning = reasoning_format(
+            state.config.reasoning_parser, prompt.text, request.chat_template_kwargs
+        )
+        self.reasoning: ReasoningFormat | None = reasoning if request.separate_reasoning else None
         self.constraint_param: str | None = None
         params = sampling_params(
             request,
@@ -278,6 +279,9 @@ class _Chat:
                 "lora_path": model.lora,
                 "priority": request.priority,
                 "timeout": request.timeout,
+                # The constraint (response_format, tool_choice) shapes the answer, not the
+                # reasoning: it applies after `</think>`.
+                "require_reasoning": reasoning is not None,
             }
         )
         self.item = state.prepare(item)
