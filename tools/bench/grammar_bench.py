@@ -15,6 +15,10 @@ Five parts, each printed as tables:
    placed by jump-forward, model calls without and with it, and the time `jump_forward()`
    takes when it finds a jump (retokenization and replay included) and when it finds none.
 4. overhead: ours over direct, the goal being <= 10%.
+   validation: per output token, `auto`'s matcher for a schema it validates (keywords no
+   grammar enforces: uniqueItems, two patterns, if/then) beside the matcher of the backend it
+   chose, on the same compiled grammar; the goal being <= 15%. `--parts validation` alone
+   takes about 20 s.
 5. corpus (grammar_corpus_bench.py): raw xgrammar, llguidance and outlines-core beside our
    `auto` backend over corpora of real-world and generated JSON schemas — schemas compiled,
    random walks valid, compile and per-token times, auto's choices and goals.
@@ -25,6 +29,7 @@ A backend of ours that cannot be built here (not installed) is skipped with a no
     .venv/bin/python tools/bench/grammar_bench.py --quick      # smaller, for a smoke run
     .venv/bin/python tools/bench/grammar_bench.py --parts corpus --corpus real --walks 2
     .venv/bin/python tools/bench/grammar_bench.py --json out.json
+    .venv/bin/python tools/bench/grammar_bench.py --parts validation
 """
 
 from __future__ import annotations
@@ -123,6 +128,40 @@ LLGUIDANCE_COMPACT: Any = {
     "item_separator": ",",
     "key_separator": ":",
 }
+# A schema `auto` validates: an order whose tags are unique, whose SKUs meet two patterns
+# (allOf) and whose express orders need a note (if/then); all else is in the grammar.
+VALIDATED = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"},
+        "customer": ORDER["properties"]["customer"],
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"allOf": [{"type": "string", "pattern": "^[A-Z][0-9A-Z-]*$"},
+                                      {"pattern": "^.{2,12}$"}]},
+                    "quantity": {"type": "integer", "minimum": 1},
+                },
+                "required": ["sku", "quantity"],
+            },
+        },
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+        "express": {"type": "boolean"},
+        "note": {"type": "string"},
+    },
+    "required": ["id", "customer", "items", "tags", "express"],
+    "if": {"properties": {"express": {"const": True}}},
+    "then": {"required": ["note"]},
+}  # fmt: skip
+VALIDATED_TARGET = {
+    "id": "A-1042", "customer": {"name": "Bob Smith", "city": "Lyon"},
+    "items": [{"sku": "X1-RED", "quantity": 2}, {"sku": "Y7", "quantity": 1},
+              {"sku": "Z9-BLUE-L", "quantity": 3}],
+    "tags": ["gift", "fragile", "priority"], "express": True,
+    "note": "leave it with the neighbour at number 12",
+}  # fmt: skip
 SCHEMAS = {"person": PERSON, "order": ORDER, "12 enums": ENUMS, "oneOf union": UNION}
 TARGETS = {
     "person": {"name": "Carol Jones", "age": 41, "email": "carol@example.com",
@@ -433,6 +472,50 @@ def bench_mask(info: TokenizerInfo, repeat: int) -> list[dict[str, Any]]:
     return rows
 
 
+def bench_validation(info: TokenizerInfo, repeat: int) -> list[dict[str, Any]]:
+    """Per output token, fill + accept: `auto`'s validating matcher beside the matcher of the
+    backend it chose (no validation), over the same compiled grammar and tokens."""
+    encode = greedy_encoder(list(info.token_bytes))
+    tokens = [*encode(compact(VALIDATED_TARGET)), info.stop_token_ids[0]]
+    auto = create_backend("auto", info)
+    compiled = auto.compile(GrammarSpec("json_schema", json.dumps(VALIDATED)))
+    choice = compiled.handle
+    inner = auto.backend(choice.backend)
+    bitmask = allocate_bitmask(1, info.vocab_size)
+
+    def plain() -> Any:
+        return time_ours(inner.matcher(choice.compiled), tokens, bitmask)
+
+    def validating() -> Any:
+        grammar = auto.matcher(compiled)
+        result = time_ours(grammar, tokens, bitmask)
+        assert grammar.violation() is None and grammar.is_terminated()
+        return result
+
+    validating()  # caches of the checks filled, as for every later request of the schema
+    samples: dict[str, list[float]] = {"plain": [], "validating": []}
+    for _ in range(repeat):
+        for label, run in (("plain", plain), ("validating", validating)):
+            fill, accept = run()
+            samples[label].append(1e6 * (fill + accept) / len(tokens))
+    plain_us = statistics.median(samples["plain"])
+    validating_us = statistics.median(samples["validating"])
+    from radixlm.constrained._validation import compiled_validator_available
+
+    return [
+        {
+            "served_by": compiled.served_by,
+            "validated": ", ".join(compiled.validated),
+            "validator": "jsonschema-rs" if compiled_validator_available() else "jsonschema",
+            "vocab": info.vocab_size,
+            "tokens": len(tokens),
+            "plain_us": plain_us,
+            "validating_us": validating_us,
+            "overhead": validating_us / plain_us - 1,
+        }
+    ]
+
+
 def stand_in_model(info: TokenizerInfo, target: str) -> Callable[[list[int]], Any]:
     """Seeded noise from the text so far plus a strong push towards `target` (see the tests)."""
     goal = target.encode()
@@ -596,6 +679,22 @@ def existing_parts(args: argparse.Namespace, figures: dict[str, Any]) -> None:
     )  # fmt: skip
 
 
+def validation_part(args: argparse.Namespace, figures: dict[str, Any]) -> None:
+    figures["validation"] = []
+    for size in args.vocab:
+        info = TokenizerInfo.from_vocab(synthetic_vocab(size), stop_token_ids=[0], encode=None)
+        figures["validation"] += bench_validation(info, args.repeat * 3)
+    table(
+        "per output token with validation: auto's matcher beside the chosen backend's "
+        f"(µs, fill + accept, median of {args.repeat * 3}; goal <= 15%)",
+        figures["validation"],
+        [("served by", "served_by", "s"), ("validated", "validated", "s"),
+         ("validator", "validator", "s"), ("vocab", "vocab", "d"), ("tokens", "tokens", "d"),
+         ("backend alone", "plain_us", ".1f"), ("with validation", "validating_us", ".1f"),
+         ("overhead", "overhead", "+.1%")],
+    )  # fmt: skip
+
+
 def main() -> int:
     from grammar_corpus_bench import add_arguments, corpus_part_from_args
 
@@ -605,8 +704,9 @@ def main() -> int:
     parser.add_argument("--jf-vocab", type=int, default=4000, help="trained BPE vocabulary size")
     parser.add_argument("--quick", action="store_true", help="vocab 32k only, fewer repeats")
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    parser.add_argument("--parts", nargs="+", choices=["backends", "corpus"],
-                        default=["backends", "corpus"], help="backends: parts 1-4")  # fmt: skip
+    parser.add_argument("--parts", nargs="+", choices=["backends", "validation", "corpus"],
+                        default=["backends", "validation", "corpus"],
+                        help="backends: parts 1-4")  # fmt: skip
     add_arguments(parser)
     args = parser.parse_args()
     if args.quick:
@@ -622,6 +722,8 @@ def main() -> int:
     figures: dict[str, Any] = {}
     if "backends" in args.parts:
         existing_parts(args, figures)
+    if "validation" in args.parts:
+        validation_part(args, figures)
     if "corpus" in args.parts:
         figures["corpus"] = corpus_part_from_args(args)
     if args.json:

@@ -488,19 +488,21 @@ class _Normalizer:
             schema = {k: v for k, v in schema.items() if k != "allOf"}
         for i, part in enumerate(parts):
             inlined = self.inline(part, f"{path}/allOf/{i}", depth + 1)
-            while True:
-                try:
-                    schema = merge(schema, inlined)
-                    break
-                except CannotMerge as error:
-                    if not self.relax or error.keyword not in inlined:
-                        raise self.reject(
-                            path, error.keyword, f"allOf (or $ref with siblings): {error.reason}"
-                        ) from None
-                    # One side of the intersection stays in the grammar; validation checks both.
-                    self.deferred.add(error.keyword)
-                    inlined = {k: v for k, v in inlined.items() if k != error.keyword}
+            schema = self.intersect(schema, inlined, path, "allOf (or $ref with siblings)")
         return schema
+
+    def intersect(self, schema: Schema, other: Schema, path: str, where: str) -> Schema:
+        """`merge(schema, other)`; relaxed, a keyword both give different values that cannot
+        be written as one (two `pattern`s) keeps `schema`'s value in the grammar and is
+        deferred: validation checks the value against the original schema, both sides."""
+        while True:
+            try:
+                return merge(schema, other)
+            except CannotMerge as error:
+                if not self.relax or error.keyword not in other:
+                    raise self.reject(path, error.keyword, f"{where}: {error.reason}") from None
+                self.deferred.add(error.keyword)
+                other = {k: v for k, v in other.items() if k != error.keyword}
 
     def inline(self, schema: Any, path: str, depth: int) -> Schema:
         """A subschema with its own $ref / allOf resolved at the top (not deeper)."""
@@ -642,13 +644,15 @@ class _Normalizer:
         if not isinstance(branches, list) or not branches:
             raise self.reject(path, key, f"{key} must be a non-empty list of schemas")
         siblings = {k: v for k, v in schema.items() if k != key}
+        names = ", ".join(sorted(siblings))
         kept: list[Schema] = []
         resolved: list[Schema] = []
         for i, branch in enumerate(branches):
             where = f"{path}/{key}/{i}"
             try:
                 if siblings:
-                    merged = merge(siblings, self.inline(branch, where, depth + 1))
+                    inlined = self.inline(branch, where, depth + 1)
+                    merged = self.intersect(siblings, inlined, where, f"{key} beside {names}")
                     out = self.node(merged, where, depth + 1)
                 else:
                     out = self.node(branch, where, depth + 1)
