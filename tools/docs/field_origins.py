@@ -50,6 +50,8 @@ _OPENAI_SHARED = {
     "model": f"{OAI}: the served name or 'default', or a LoRA adapter ('name' as {V}, "
     f"'served:name' as {S}); any other name is a 404",
     "lora_path": f"{S}: a LoRA adapter's name; a 400 when `model` names another one",
+    "priority": f"{V} / {S}: needs --enable-priority-scheduling, else a 400",
+    "timeout": f"{R}: seconds from arrival; past them finish_reason abort, output kept",
     "n": OAI,
     "stream": OAI,
     "stream_options": f"{OAI} (continuous_usage_stats: {V})",
@@ -79,6 +81,9 @@ ORIGINS: dict[str, dict[str, str]] = {
         "--enable-return-routed-experts; meta_info.routed_experts: base64 int32 "
         "[tokens, layers, top_k]",
         "routed_experts_start_len": f"{S}: in [0, prompt_tokens], else a 400",
+        "priority": f"{S}: needs --enable-priority-scheduling, else a 400; larger runs "
+        "first unless --schedule-low-priority-values-first",
+        "timeout": f"{R}: seconds from arrival; past them finish_reason abort, output kept",
         "require_reasoning": f"{S}: a constraint applies after </think>; needs "
         "--reasoning-parser, else a 400",
         "logprob_start_len": f"{S}: at or past the prompt's length a 400 (not clamped)",
