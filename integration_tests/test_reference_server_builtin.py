@@ -49,7 +49,7 @@ PROFILE = {
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """(url, log file) of `python -m radixlm.server --port N` on the built-in model."""
     log = tmp_path_factory.mktemp("reference-server") / "serve.log"
-    with served(["--log-level", "warning"], log, free_port()) as url:
+    with served(["--log-level", "warning", "--enable-cache-report"], log, free_port()) as url:
         yield url, log
 
 

@@ -355,3 +355,9 @@ def test_metrics_count_requests_and_tokens(http: httpx.Client) -> None:
         r'^radixlm\S*requests\S*_total\{[^}]*route="/generate"[^}]*\} (\S+)$', text, re.M
     )
     assert counts and sum(float(c) for c in counts) >= 1
+    # SGLang's names, the engine's gauges among them, labelled with the served model.
+    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
+                 "sglang:num_used_tokens", "sglang:max_total_num_tokens",
+                 "sglang:cache_hit_rate", "sglang:gen_throughput",
+                 "sglang:num_retracted_requests_total", "sglang:generation_tokens_total"):  # fmt: skip
+        assert re.search(rf'^{name}\{{[^}}]*model_name="tiny-llama"', text, re.M), name

@@ -557,6 +557,8 @@ class HttpSystem:
             return cls(server, name, tokenizer, client, vllm.process, args.concurrency,
                        stop=vllm.stop)  # fmt: skip
         extra = args.transformers_serve_args if server == "transformers" else model.radixlm_args
+        if server == "radixlm":  # its usage counts the cached prompt tokens only when asked
+            extra = f"{extra} --enable-cache-report".strip()
         if server == "radixlm" and model.radixlm_path is not None:
             name = model.radixlm_path
         process = serve_bench.launch(server, name, port, log, extra, args.threads)

@@ -208,6 +208,7 @@ class FakeEngine:
         self.eos_id = int(tokenizer.eos_token_id)
         self.received: list[GenerateRequest] = []
         self.active: dict[str, dict[str, bool]] = {}
+        self.generated_tokens = 0
         self.closed_early: list[str] = []
         self.aborted: list[str] = []
         self.completed: list[str] = []
@@ -237,6 +238,8 @@ class FakeEngine:
             "num_queued_reqs": 0,
             "cache_hit_rate": 0.25,
             "token_usage": 0.0,
+            "max_total_num_tokens": 4096,
+            "generated_tokens": self.generated_tokens,
             "engine": "fake",
         }
 
@@ -463,6 +466,7 @@ class FakeEngine:
         seq.ids.append(token)
         seq.last_token = time.time()
         seq.first_token = seq.first_token or seq.last_token
+        self.generated_tokens += 1
         seq.text = str(self._tokenizer.decode(seq.ids, skip_special_tokens=True))
         if token in (params.stop_token_ids or []):
             seq.finish = FinishReason("stop", token)

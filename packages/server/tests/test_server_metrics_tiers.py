@@ -14,4 +14,4 @@ def test_tier_gauges_follow_the_engines_info() -> None:
     assert "radixlm_hicache_storage_cached_tokens 128.0" in text
     assert "radixlm_hicache_host_pages 12.0" in text
     plain = ServerMetrics(lambda: {"num_running_reqs": 1}, lambda: 0).render().decode()
-    assert "radixlm_hicache" not in plain and "radixlm_num_running_requests 1.0" in plain
+    assert "radixlm_hicache" not in plain and "sglang:num_running_reqs{" in plain

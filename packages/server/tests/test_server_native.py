@@ -296,9 +296,9 @@ def test_metrics_count_requests_and_tokens(http: httpx.Client) -> None:
     http.post("/generate", json={"text": "count me", "sampling_params": GREEDY})
     text = http.get("/metrics").text
     assert 'radixlm_requests_total{finish_reason="stop",route="/generate"}' in text
-    assert "radixlm_generation_tokens_total" in text
-    assert "radixlm_e2e_request_latency_seconds_bucket" in text
-    assert "radixlm_num_running_requests" in text and "radixlm_cache_hit_rate 0.25" in text
+    assert 'sglang:generation_tokens_total{model_name="toy"}' in text
+    assert "sglang:e2e_request_latency_seconds_bucket" in text
+    assert "sglang:num_running_reqs{" in text and "sglang:cache_hit_rate{" in text
 
 
 def test_metrics_route_is_absent_unless_enabled(make_server: Any) -> None:

@@ -14,6 +14,7 @@ from radixlm.server._version import __version__
 from radixlm.server.config import (
     DEFAULT_MAX_REQUEST_BYTES,
     LOG_LEVELS,
+    METRICS_FORMATS,
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     ServerConfig,
@@ -450,7 +451,22 @@ def build_parser(prog: str = "radixlm serve") -> argparse.ArgumentParser:
         help="reasoning format of the model's output (<think>...</think>), returned in chat "
         "answers as reasoning_content (default: none, all output is content)",
     )
-    server.add_argument("--enable-metrics", action="store_true", help="serve /metrics")
+    server.add_argument(
+        "--enable-metrics", action="store_true", help="serve Prometheus metrics on /metrics"
+    )
+    server.add_argument(
+        "--metrics-format",
+        choices=METRICS_FORMATS,
+        default="sglang",
+        help="whose metric names /metrics exports: sglang (SGLang's sglang:*, the default), "
+        "vllm (vLLM's vllm:*, for dashboards and autoscalers written for vLLM) or both",
+    )
+    server.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="OpenAI usage objects carry prompt_tokens_details.cached_tokens (prompt tokens "
+        "served from the prefix cache); without it they carry no details, as in SGLang",
+    )
     server.add_argument(
         "--enable-custom-logit-processor",
         action="store_true",
@@ -554,6 +570,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         enable_metrics=args.enable_metrics,
+        metrics_format=args.metrics_format,
+        enable_cache_report=args.enable_cache_report,
         host=args.host,
         port=args.port,
         log_level=args.log_level,

@@ -9,6 +9,8 @@ TOOL_CALL_PARSERS = ("hermes", "qwen", "qwen25", "llama3")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+#: `metrics_format`: whose metric names `/metrics` exports.
+METRICS_FORMATS = ("sglang", "vllm", "both")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,11 @@ class ServerConfig:
       (`qwen3`, `deepseek-r1`: `<think>...</think>`); it is returned as `reasoning_content`.
       None: the output is all content.
     - `enable_metrics`: serve Prometheus metrics on `/metrics`.
+    - `metrics_format`: whose metric names `/metrics` exports: `sglang` (SGLang's
+      `sglang:*`, the default), `vllm` (vLLM's `vllm:*`) or `both`.
+    - `enable_cache_report`: OpenAI usage objects (chat, completions, the streamed usage
+      chunk) carry `prompt_tokens_details.cached_tokens`, the prompt tokens served from the
+      prefix cache (SGLang's `--enable-cache-report`); without it they carry no details.
     - `health_generate_timeout`: seconds `/health_generate` waits for its one-token generation.
     - `host`, `port`, `log_level`: used by the launcher (`radixlm serve`) only.
     - `log_requests`: log one info line per finished request (tokens, cache hits, latency).
@@ -50,6 +57,8 @@ class ServerConfig:
     tool_call_parser: str = "hermes"
     reasoning_parser: str | None = None
     enable_metrics: bool = False
+    metrics_format: str = "sglang"
+    enable_cache_report: bool = False
     health_generate_timeout: float = 20.0
     host: str = "127.0.0.1"
     port: int = 30000
@@ -75,6 +84,11 @@ class ServerConfig:
             raise ValueError(
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
                 f"got {self.reasoning_parser!r}"
+            )
+        if self.metrics_format not in METRICS_FORMATS:
+            raise ValueError(
+                f"metrics_format must be one of {', '.join(METRICS_FORMATS)}; "
+                f"got {self.metrics_format!r}"
             )
         if self.log_level not in LOG_LEVELS:
             raise ValueError(

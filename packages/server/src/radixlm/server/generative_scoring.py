@@ -115,7 +115,7 @@ async def generative_scores(
     total = usage(
         sum(c.prompt_tokens for c in chunks),
         sum(c.completion_tokens for c in chunks),
-        sum(c.cached_tokens for c in chunks),
+        sum(c.cached_tokens for c in chunks) if state.config.enable_cache_report else None,
     )
     return EngineJSONResponse(
         {"scores": scores, "model": model.name, "usage": total, "object": "scoring"}

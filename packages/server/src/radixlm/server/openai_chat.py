@@ -236,6 +236,8 @@ class _Chat:
         self.state = state
         self.request = request
         self.model = model
+        #: Whether usage carries the cached prompt tokens (the Responses API's always does).
+        self.report_cached = state.config.enable_cache_report
         self.id = state.new_id("chatcmpl-")
         self.created = now()
         choice = request.effective_tool_choice
@@ -396,7 +398,8 @@ class _Chat:
                     "finish_reason": reason,
                 }
             )
-        body = self.chunk(choices, usage(prompt, completion, cached))
+        reported = cached if self.report_cached else None
+        body = self.chunk(choices, usage(prompt, completion, reported))
         body["object"] = "chat.completion"
         return body
 
@@ -447,7 +450,9 @@ class _Chat:
         return out
 
     def events(self, streams: EngineStreams) -> AsyncIterator[str]:
-        return stream_events(streams, self.request.stream_options, self.chunk, self.choice_deltas)
+        return stream_events(
+            streams, self.request.stream_options, self.chunk, self.choice_deltas, self.report_cached
+        )
 
 
 async def create_chat_completion(state: ServerState, http: Request) -> Response:

@@ -200,13 +200,17 @@ def sampling_params(
         raise InvalidRequest(renamed.get(error.field, error.field), error.message) from None
 
 
-def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {
+def usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` only when `cached` is
+    given (the server reports it with `--enable-cache-report`, as SGLang does)."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if cached is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached}
+    return body
 
 
 def token_text(entry: LogprobEntry, tokenizer: Any) -> str:
@@ -279,8 +283,10 @@ class ChoiceProgress:
 
 @dataclass
 class StreamUsage:
-    """Token counts of a streamed request: prompts once per prompt, completions per choice."""
+    """Token counts of a streamed request: prompts once per prompt, completions per choice;
+    the cached prompt tokens in its summary when `report_cached`."""
 
+    report_cached: bool = True
     prompt: dict[int, int] = field(default_factory=dict)
     cached: dict[int, int] = field(default_factory=dict)
     choices: dict[int, ChoiceProgress] = field(default_factory=dict)
@@ -294,7 +300,8 @@ class StreamUsage:
 
     def summary(self) -> dict[str, Any]:
         completion = sum(p.completion_tokens for p in self.choices.values())
-        return usage(sum(self.prompt.values()), completion, sum(self.cached.values()))
+        cached = sum(self.cached.values()) if self.report_cached else None
+        return usage(sum(self.prompt.values()), completion, cached)
 
 
 def now() -> int:
@@ -310,13 +317,15 @@ async def stream_events(
     options: StreamOptions | None,
     chunk: Callable[..., dict[str, Any]],
     choice_deltas: ChoiceDeltas,
+    report_cached: bool,
 ) -> AsyncIterator[str]:
     """The SSE events of a streamed OpenAI call: an event per choice delta (`chunk([choice])`,
-    with the usage so far under `continuous_usage_stats`), the usage when `include_usage`, an
-    error event if the engine fails, then `[DONE]`. Closes `streams` when done."""
+    with the usage so far under `continuous_usage_stats`), the usage when `include_usage`
+    (with the cached prompt tokens when `report_cached`), an error event if the engine
+    fails, then `[DONE]`. Closes `streams` when done."""
     include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.continuous_usage_stats)
-    tally = StreamUsage()
+    tally = StreamUsage(report_cached)
     try:
         async for stream, engine_chunk in streams:
             for choice in choice_deltas(stream, engine_chunk, tally):

@@ -54,6 +54,7 @@ class _Completion:
         self.state = state
         self.request = request
         self.model = model
+        self.report_cached = state.config.enable_cache_report
         self.id = state.new_id("cmpl-")
         self.created = now()
         self.prompts = _prompts(request)
@@ -142,8 +143,8 @@ class _Completion:
                     "finish_reason": chunk.finish_type,
                 }
             )
-        total = usage(sum(prompt_tokens.values()), completion, sum(cached.values()))
-        return self.chunk(choices, total)
+        reported = sum(cached.values()) if self.report_cached else None
+        return self.chunk(choices, usage(sum(prompt_tokens.values()), completion, reported))
 
     def choice_deltas(
         self, stream: int, chunk: GenerateChunk, tally: StreamUsage
@@ -172,7 +173,9 @@ class _Completion:
         return out
 
     def events(self, streams: EngineStreams) -> AsyncIterator[str]:
-        return stream_events(streams, self.request.stream_options, self.chunk, self.choice_deltas)
+        return stream_events(
+            streams, self.request.stream_options, self.chunk, self.choice_deltas, self.report_cached
+        )
 
     async def beam_search(self) -> dict[str, Any]:
         """The response of a `use_beam_search` call: per prompt, the n best of `best_of` (or n)
@@ -216,7 +219,8 @@ class _Completion:
             if results:
                 prompt_tokens += results[0].prompt_tokens
                 cached += results[0].cached_tokens
-        return self.chunk(choices, usage(prompt_tokens, completion, cached))
+        reported = cached if self.report_cached else None
+        return self.chunk(choices, usage(prompt_tokens, completion, reported))
 
 
 async def create_completion(state: ServerState, http: Request) -> Response:

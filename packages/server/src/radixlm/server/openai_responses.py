@@ -193,6 +193,7 @@ class _Turn:
         try:
             chat_call = chat_request(request, list(conversation))
             chat = _Chat(state, chat_call, await chat_prompt(state, chat_call), model)
+            chat.report_cached = True  # input_tokens_details is part of the Responses usage
         except InvalidRequest as error:
             raise _renamed(error) from None
         return cls(state, request, conversation, chat)

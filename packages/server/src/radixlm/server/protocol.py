@@ -191,7 +191,10 @@ class EngineClient(Protocol):
     def server_info(self) -> dict[str, Any]:
         """Config and live stats, JSON-serialisable. `/metrics` exports these keys when present
         (at the top level or one level down): `num_running_reqs`, `num_queued_reqs`,
-        `cache_hit_rate` (0..1), `token_usage` (0..1)."""
+        `cache_hit_rate` (0..1), `token_usage` (0..1), `max_total_num_tokens` (KV token
+        slots), `generated_tokens` (cumulative; its rate is `sglang:gen_throughput`),
+        `num_retractions` (cumulative), `avg_spec_accept_length`, `spec_draft_tokens` and
+        `spec_accepted_tokens`. It is read at every scrape, from a worker thread."""
         ...
 
     @property

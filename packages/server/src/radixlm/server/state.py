@@ -127,10 +127,16 @@ class ServerState:
         #: what is in flight finishes.
         self.draining = False
         self.open_requests = 0  # HTTP requests being answered (counted by DrainMiddleware)
+        self._model_info: dict[str, Any] | None = None
         self.metrics: ServerMetrics | None = None
         if config.enable_metrics:
-            self.metrics = ServerMetrics(engine.server_info, lambda: len(self.inflight))
-        self._model_info: dict[str, Any] | None = None
+            self.metrics = ServerMetrics(
+                engine.server_info,
+                lambda: len(self.inflight),
+                self.served_model_name,
+                config.metrics_format,
+                self.context_length,
+            )
         self.responses = ResponseStore(config.response_store_size)  # /v1/responses
         # Read once, before serving: it walks the whole vocabulary.
         self.max_token_chars = max_token_chars(getattr(engine, "tokenizer", None))
@@ -269,16 +275,14 @@ class ServerState:
         if owner:
             self.inflight[rid] = arrival
         finals: dict[int, GenerateChunk] = {}
-        first_token_at: float | None = None
+        timer = self.metrics.track(request, arrival) if self.metrics is not None else None
         iterator: AsyncIterator[GenerateChunk] | None = None
         outcome = "disconnected"  # unless the engine finishes or refuses it
         try:
             iterator = self.engine.generate(request)
             async for chunk in iterator:
-                if first_token_at is None and chunk.output_ids:
-                    first_token_at = time.monotonic()
-                    if self.metrics is not None and request.stream:
-                        self.metrics.ttft.observe(first_token_at - arrival)
+                if timer is not None:
+                    timer.chunk(chunk)
                 if chunk.finished:
                     finals[chunk.index] = chunk
                 yield chunk
@@ -335,7 +339,7 @@ class ServerState:
                     latency,
                 )
             if len(finals) < expected:
-                self.metrics.requests.labels(route=route, finish_reason=outcome).inc()
+                self.metrics.record_unfinished(route, outcome)
         if self.config.log_requests:
             logger.info(
                 "%s rid=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d n=%d "
