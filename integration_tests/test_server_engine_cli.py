@@ -47,6 +47,7 @@ def cli_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "--sampling-defaults", "openai",
         "--random-seed", "1",
         "--enable-metrics",
+        "--enable-cache-report",
         "--enable-custom-logit-processor",
         "--log-level", "info",
     ]  # fmt: skip
