@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -60,22 +61,50 @@ def test_member_features_exist() -> None:
 
 
 def test_parse_splits_packages_from_pytest_arguments() -> None:
-    assert run_tests.parse(["runtime", "integration", "-k", "lora", "-p", "no:randomly"]) == (
-        ["runtime", "integration"],
-        ["-k", "lora", "-p", "no:randomly"],
-        "default",
-        False,
-    )
-    assert run_tests.parse(["--engine-mode", "process", "--installed", "cache", "-x"]) == (
-        ["cache"],
-        ["-x"],
-        "process",
-        True,
-    )
+    names, args, options = run_tests.parse(["runtime", "integration", "-k", "lora", "-p", "x"])
+    assert (names, args, options) == (["runtime", "integration"], ["-k", "lora", "-p", "x"],
+                                      run_tests.Options())  # fmt: skip
+    names, args, options = run_tests.parse(
+        ["--engine-mode", "process", "--installed", "--fast-subset",
+         "--record-durations=out.json", "cache", "-x"]
+    )  # fmt: skip
+    assert (names, args) == (["cache"], ["-x"])
+    assert options == run_tests.Options("process", True, True, "out.json")
     # A package name after pytest's own arguments is an argument, not a selection.
-    assert run_tests.parse(["-k", "runtime"]) == ([], ["-k", "runtime"], "default", False)
+    assert run_tests.parse(["-k", "runtime"]) == ([], ["-k", "runtime"], run_tests.Options())
     with pytest.raises(SystemExit):
         run_tests.parse(["--engine-mode", "thread"])
+
+
+def test_the_fast_subset_keeps_quick_and_unrecorded_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    for name in ("test_quick.py", "test_slow.py", "test_new.py"):
+        (tests / name).write_text("")
+    monkeypatch.setattr(run_tests, "ROOT", tmp_path)
+    record = tmp_path / "durations.json"
+    monkeypatch.setattr(run_tests, "DURATIONS", record)
+    assert run_tests.fast_files(tests) is None  # no record: everything runs
+    limit = run_tests.FAST_FILE_SECONDS
+    record.write_text(json.dumps({
+        "tests/test_quick.py::a": 0.5,
+        "tests/test_quick.py::b[1]": 0.5,
+        "tests/test_slow.py::a": limit / 2,
+        "tests/test_slow.py::b": limit / 2 + 0.1,
+    }))  # fmt: skip
+    chosen = run_tests.fast_files(tests)
+    assert [path.name for path in chosen or []] == ["test_new.py", "test_quick.py"]
+
+
+def test_the_committed_duration_record_names_existing_tests() -> None:
+    """The record is written by `run_tests.py --record-durations` and read by the fast subset:
+    every file it names exists (renew it after renaming test files: see the README)."""
+    record = json.loads(run_tests.DURATIONS.read_text())
+    files = {nodeid.partition("::")[0] for nodeid in record}
+    assert len(files) > 100
+    assert sorted(f for f in files if not (ROOT / f).exists()) == []
 
 
 def test_current_internal_ranges_admit_current_versions() -> None:
