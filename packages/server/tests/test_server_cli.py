@@ -401,7 +401,10 @@ def test_dp_size_starts_replicas_behind_the_router(
 ) -> None:
     asked: dict[str, Any] = {}
 
-    def build_replicas(model_path: str, kwargs: dict[str, Any], dp_size: int, policy: str) -> Any:
+    def build_replicas(
+        model_path: str, kwargs: dict[str, Any], dp_size: int, policy: str, tracer: Any = None
+    ) -> Any:
+        assert tracer is None  # no --otlp-traces-endpoint
         asked.update(model_path=model_path, kwargs=kwargs, dp_size=dp_size, policy=policy)
         return fake.FakeEngine(tokenizer)
 
