@@ -35,7 +35,7 @@ INTEGRATION = ROOT / "integration_tests"
 PYTEST_NO_TESTS = 5
 TESTING = ROOT / "tools" / "testing"
 DURATIONS = ROOT / "tools" / "workspace" / "test_durations.json"
-FAST_FILE_SECONDS = 8.0
+FAST_FILE_SECONDS = 5.0
 
 
 @dataclass
