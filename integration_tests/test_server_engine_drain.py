@@ -18,6 +18,10 @@ BODY: dict[str, Any] = {
     "text": "drain me",
     "sampling_params": {"temperature": 0, "max_new_tokens": 160, "ignore_eos": True},
 }
+# A fifth, longer stream keeps the drain going while the test checks that new work is refused:
+# on a fast machine the four short streams can end (and the server exit) within milliseconds
+# of the SIGTERM.
+KEEPER_TOKENS = 2000
 
 
 def test_sigterm_lets_streams_finish_refuses_new_work_and_exits_zero(
@@ -35,13 +39,16 @@ def test_sigterm_lets_streams_finish_refuses_new_work_and_exits_zero(
     log = tmp_path / "serve.log"
     with served(args, log, free_port(), started=started) as url:
         process = started[0]
-        first_chunk = threading.Barrier(5)
+        first_chunk = threading.Barrier(6)
         finished: list[dict[str, Any]] = []
+        kept: list[dict[str, Any]] = []
 
-        def stream() -> None:
+        def stream(tokens: int = 160) -> None:
+            body = {**BODY, "stream": True}
+            body["sampling_params"] = {**BODY["sampling_params"], "max_new_tokens": tokens}
             with (
                 httpx.Client(base_url=url, timeout=120) as client,
-                client.stream("POST", "/generate", json={**BODY, "stream": True}) as response,
+                client.stream("POST", "/generate", json=body) as response,
             ):
                 chunks = []
                 for line in response.iter_lines():
@@ -49,23 +56,29 @@ def test_sigterm_lets_streams_finish_refuses_new_work_and_exits_zero(
                         chunks.append(json.loads(line[6:]))
                         if len(chunks) == 1:
                             first_chunk.wait(60)
-            finished.append(chunks[-1])
+            (finished if tokens == 160 else kept).append(chunks[-1])
 
         threads = [threading.Thread(target=stream) for _ in range(4)]
+        threads.append(threading.Thread(target=stream, args=(KEEPER_TOKENS,)))
         for thread in threads:
             thread.start()
         first_chunk.wait(60)  # every stream is running
         process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
-        while httpx.get(f"{url}/health", timeout=5).status_code != 503:
-            assert time.monotonic() < deadline, "/health stayed healthy after SIGTERM"
-            time.sleep(0.02)
-        refused = httpx.post(f"{url}/generate", json=BODY, timeout=10)
+        try:
+            while httpx.get(f"{url}/health", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline, "/health stayed healthy after SIGTERM"
+                time.sleep(0.02)
+            refused = httpx.post(f"{url}/generate", json=BODY, timeout=10)
+        except httpx.TransportError as error:
+            raise AssertionError(f"the server stopped listening: {error!r}\n{log.read_text()}")
+        assert not kept, "the long stream ended before the checks: they proved nothing"
         assert refused.status_code == 503 and "Retry-After" in refused.headers
         assert refused.json()["error"]["code"] == "draining"
         for thread in threads:
             thread.join(120)
-        assert len(finished) == 4, log.read_text()
+        assert len(finished) == 4 and len(kept) == 1, log.read_text()
+        assert kept[0]["meta_info"]["completion_tokens"] == KEEPER_TOKENS
         for last in finished:
             meta = last["meta_info"]
             assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 160

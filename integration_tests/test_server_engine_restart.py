@@ -25,7 +25,9 @@ pytestmark = pytest.mark.timeout(300)
 STREAMS = 32
 TOKENS = 1000  # far more than are generated before the kill (a short prompt and this fit 1024)
 POOL = 40000  # KV slots: every stream can run to its end at once, none waits in the queue
-ENDED_WITHIN_S = 5.0  # after the kill, every stream has ended by then
+# After the kill every stream has ended by then (0.13 s on an idle 2-core machine; the outputs
+# the front had not yet read are delivered first, which takes longer on a busy one).
+ENDED_WITHIN_S = 10.0
 
 
 @dataclass
@@ -91,11 +93,12 @@ def test_killing_the_engine_process_ends_every_stream_and_the_server_recovers(
     assert pid is not None and pid != os.getpid()
 
     killed_at, outcomes = asyncio.run(_load_then_kill(served.url, pid))
+    ended = sorted(round(o.ended_at - killed_at, 2) for o in outcomes)
 
     for i, outcome in enumerate(outcomes):
         assert outcome.finish is None, f"stream {i} finished before the kill: {outcome}"
-        assert outcome.error is not None, f"stream {i} ended without an error"
-        assert outcome.ended_at - killed_at < ENDED_WITHIN_S, (i, outcome.ended_at - killed_at)
+        assert outcome.error is not None, f"stream {i} ended without an error: {outcome}"
+        assert outcome.ended_at - killed_at < ENDED_WITHIN_S, f"stream {i}; ended after: {ended}"
         if isinstance(outcome.error, dict):  # the SSE error event the server sends
             assert outcome.error["code"] == "engine_unavailable", outcome.error
             assert "engine process died" in outcome.error["message"]
