@@ -36,7 +36,7 @@ PROMPTS = (
     "Once upon a time, in a small village,",
 )
 NEW_TOKENS = 32
-PASSAGE = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()[:3000]
+PASSAGE = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()[:1500]
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,10 @@ SCHEMA = {
 
 
 def _outputs(engine: Engine, texts: list[str], params: dict[str, Any]) -> list[list[int]]:
-    alone = [engine.generate(text, params)["output_ids"] for text in texts]
+    """The first text alone, then all of them batched."""
+    alone = engine.generate(texts[0], params)["output_ids"]
     batched = [out["output_ids"] for out in engine.generate(texts, params)]
-    return alone + batched
+    return [alone, *batched]
 
 
 FP32 = {"quantization": "none", "dtype": "float32"}
@@ -50,7 +51,7 @@ SETUPS = {
 
 @pytest.mark.parametrize("algorithm", list(SETUPS))
 def test_greedy_outputs_are_unchanged_by_drafts(algorithm: str) -> None:
-    tokens = 48 if algorithm == "ngram" else 24  # the float32 model decodes slower
+    tokens = 48 if algorithm == "ngram" else 16  # the float32 model decodes slower
     cases = [
         {"temperature": 0.0, "max_new_tokens": tokens},
         {"temperature": 0.0, "max_new_tokens": tokens, "json_schema": json.dumps(SCHEMA)},
