@@ -361,3 +361,6 @@ def test_metrics_count_requests_and_tokens(http: httpx.Client) -> None:
                  "sglang:cache_hit_rate", "sglang:gen_throughput",
                  "sglang:num_retracted_requests_total", "sglang:generation_tokens_total"):  # fmt: skip
         assert re.search(rf'^{name}\{{[^}}]*model_name="tiny-llama"', text, re.M), name
+    # Queue time from the real engine's timestamps: one observation per finished request.
+    queued = re.search(r'^sglang:queue_time_seconds_count\{[^}]*\} (\S+)$', text, re.M)
+    assert queued and float(queued.group(1)) >= 1

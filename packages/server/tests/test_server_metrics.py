@@ -241,3 +241,23 @@ def test_the_metrics_flags_reach_the_server_config() -> None:
     assert config.metrics_format == "vllm" and not config.enable_cache_report
     default = server_config(build_parser().parse_args(["--enable-cache-report"]))
     assert default.metrics_format == "sglang" and default.enable_cache_report
+
+
+def test_queue_prefill_and_decode_times_come_from_the_engines_timestamps() -> None:
+    metrics = ServerMetrics(lambda: {}, lambda: 0, "m", "both")
+    stamps = {"arrival": 100.0, "scheduled": 100.25, "first_token": 100.75, "last_token": 102.0}
+    metrics.record_phases(stamps)
+    metrics.record_phases({**stamps, "scheduled": None})  # never left the queue: not observed
+    metrics.record_phases(None)  # an engine without timestamps
+    samples: dict[str, float] = {
+        s.name: s.value
+        for f in text_string_to_metric_families(metrics.render().decode())
+        for s in f.samples
+        if s.name.endswith(("_sum", "_count"))
+    }
+    assert samples["sglang:queue_time_seconds_count"] == 1
+    assert samples["sglang:queue_time_seconds_sum"] == pytest.approx(0.25)
+    assert samples["vllm:request_queue_time_seconds_sum"] == pytest.approx(0.25)
+    assert samples["vllm:request_prefill_time_seconds_sum"] == pytest.approx(0.5)
+    assert samples["vllm:request_decode_time_seconds_sum"] == pytest.approx(1.25)
+    assert samples["vllm:request_inference_time_seconds_sum"] == pytest.approx(1.75)

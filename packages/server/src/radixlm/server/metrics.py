@@ -114,6 +114,11 @@ class _SGLang:
             "Histogram of End-to-end request latency in seconds",
             SGLANG_E2E_BUCKETS,
         )
+        self.queue = histogram(
+            "sglang:queue_time_seconds",
+            "Histogram of queueing time in seconds.",
+            SGLANG_E2E_BUCKETS,
+        )
 
     def sequence(
         self, reason: str, prompt: int, cached: int, completion: int, latency: float
@@ -128,6 +133,9 @@ class _SGLang:
 
     def unfinished(self) -> None:
         self.aborted.inc()
+
+    def phases(self, queue: float, prefill: float | None, decode: float | None) -> None:
+        self.queue.observe(queue)
 
     def started(self, request: GenerateRequest) -> None:
         pass
@@ -272,6 +280,26 @@ class _VLLM:
             "Histogram of e2e request latency in seconds.",
             VLLM_LATENCY_BUCKETS,
         )
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            VLLM_LATENCY_BUCKETS,
+        )
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            VLLM_LATENCY_BUCKETS,
+        )
+        self.decode = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            VLLM_LATENCY_BUCKETS,
+        )
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            VLLM_LATENCY_BUCKETS,
+        )
 
     def sequence(
         self, reason: str, prompt: int, cached: int, completion: int, latency: float
@@ -288,6 +316,14 @@ class _VLLM:
 
     def unfinished(self) -> None:
         self.success["abort"].inc()
+
+    def phases(self, queue: float, prefill: float | None, decode: float | None) -> None:
+        self.queue.observe(queue)
+        if prefill is not None:
+            self.prefill.observe(prefill)
+            if decode is not None:
+                self.decode.observe(decode)
+                self.inference.observe(prefill + decode)
 
     def started(self, request: GenerateRequest) -> None:
         self.params_n.observe(request.params.n)
@@ -531,6 +567,21 @@ class ServerMetrics:
         self.requests.labels(route=route, finish_reason=finish_reason).inc()
         for names in self.formats:
             names.sequence(finish_reason, prompt_tokens, cached_tokens, completion_tokens, latency)
+
+    def record_phases(self, timestamps: dict[str, Any] | None) -> None:
+        """How long one request waited in the queue, then prefilled (to its first token) and
+        decoded (to its last), from the engine's `meta_info["timestamps"]`; nothing when the
+        engine reports none or the request never left the queue."""
+        if not timestamps:
+            return
+        arrival, scheduled = timestamps.get("arrival"), timestamps.get("scheduled")
+        if arrival is None or scheduled is None:
+            return
+        first, last = timestamps.get("first_token"), timestamps.get("last_token")
+        prefill = None if first is None else max(first - scheduled, 0.0)
+        decode = None if first is None or last is None else max(last - first, 0.0)
+        for names in self.formats:
+            names.phases(max(scheduled - arrival, 0.0), prefill, decode)
 
     def record_unfinished(self, route: str, outcome: str) -> None:
         """Sequences of a request that ended without their final chunk (the client went

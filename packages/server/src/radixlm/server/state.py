@@ -340,6 +340,8 @@ class ServerState:
                 )
             if len(finals) < expected:
                 self.metrics.record_unfinished(route, outcome)
+            if ended:
+                self.metrics.record_phases((ended[0].extra or {}).get("timestamps"))
         if self.config.log_requests:
             logger.info(
                 "%s rid=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d n=%d "
