@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 
@@ -55,6 +56,14 @@ def test_grammar_kwargs_set_backend_strictness_and_size_limit() -> None:
         True,
         4096,
     )
+
+
+def test_json_schema_dir_sets_the_grammar_documents_directory(tmp_path: Any) -> None:
+    grammar = EngineConfig.from_kwargs("/m", json_schema_dir=tmp_path).grammar
+    assert grammar.schema_dir == str(tmp_path)
+    assert EngineConfig.from_kwargs("/m").grammar.schema_dir is None
+    with pytest.raises(ValueError, match="json_schema_dir"):
+        EngineConfig.from_kwargs("/m", json_schema_dir=str(tmp_path / "absent"))
 
 
 def test_every_grammar_backend_choice_is_accepted() -> None:

@@ -3,7 +3,9 @@ limit errors it explains (no model needed: the compiler is a stand-in)."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,6 +66,8 @@ def test_settings_report_backend_strictness_and_limits() -> None:
         "strict_constraints": True,
         "max_constraint_bytes": 1000,
         "grammar_compile_timeout": 30.0,
+        "json_schema_dir": None,
+        "json_schema_documents": [],
     }
 
 
@@ -98,3 +102,46 @@ def test_other_errors_are_left_as_they_are() -> None:
     assert service.explain(error) is error
     crash = RuntimeError("boom")
     assert service.explain(crash) is crash
+
+
+def test_documents_of_the_json_schema_dir_reach_the_grammar(tmp_path: Path) -> None:
+    pytest.importorskip("xgrammar")
+    from radixlm.runtime.fixtures import build_tiny_tokenizer
+
+    schemas = tmp_path / "schemas"
+    (schemas / "shapes").mkdir(parents=True)
+    point = {
+        "type": "object",
+        "properties": {"x": {"type": "integer"}},
+        "required": ["x"],
+        "additionalProperties": False,
+    }
+    (schemas / "shapes" / "point.json").write_text(json.dumps(point))
+    tokenizer = build_tiny_tokenizer(tmp_path / "tokenizer")
+    params = SamplingParams(json_schema=json.dumps({"$ref": "shapes/point.json"}))
+    config = GrammarConfig(backend="xgrammar", schema_dir=str(schemas))
+    service = GrammarService(config, tokenizer, vocab_size=len(tokenizer))
+    bare = GrammarService(GrammarConfig(backend="xgrammar"), tokenizer, vocab_size=len(tokenizer))
+    try:
+        assert service.settings()["json_schema_documents"] == ["shapes/point.json"]
+        future = service.submit(params)
+        assert future is not None
+        grammar = service.matcher(future.result(timeout=60))
+        for token in tokenizer.encode('{"x":12}', add_special_tokens=False):
+            assert grammar.accept_token(token)
+        assert grammar.accept_token(tokenizer.eos_token_id) and grammar.is_terminated()
+        # Without the directory the same constraint is a 400 saying how to ship the document.
+        refused = bare.submit(params)
+        assert refused is not None
+        error = refused.exception(timeout=60)
+        assert isinstance(error, GrammarError) and error.keyword == "$ref"
+        assert "--json-schema-dir" in error.message
+    finally:
+        service.shutdown()
+        bare.shutdown()
+
+
+def test_a_json_schema_dir_with_a_file_that_is_not_json_fails_the_start(tmp_path: Path) -> None:
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match=r"broken\.json"):
+        GrammarService(GrammarConfig(schema_dir=str(tmp_path)), tokenizer=None, vocab_size=32)

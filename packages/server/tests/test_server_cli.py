@@ -116,6 +116,18 @@ def test_grammar_flags_reach_the_engine() -> None:
     }
 
 
+def test_json_schema_dir_reaches_the_engine_as_an_absolute_directory(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "schemas").mkdir()
+    monkeypatch.chdir(tmp_path)  # engine processes and replicas may start elsewhere
+    args = build_parser().parse_args(["--json-schema-dir", "schemas"])
+    assert engine_kwargs(args)["json_schema_dir"] == str((tmp_path / "schemas").resolve())
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--json-schema-dir", "absent"])
+    assert "not a directory: absent" in capsys.readouterr().err
+
+
 def test_hub_revision_and_download_dir_reach_the_engine() -> None:
     args = build_parser().parse_args(
         ["--model-path", "org/name", "--revision", "r", "--download-dir", "d"]

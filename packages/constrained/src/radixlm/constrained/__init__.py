@@ -3,6 +3,7 @@ xgrammar, llguidance and outlines-core (or `auto`, choosing per constraint), wit
 decoding. Backends are optional extras, imported only when created: `available_backends()` says
 which are installed."""
 
+from radixlm.constrained._schema_documents import load_schema_documents, schema_registry
 from radixlm.constrained._version import __version__
 from radixlm.constrained.bitmask import (
     allocate_bitmask,
@@ -53,8 +54,10 @@ __all__ = [
     "available_backends",
     "bitmask_width",
     "create_backend",
+    "load_schema_documents",
     "register_backend",
     "registered_backends",
     "reset_bitmask",
+    "schema_registry",
     "unpack_bitmask",
 ]

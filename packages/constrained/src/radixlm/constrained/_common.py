@@ -62,6 +62,7 @@ def prepare_schema(spec: GrammarSpec, support: SchemaSupport, options: GrammarOp
             support,
             max_depth=options.max_schema_depth,
             max_bytes=options.max_source_bytes,
+            documents=options.schema_documents,
         )
     except GrammarError as error:
         raise error.with_context(kind=spec.kind, backend=support.backend) from None

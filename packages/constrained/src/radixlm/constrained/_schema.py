@@ -26,10 +26,11 @@ import json
 import math
 import re
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.constrained._schema_bundle import bundle_known_documents
+from radixlm.constrained._schema_bundle import bundle_schema
 from radixlm.constrained._schema_merge import (
     ALL_TYPES,
     CannotMerge,
@@ -66,20 +67,31 @@ _COUNTS = (
 
 @dataclass(frozen=True, slots=True)
 class NormalizedSchema:
-    """A schema as a backend gets it (`text`), the parsed original, and what was relaxed."""
+    """A schema as a backend gets it (`text`), the parsed original, and what was relaxed.
+
+    `validation` is what completed values are validated against, with its references
+    resolving in `registry` (the original with the documents it refers to bundled in, see
+    `_schema_bundle`): pass both to jsonschema to accept what the grammar accepts."""
 
     text: str
     original: Any
     deferred: frozenset[str] = frozenset()
     annotations: frozenset[str] = frozenset()
+    validation: Any = None
+    registry: Any = None
 
 
 def prepare_json_schema(
-    source: str, support: SchemaSupport, *, max_depth: int = 64, max_bytes: int = 8 << 20
+    source: str,
+    support: SchemaSupport,
+    *,
+    max_depth: int = 64,
+    max_bytes: int = 8 << 20,
+    documents: Mapping[str, Any] | None = None,
 ) -> str:
     """The normalized schema as JSON text, or `GrammarError` saying what to change."""
     return normalize_json_schema(
-        source, support, max_depth=max_depth, max_bytes=max_bytes, relax=False
+        source, support, max_depth=max_depth, max_bytes=max_bytes, documents=documents
     ).text
 
 
@@ -90,9 +102,11 @@ def normalize_json_schema(
     max_depth: int = 64,
     max_bytes: int = 8 << 20,
     relax: bool = False,
+    documents: Mapping[str, Any] | None = None,
 ) -> NormalizedSchema:
     """The normalized schema with what was deferred to validation (`relax=True` only), or
-    `GrammarError` saying what to change."""
+    `GrammarError` saying what to change. `documents` (URI or name relative to the schema ->
+    schema) are what references to other documents may resolve to (`_schema_documents`)."""
     if len(source.encode("utf-8")) > max_bytes:
         raise GrammarError(
             f"the JSON schema is {len(source.encode('utf-8'))} bytes, above the limit of "
@@ -113,7 +127,9 @@ def normalize_json_schema(
         raise GrammarError(
             "the JSON schema is nested too deeply to parse", kind="json_schema"
         ) from None
-    bundled = bundle_known_documents(schema)  # metaschemas it refers to, inlined
+    # The documents it refers to, copied in: every reference left is local.
+    bundle = bundle_schema(schema, documents)
+    bundled = bundle.schema
     unsatisfiable: frozenset[str] = frozenset()
     while True:
         normalizer = _Normalizer(
@@ -142,6 +158,8 @@ def normalize_json_schema(
         schema,
         frozenset(normalizer.deferred),
         frozenset(normalizer.annotations),
+        bundle.validation,
+        bundle.registry,
     )
 
 
@@ -317,9 +335,9 @@ class _Normalizer:
             raise self.reject(
                 path,
                 "$ref",
-                f"$ref {ref!r} is not supported: only references inside the schema (#, "
-                "#/$defs/..., any #/json/pointer, or the schema's own $id) are; inline the "
-                "referenced schema",
+                f"$ref {ref!r} cannot be followed: references go inside the schema (#, "
+                "#/$defs/..., any #/json/pointer, $anchor names) or to documents shipped "
+                "beside it (GrammarOptions.schema_documents, the server's --json-schema-dir)",
             )
         return ref
 

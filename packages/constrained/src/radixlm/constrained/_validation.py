@@ -87,7 +87,10 @@ _ANY_REFERENCE = re.compile(r'"\$(ref|dynamicRef|recursiveRef|id)"|"id":')
 
 class SchemaChecks:
     """The original schema, its validator and what to check where. Immutable once built and
-    shared by every matcher of one compiled grammar (caches fill under the GIL)."""
+    shared by every matcher of one compiled grammar (caches fill under the GIL).
+
+    `registry`: where references to other documents resolve (`schema_registry`, the
+    grammar's); references left in `schema` are local once it is bundled (`_schema_bundle`)."""
 
     def __init__(
         self,
@@ -96,11 +99,20 @@ class SchemaChecks:
         *,
         max_retries_per_value: int = 8,
         max_retries: int = 64,
+        registry: Any = None,
     ) -> None:
         import jsonschema
+        import referencing
 
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        self.validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        # The grammar's registry (`_schema_documents.schema_registry`): the same documents
+        # behind the same references. A registry of its own (even an empty one: jsonschema
+        # adds the metaschemas) keeps jsonschema from fetching anything.
+        self.validator = cls(
+            schema,
+            format_checker=cls.FORMAT_CHECKER,
+            registry=referencing.Registry() if registry is None else registry,
+        )
         self.root = schema
         self.deferred = deferred
         self.max_retries_per_value = max_retries_per_value

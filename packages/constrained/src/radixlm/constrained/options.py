@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from radixlm.constrained._schema_documents import SchemaDocuments, check_schema_documents
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +22,13 @@ class GrammarOptions:
     - `jump_forward_window`: how many of the last generated tokens are retokenized together with
       forced text (see `Grammar.jump_forward`); `max_jump_forward_bytes` caps one jump.
     - `compile_threads`: threads a backend may use inside one compilation (xgrammar).
+    - `schema_documents`: JSON schemas a JSON-schema constraint may refer to (`$ref`), keyed
+      by URI (`https://example.com/person.json`) or by a name relative to the referring
+      schema's base URI (`address.json`, which `{"$ref": "address.json"}` finds); each is also
+      found by its own `$id`. Nothing is ever fetched over the network: a reference to any
+      other document is refused naming it. `load_schema_documents(directory)` reads a
+      directory of `*.json` files into this form. Kept as a read-only copy (its repr lists
+      the names only).
     """
 
     json_whitespace: Literal["compact", "flexible"] = "compact"
@@ -28,8 +38,10 @@ class GrammarOptions:
     jump_forward_window: int = 4
     max_jump_forward_bytes: int = 1024
     compile_threads: int = 1
+    schema_documents: Mapping[str, Any] = field(default_factory=SchemaDocuments, hash=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "schema_documents", check_schema_documents(self.schema_documents))
         if self.json_whitespace not in ("compact", "flexible"):
             raise ValueError(
                 f"json_whitespace must be 'compact' or 'flexible', got {self.json_whitespace!r}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -623,6 +624,10 @@ class GrammarConfig:
     - `jump_forward` appends the tokens a grammar forces and computes them in one extend step;
       `json_whitespace` compact | flexible; `compile_timeout` in seconds (past it, a 400);
       `cache_size` compiled grammars kept.
+    - `schema_dir`: a directory of JSON schemas that a JSON-schema constraint may refer to
+      (`$ref`): every `*.json` file under it, found by its path relative to the directory
+      (`{"$ref": "address.json"}`) and by its `$id`. Read when the engine starts; nothing is
+      ever fetched over the network (`radixlm serve --json-schema-dir DIR`).
     """
 
     backend: GrammarBackendName = "auto"
@@ -633,10 +638,13 @@ class GrammarConfig:
     compile_timeout: float = 30.0
     compile_workers: int = 2
     cache_size: int = 256
+    schema_dir: str | None = None
 
     def __post_init__(self) -> None:
         _choice("grammar_backend", self.backend, GrammarBackendName)
         _choice("json_whitespace", self.json_whitespace, JsonWhitespace)
+        if self.schema_dir is not None and not os.path.isdir(self.schema_dir):
+            raise ValueError(f"json_schema_dir {self.schema_dir!r} is not a directory")
         if self.max_constraint_bytes < 1:
             raise ValueError(
                 f"max_constraint_bytes must be at least 1; got {self.max_constraint_bytes}"
@@ -921,6 +929,7 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "grammar_compile_timeout": ("grammar", "compile_timeout", None),
     "strict_constraints": ("grammar", "strict", bool),
     "max_constraint_bytes": ("grammar", "max_constraint_bytes", int),
+    "json_schema_dir": ("grammar", "schema_dir", lambda v: None if v is None else os.fspath(v)),
     # media (vision models)
     "allow_media_urls": ("media", "allow_urls", bool),
     "media_url_allowlist": ("media", "url_allowlist", lambda v: tuple(v or ())),

@@ -45,6 +45,12 @@ class GrammarService:
         self._compiler: Any = None
         self._lock = threading.Lock()
         self._described: OrderedDict[Any, None] = OrderedDict()  # specs already logged
+        # Documents the schemas may refer to, read once at start (a bad file fails the start).
+        self.schema_documents: dict[str, Any] = {}
+        if config.schema_dir is not None and self.enabled:
+            from radixlm.constrained import load_schema_documents
+
+            self.schema_documents = load_schema_documents(config.schema_dir)
 
     @property
     def enabled(self) -> bool:
@@ -68,6 +74,7 @@ class GrammarService:
                 options = GrammarOptions(
                     json_whitespace=self.config.json_whitespace,
                     max_source_bytes=self.config.max_constraint_bytes,
+                    schema_documents=self.schema_documents,
                 )
                 backend = create_backend(self.config.backend, info, options)
                 self._compiler = GrammarCompiler(
@@ -172,6 +179,8 @@ class GrammarService:
             "strict_constraints": self.config.strict,
             "max_constraint_bytes": self.config.max_constraint_bytes,
             "grammar_compile_timeout": self.config.compile_timeout,
+            "json_schema_dir": self.config.schema_dir,
+            "json_schema_documents": sorted(self.schema_documents),
         }
 
     def bitmask(

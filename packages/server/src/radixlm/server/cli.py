@@ -29,6 +29,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _directory(text: str) -> str:
+    """An existing directory, as an absolute path (engine processes and replicas may start
+    elsewhere)."""
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"not a directory: {text}")
+    return str(path.resolve())
+
+
 # Flags that configure the engine: (flag dest, argparse keywords). Their values go to
 # `radixlm.runtime.Engine(model_path, **kwargs)` under the dest name, only when given, so the
 # engine's own defaults apply otherwise. Their `choices` are the runtime's, written once in
@@ -143,6 +152,13 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "metavar": "N",
         "help": "largest constraint (JSON schema, regex, EBNF, ...) accepted, in bytes "
         "(default 8 MiB)",
+    },
+    "json_schema_dir": {
+        "type": _directory,
+        "metavar": "DIR",
+        "help": "JSON schemas that constraints may refer to with $ref: every *.json file under "
+        'DIR, found by its path relative to DIR ({"$ref": "address.json"}) and by its $id '
+        "(nothing is fetched over the network)",
     },
     "grammar_compile_timeout": {
         "type": float,

@@ -117,6 +117,7 @@ class AutoBackend:
                     max_depth=self.options.max_schema_depth,
                     max_bytes=self.options.max_source_bytes,
                     relax=True,
+                    documents=self.options.schema_documents,
                 )
             except GrammarError as error:
                 errors.append(error.with_context(kind=spec.kind, backend=name))
@@ -133,7 +134,9 @@ class AutoBackend:
                 errors.append(error.with_context(kind=spec.kind, backend=name))
                 continue
             checks = (
-                SchemaChecks(normalized.original, normalized.deferred)
+                SchemaChecks(
+                    normalized.validation, normalized.deferred, registry=normalized.registry
+                )
                 if normalized.deferred
                 else None
             )
@@ -184,6 +187,7 @@ def _another_may_take_it(error: GrammarError) -> bool:
         "nested too deeply",
         "more than",
         "points to nothing",
+        "was not shipped",
         "no value satisfies",
         "allows no value",
         "must be",
