@@ -194,5 +194,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "radixlm-router") -> int
     import logging
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
     uvicorn.run(create_router_app(config), host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -44,7 +44,6 @@ from radixlm.router.relay import (
     ClientGone,
     ProxiedStream,
     RouterError,
-    answer_headers,
     passthrough,
     request_headers,
     until_disconnected,
