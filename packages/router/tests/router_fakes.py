@@ -73,6 +73,7 @@ class FakeWorker:
     `fail`: answer every generate request with this status and an OpenAI-shaped error.
     `hold`: keep a request open until it is aborted (by rid) or its client goes away.
     `error_in_stream`: answer 200 with a stream holding an error event.
+    `break_stream`: drop the connection after a stream's first event.
     `delay`: seconds before the answer (a stream: before each event; a failure: before it)."""
 
     def __init__(self, name: str) -> None:
@@ -87,6 +88,7 @@ class FakeWorker:
         self.fail: int | None = None
         self.hold = False
         self.error_in_stream = False
+        self.break_stream = False
         self.delay = 0.0
         self.flushed = 0
         self.server = LiveServer(self.app()).start()
@@ -170,6 +172,8 @@ class FakeWorker:
                 await asyncio.sleep(self.delay)
             self.sent.append(event)
             yield event
+            if self.break_stream:
+                raise ConnectionAbortedError("the fake worker breaks off its stream")
 
 
 #: Health checks quick enough for tests: every 0.1 s, two failures out, one success in.

@@ -5,6 +5,7 @@ and control routes."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +57,22 @@ def test_a_stream_comes_back_byte_for_byte(workers: Workers, router: Start) -> N
     assert received == b"".join(worker.sent)
     assert received.endswith(b"data: [DONE]\n\n")
     assert worker.routes == ["/v1/chat/completions"]
+
+
+def test_a_stream_the_worker_breaks_off_ends_with_an_error_event(
+    workers: Workers, router: Start
+) -> None:
+    (worker,) = workers(1)
+    worker.break_stream = True
+    front = router(RouterConfig.regular([worker.url]))
+    with httpx.stream(
+        "POST", front.url + "/generate", json={"text": "x", "stream": True}
+    ) as answer:
+        events = b"".join(answer.iter_raw()).decode().strip().split("\n\n")
+    assert events[0] == worker.sent[0].decode().strip()
+    error = json.loads(events[1].removeprefix("data: "))["error"]
+    assert error["worker"] == worker.url and "broke off" in error["message"]
+    assert events[2:] == ["data: [DONE]"]
 
 
 def test_every_generating_route_is_proxied_unchanged(workers: Workers, router: Start) -> None:

@@ -86,7 +86,9 @@ class HttpRouter:
             self.config.request_timeout_s, connect=self.config.connect_timeout_s
         )
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        # Bodies pass through undecoded: a worker compresses only for a client that asks.
+        headers = {"accept-encoding": "identity"}
+        self._client = httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers)
         await self.check_health()
         self._health_task = asyncio.create_task(self._health_loop())
 
