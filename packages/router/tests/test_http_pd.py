@@ -242,3 +242,34 @@ def test_without_a_serving_decode_worker_the_router_is_not_healthy(
     assert health.status_code == 503 and "no decode worker" in health.json()["error"]["message"]
     answer = httpx.post(front.url + "/generate", json={"text": "x"})
     assert answer.status_code == 503 and not prefill.bodies
+
+
+def test_a_client_gone_before_the_answer_aborts_both_halves(
+    workers: Workers, router: Start
+) -> None:
+    prefill, decode = workers(2)
+    prefill.hold = decode.hold = True
+    front = router(_pd([prefill], [decode]))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(front.url + "/generate", json={"text": "x", "rid": "r7"}, timeout=0.5)
+    _wait(lambda: "r7" in prefill.aborts and "r7" in decode.aborts)
+    _wait(lambda: [w["in_flight"] for w in _listed(front)] == [0, 0])
+
+
+def test_a_client_gone_under_a_stream_aborts_the_prefill_still_running(
+    workers: Workers, router: Start
+) -> None:
+    prefill, decode = workers(2)
+    prefill.hold, decode.delay = True, 0.2
+    front = router(_pd([prefill], [decode]))
+    body = {"text": "x", "rid": "r8", "stream": True}
+    with httpx.stream("POST", front.url + "/generate", json=body, timeout=10) as answer:
+        first = next(answer.iter_raw())
+    assert first == decode.sent[0]
+    _wait(lambda: "r8" in prefill.aborts)
+    _wait(lambda: [w["in_flight"] for w in _listed(front)] == [0, 0])
+
+
+def _listed(front: Any) -> list[dict[str, Any]]:
+    workers: list[dict[str, Any]] = httpx.get(front.url + "/list_workers").json()["workers"]
+    return workers

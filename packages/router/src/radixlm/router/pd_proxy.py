@@ -136,8 +136,10 @@ class PDExchange:
         try:
             upstream = sent.result()
             if upstream.status_code != 200:
-                content = await upstream.aread()
-                await upstream.aclose()
+                try:
+                    content = await upstream.aread()
+                finally:
+                    await upstream.aclose()
                 logger.warning("decode worker %s answered %d", url, upstream.status_code)
                 self._end_decode()
                 await self._stop_prefill()
@@ -148,6 +150,10 @@ class PDExchange:
             self._end_decode()
             await self._stop_prefill()
             raise worker_failed("decode", url, error) from None
+        except BaseException:
+            self._end_decode()
+            await self._stop_prefill()
+            raise
 
         async def close() -> None:
             await upstream.aclose()
@@ -178,11 +184,15 @@ class PDExchange:
                     return
                 break
             step = asyncio.ensure_future(chunks.__anext__())
-            await asyncio.wait({step, prefill}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                await asyncio.wait({step, prefill}, return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:  # the client went away
+                step.cancel()
+                raise
             if not step.done() and self.prefill_failure() is not None:
                 step.cancel()
                 await asyncio.gather(step, return_exceptions=True)
-                continue  # the failure is reported above
+                continue  # reported at the top of the loop
             try:
                 chunk = await step
             except StopAsyncIteration:
