@@ -16,6 +16,7 @@ from radixlm.router import (
     Replica,
     RoundRobin,
     Router,
+    ShortestQueue,
     make_policy,
     prompt_key,
     text_key,
@@ -170,6 +171,18 @@ def test_random_and_round_robin_use_every_replica() -> None:
     assert [rr.choose([1]).id for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
     rnd = Router(RandomChoice(seed=0), ["a", "b"])
     assert set(rnd.choose([1]).id for _ in range(50)) == {"a", "b"}
+
+
+def test_shortest_queue_takes_the_least_loaded_and_ties_take_turns() -> None:
+    router = Router(ShortestQueue(), ["a", "b", "c"])
+    assert [router.choose([1]).id for _ in range(4)] == ["a", "b", "c", "a"]  # all idle
+    router.begin("a")
+    router.begin("b")
+    router.report("c", running=2)
+    assert router.choose([1]).id in ("a", "b")
+    router.begin("a")
+    assert {router.choose([1]).id for _ in range(4)} == {"b"}
+    assert make_policy("shortest_queue").name == "shortest_queue"
 
 
 def test_policies_by_name_and_bad_options() -> None:

@@ -18,6 +18,8 @@ A policy sees the request's key (its prompt as token ids, or its text as UTF-8 b
   (every replica can read those pages), reason `storage`.
 - `round_robin`: each replica in turn.
 - `power_of_two`: two replicas at random, the less loaded one.
+- `shortest_queue`: the least loaded replica (ties in turn): what a pool of decode workers
+  wants, where the prompt's prefix does not matter.
 - `random`: one at random.
 """
 
@@ -118,6 +120,26 @@ class PowerOfTwo:
             return replicas[0]
         first, second = self._rng.sample(list(replicas), 2)
         return second if second.load < first.load else first
+
+    def forget(self, replica_id: str) -> None:
+        pass
+
+
+class ShortestQueue:
+    """The least loaded replica; replicas equally loaded take turns (so that requests that
+    each finish before the next arrives still spread)."""
+
+    name = "shortest_queue"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(
+        self, key: Sequence[int], replicas: Sequence[Replica], namespace: Hashable | None = None
+    ) -> Replica:
+        least = min(r.load for r in replicas)
+        idlest = sorted((r for r in replicas if r.load == least), key=lambda r: r.id)
+        return idlest[next(self._turn) % len(idlest)]
 
     def forget(self, replica_id: str) -> None:
         pass
@@ -233,13 +255,15 @@ POLICIES: dict[str, type[Any]] = {
     CacheAware.name: CacheAware,
     RoundRobin.name: RoundRobin,
     PowerOfTwo.name: PowerOfTwo,
+    ShortestQueue.name: ShortestQueue,
     RandomChoice.name: RandomChoice,
 }
 
 
 def make_policy(name: str, **options: Any) -> Policy:
-    """The policy called `name` (`cache_aware`, `round_robin`, `power_of_two`, `random`), built
-    with `options` (a ValueError names the choices or the bad option)."""
+    """The policy called `name` (`cache_aware`, `round_robin`, `power_of_two`,
+    `shortest_queue`, `random`), built with `options` (a ValueError names the choices or the
+    bad option)."""
     policy_class = POLICIES.get(name)
     if policy_class is None:
         raise ValueError(f"router policy must be one of {', '.join(POLICIES)}; got {name!r}")
