@@ -259,6 +259,29 @@ def test_the_first_streamed_chunk_carries_the_first_token(pair: tuple[Engine, En
     assert chunks[-1]["output_ids"][:1] == chunks[0]["output_ids"][:1]
 
 
+def test_a_constrained_request_keeps_its_grammar_across_the_servers(
+    pair: tuple[Engine, Engine], colocated: Engine
+) -> None:
+    prefill, decode = pair
+    params = {"temperature": 0, "max_new_tokens": 12, "regex": "(yes|no)(, (maybe|never))+"}
+    prompt = "Answer with words: "
+    _, answer = both(prefill, decode, prompt, sampling_params=params)
+    expected = colocated.generate(prompt, params)
+    assert comparable(answer) == comparable(expected)
+    assert answer["text"].startswith(("yes", "no"))
+
+
+def test_the_servers_may_use_other_page_sizes(
+    quick: tuple[Engine, Engine], model: Path, colocated: Engine
+) -> None:
+    prefill, _ = quick
+    prompt = "Paged pool on the decode side, by fours"
+    with Engine(str(model), disaggregation_mode="decode", **{**COMMON, "page_size": 4}) as decode:
+        _, answer = both(prefill, decode, prompt, **LOGPROBS)
+        assert_slots_back(decode)
+    assert comparable(answer) == comparable(colocated.generate(prompt, GREEDY, **LOGPROBS))
+
+
 # ------------------------------------------------------------------------------ failures
 
 
