@@ -98,9 +98,7 @@ def test_bootstrap_fields_reach_the_engine_from_every_route(
     chat = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert http.post("/v1/chat/completions", json={**chat, **fields}).is_success
     sent = engine.received[-1]
-    assert (sent.bootstrap_host, sent.bootstrap_port, sent.bootstrap_room) == tuple(
-        fields.values()
-    )
+    assert (sent.bootstrap_host, sent.bootstrap_port, sent.bootstrap_room) == tuple(fields.values())
     completion = {"model": "toy", "prompt": ["a", "b"], "max_tokens": 2}
     rooms = {**fields, "bootstrap_room": [5, 6]}
     assert http.post("/v1/completions", json={**completion, **rooms}).is_success

@@ -309,8 +309,7 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "disaggregation_bootstrap_port": {
         "type": int,
         "metavar": "PORT",
-        "help": "prefill: the port decode servers register requests at, on --host (default "
-        "8998)",
+        "help": "prefill: the port decode servers register requests at, on --host (default 8998)",
     },
     "disaggregation_transfer_backend": {
         "help": "how K/V goes from prefill to decode: tcp (ZeroMQ over TCP, any two machines; "
