@@ -667,3 +667,28 @@ def test_a_request_prefilled_elsewhere_waits_for_room_and_may_end_at_once() -> N
     assert sched.append_prefilled(late, 3).finish == FinishReason("length")
     assert late.finished
     assert_clean(sched, 32)
+
+
+def test_a_retracted_request_prefilled_elsewhere_recomputes_from_the_cache_only() -> None:
+    sched, model = make(), FakeModel()
+    prompt = prompts(1, 0, 10, seed=9)[0]
+    req = Req("pd", prompt, 4, input_logprob_start=0, stopper=CountStopper(limit=4))
+    slots = sched.admit_prefilled(req)
+    assert slots is not None and req.input_logprobs_done  # its prompt logprobs came along
+    for position, (token, slot) in enumerate(zip(prompt, slots, strict=True)):
+        model.kv[slot] = (token, position)
+    sched.append_prefilled(req, next_token(prompt))
+    batch = sched.schedule()
+    sched.update(batch, model.forward(batch))
+    assert sched.retract_all() == 1
+    batch = sched.schedule()
+    [entry] = batch.entries
+    # Back from the cache: only the token after what it cached is computed, nothing scored.
+    assert entry.is_prefill and entry.logprob_targets is None
+    assert entry.prefix_len == len(prompt) + 1 and len(entry.input_ids) == 1
+    sched.update(batch, model.forward(batch))
+    while req.status is ReqStatus.RUNNING:
+        batch = sched.schedule()
+        sched.update(batch, model.forward(batch))
+    assert req.output_ids == solo(prompt, 4)
+    assert_clean(sched, 4096)

@@ -953,6 +953,9 @@ class Scheduler:
         slots = self._alloc(req, count)
         assert slots is not None, "room was made"
         req.in_prefill = False  # its K/V is written now; the next step decodes
+        if req.input_logprob_next is not None:
+            # Its prompt logprobs came with its K/V: a retraction recomputes none.
+            req.input_logprob_next = max(req.input_logprob_next, len(req.prompt_ids) - 1)
         return slots
 
     def append_prefilled(self, req: Req, token: int) -> SeqUpdate:
