@@ -8,6 +8,7 @@ says what to check, with every KV slot back."""
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ import zmq
 from radixlm.runtime import Engine
 from radixlm.runtime.disaggregation import create_backend
 from radixlm.runtime.disaggregation.kv import pool_layout
-from radixlm.runtime.disaggregation.protocol import Register, to_frame
+from radixlm.runtime.disaggregation.protocol import Register, Registered, to_frame
 from radixlm.runtime.fixtures import build_tiny_model
 from radixlm.sampling import InvalidRequest
 
@@ -307,6 +308,30 @@ def test_decode_gives_up_when_the_prefill_server_gets_no_request(
     assert finish["type"] == "abort"
     assert "sent no K/V" in finish["message"] or "no request" in finish["message"]
     assert_slots_back(prefill, decode)
+
+
+def test_decode_gives_up_at_once_when_its_prefill_server_goes_away(
+    pair: tuple[Engine, Engine],
+) -> None:
+    _, decode = pair  # (its timeout is a minute: this must not wait for it)
+    with zmq.Context() as context:
+        server = context.socket(zmq.ROUTER)
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+        stream = decode.generate(
+            PROMPTS[0], GREEDY, stream=True, bootstrap_room=next(_rooms), **fields
+        )
+        peer, frame = server.recv_multipart()  # the registration: taken, then the server stops
+        room = json.loads(frame)["room"]
+        server.send_multipart([peer, to_frame(Registered(room))])
+        time.sleep(0.1)
+        server.close(linger=0)
+        started = time.monotonic()
+        chunks = list(stream)
+    finish = chunks[-1]["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and "closed the connection" in finish["message"]
+    assert time.monotonic() - started < 5
+    assert_slots_back(decode)
 
 
 def test_prefill_gives_up_when_no_decode_server_registers(quick: tuple[Engine, Engine]) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from radixlm.runtime.disaggregation.backends import StagedKV, TransferBackend
 from radixlm.runtime.disaggregation.protocol import (
@@ -297,10 +298,6 @@ class PrefillTransfer(_TransferThread):
         is staged, tell the decode engine (now, or when it registers)."""
         self._post(_Abandon(room, message))
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._waiting) + len(self._in_flight)
-
     # The thread's side.
 
     def _command(self, command: Any) -> None:
@@ -470,6 +467,8 @@ class DecodeTransfer(_TransferThread):
         self.layout = layout
         self._dealers: dict[str, zmq.Socket[Any]] = {}
         self._endpoints: dict[zmq.Socket[Any], str] = {}
+        #: Each dealer's monitor: a closed connection fails the rooms registered over it.
+        self._monitors: dict[zmq.Socket[Any], str] = {}
         self._expected: dict[int, _Expected] = {}
         self.start()
 
@@ -492,6 +491,10 @@ class DecodeTransfer(_TransferThread):
         if socket is None:
             host, _, port = endpoint.rpartition(":")
             socket = self._socket(zmq.DEALER)
+            monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._sockets.append(monitor)
+            self._poller.register(monitor, zmq.POLLIN)
+            self._monitors[monitor] = endpoint
             socket.connect(tcp_address(host, int(port)))
             self._dealers[endpoint] = socket
             self._endpoints[socket] = endpoint
@@ -515,6 +518,11 @@ class DecodeTransfer(_TransferThread):
             socket.send(to_frame(message), zmq.NOBLOCK)
 
     def _receive(self, socket: zmq.Socket[Any], frames: list[zmq.Frame]) -> None:
+        if socket in self._monitors:
+            event = parse_monitor_message([frame.bytes for frame in frames])
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._disconnected(self._monitors[socket])
+            return
         endpoint = self._endpoints[socket]
         message = from_frame(frames[0].bytes)
         match message:
@@ -535,6 +543,20 @@ class DecodeTransfer(_TransferThread):
                     )
             case _:
                 raise ProtocolError(f"a decode server does not take {type(message).__name__}")
+
+    def _disconnected(self, endpoint: str) -> None:
+        """The connection to `endpoint` closed: the rooms it took are lost there (a new
+        connection is another peer to it)."""
+        for room, expected in list(self._expected.items()):
+            if expected.endpoint == endpoint and expected.registered:
+                del self._expected[room]
+                self._event(
+                    TransferFailed(
+                        room,
+                        f"the prefill server at {endpoint} closed the connection before sending "
+                        f"bootstrap_room {room}'s K/V (it stopped or restarted)",
+                    )
+                )
 
     def _arrived(self, socket: zmq.Socket[Any], header: KVSent, frames: list[zmq.Frame]) -> None:
         room = header.room
