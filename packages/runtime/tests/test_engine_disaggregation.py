@@ -182,6 +182,16 @@ def test_decode_answers_as_a_colocated_engine_with_logprobs(
     assert_slots_back(prefill, decode)
 
 
+def test_seeded_sampling_draws_what_a_colocated_engine_draws(
+    pair: tuple[Engine, Engine], colocated: Engine
+) -> None:
+    prefill, decode = pair
+    params = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 10, "seed": 1234}
+    prompt = "Seeded: sample from the prefill server on"
+    _, answer = both(prefill, decode, prompt, sampling_params=params)
+    assert comparable(answer) == comparable(colocated.generate(prompt, params))
+
+
 def test_prefill_may_finish_before_the_decode_server_registers(
     pair: tuple[Engine, Engine], colocated: Engine
 ) -> None:
