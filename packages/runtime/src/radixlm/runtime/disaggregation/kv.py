@@ -39,11 +39,20 @@ def kv_nbytes(pool: KVPool, num_tokens: int) -> int:
 
 def read_kv(pool: KVPool, slots: Sequence[int], out: torch.Tensor) -> None:
     """Gather the K/V of `slots` (in order) into `out` (uint8, `kv_nbytes` long, on the host)."""
-    target = out.view(_shape(pool, len(slots)))
+    shape = _shape(pool, len(slots))
+    host = out.view(shape)
+    # On a GPU the gathers fill one device buffer, copied to the host once.
+    target = (
+        host
+        if pool.device.type == "cpu"
+        else torch.empty(shape, dtype=torch.uint8, device=pool.device)
+    )
     index = torch.tensor(list(slots), dtype=torch.long, device=pool.device)
     for layer in range(pool.num_layers):
         for kind, buffers in enumerate((pool.k_buffers, pool.v_buffers)):
-            target[kind, layer].copy_(buffers[layer].view(torch.uint8)[index])
+            torch.index_select(buffers[layer].view(torch.uint8), 0, index, out=target[kind, layer])
+    if target is not host:
+        host.copy_(target)
 
 
 def write_kv(pool: KVPool, slots: Sequence[int], data: torch.Tensor) -> None:

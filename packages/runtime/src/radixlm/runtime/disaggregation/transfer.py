@@ -183,7 +183,8 @@ class _TransferThread(abc.ABC):
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command is _STOP:
+            if command is _STOP:  # what is left is given up (a staged file removed)
+                self._fail_all("the server shut down")
                 return False
             self._command(command)
         for socket in list(ready):
