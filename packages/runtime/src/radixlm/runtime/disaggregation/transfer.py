@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import logging
+import math
 import os
 import queue
 import threading
@@ -174,7 +175,7 @@ class _TransferThread(abc.ABC):
 
     def _serve_once(self) -> bool:
         wait = self._next_deadline() - time.monotonic()
-        ready = dict(self._poller.poll(max(0, min(wait, _IDLE_S)) * 1000))
+        ready = dict(self._poller.poll(math.ceil(max(0.0, min(wait, _IDLE_S)) * 1000)))
         if self._wake_read in ready:
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_read, 4096)
