@@ -71,7 +71,9 @@ def test_sigterm_lets_streams_finish_refuses_new_work_and_exits_zero(
                 time.sleep(0.02)
             refused = httpx.post(f"{url}/generate", json=BODY, timeout=10)
         except httpx.TransportError as error:
-            raise AssertionError(f"the server stopped listening: {error!r}\n{log.read_text()}")
+            raise AssertionError(
+                f"the server stopped listening: {error!r}\n{log.read_text()}"
+            ) from error
         assert not kept, "the long stream ended before the checks: they proved nothing"
         assert refused.status_code == 503 and "Retry-After" in refused.headers
         assert refused.json()["error"]["code"] == "draining"

@@ -52,6 +52,13 @@ _OPENAI_SHARED = {
     "lora_path": f"{S}: a LoRA adapter's name; a 400 when `model` names another one",
     "priority": f"{V} / {S}: needs --enable-priority-scheduling, else a 400",
     "timeout": f"{R}: seconds from arrival; past them finish_reason abort, output kept",
+    "bootstrap_host": f"{S}: prefill/decode disaggregation: the prefill server's bootstrap "
+    "host; required by a decode server, a 400 on a colocated one",
+    "bootstrap_port": f"{S}: the prefill server's bootstrap port (its "
+    "--disaggregation-bootstrap-port); required by a decode server, a 400 on a colocated one",
+    "bootstrap_room": f"{S}: a random id in [0, 2**63) pairing a request's prefill and decode "
+    "halves (/v1/completions: a list, one per prompt); required by prefill and decode servers, "
+    "a 400 on a colocated one",
     "n": OAI,
     "stream": OAI,
     "stream_options": f"{OAI} (continuous_usage_stats: {V})",
@@ -86,6 +93,14 @@ ORIGINS: dict[str, dict[str, str]] = {
         "timeout": f"{R}: seconds from arrival; past them finish_reason abort, output kept",
         "require_reasoning": f"{S}: a constraint applies after </think>; needs "
         "--reasoning-parser, else a 400",
+        "bootstrap_host": f"{S}: prefill/decode disaggregation: the prefill server's bootstrap "
+        "host; required by a decode server, a 400 on a colocated one",
+        "bootstrap_port": f"{S}: the prefill server's bootstrap port (its "
+        "--disaggregation-bootstrap-port); required by a decode server, a 400 on a colocated "
+        "one",
+        "bootstrap_room": f"{S}: a random id in [0, 2**63) pairing a request's prefill and "
+        "decode halves (a batch: a list of distinct rooms); required by prefill and decode "
+        "servers, a 400 on a colocated one",
         "logprob_start_len": f"{S}: at or past the prompt's length a 400 (not clamped)",
         "token_ids_logprob": f"{S}: turns logprobs on by itself",
         "return_hidden_states": f"{S}: the prompt is recomputed, not served from the cache",

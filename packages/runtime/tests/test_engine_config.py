@@ -164,3 +164,45 @@ def test_reply_is_a_bool_in_sync_code_and_awaitable_in_async_code() -> None:
 
     assert asyncio.run(main()) is False
     assert asyncio.run(asyncio.wait_for(Reply.of(True), 1)) is True  # a coroutine for asyncio
+
+
+def test_disaggregation_kwargs_land_in_their_section() -> None:
+    config = EngineConfig.from_kwargs(
+        "/m",
+        disaggregation_mode="prefill",
+        disaggregation_bootstrap_port=9000,
+        disaggregation_transfer_backend="shm",
+        disaggregation_transfer_timeout=5,
+    )
+    pd = config.disaggregation
+    assert (pd.mode, pd.bootstrap_port, pd.transfer_backend, pd.transfer_timeout) == (
+        "prefill",
+        9000,
+        "shm",
+        5.0,
+    )
+    default = EngineConfig.from_kwargs("/m").disaggregation
+    assert (default.mode, default.bootstrap_port, default.transfer_backend) == ("null", 8998, "tcp")
+    assert default.transfer_timeout == 60 and not default.enabled
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"disaggregation_mode": "both"}, "disaggregation_mode must be one of null, prefill"),
+        ({"disaggregation_transfer_backend": "rdma"}, "disaggregation_transfer_backend must"),
+        ({"disaggregation_bootstrap_port": 70000}, "disaggregation_bootstrap_port"),
+        ({"disaggregation_transfer_timeout": 0}, "disaggregation_transfer_timeout"),
+        (
+            {"disaggregation_mode": "decode", "speculative_algorithm": "NGRAM"},
+            "does not cover speculative decoding",
+        ),
+        ({"disaggregation_mode": "prefill", "tp_size": 2}, "tensor parallelism"),
+        ({"disaggregation_mode": "prefill", "is_embedding": True}, "for generation"),
+    ],
+)
+def test_disaggregation_refuses_what_it_does_not_cover(
+    kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs("/m", **kwargs)

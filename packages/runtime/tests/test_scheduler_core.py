@@ -624,3 +624,71 @@ def test_each_waiting_request_is_prefix_matched_once_per_step() -> None:
     assert len(calls) == 6  # ordering by prefix and admitting share one match per request
     sched.update(batch, model.forward(batch))
     sched.check_memory(4096)
+
+
+# ---------------------------------------------------- prompts prefilled by another engine
+
+
+def test_a_request_prefilled_elsewhere_decodes_as_if_prefilled_here() -> None:
+    sched, model = make(page=4), FakeModel()
+    prompt = prompts(1, 0, 13, seed=7)[0]
+    req = Req("pd", prompt, 6)
+    req.stopper = CountStopper(limit=6)
+    slots = sched.admit_prefilled(req)
+    assert slots is not None and len(slots) == len(prompt)
+    assert req.status is ReqStatus.RUNNING and not req.in_prefill and not sched.waiting
+    # What the prefill engine sent: the prompt's K/V, written into the slots, and its token.
+    for position, (token, slot) in enumerate(zip(prompt, slots, strict=True)):
+        model.kv[slot] = (token, position)
+    first = next_token(prompt)
+    assert sched.append_prefilled(req, first).finish is None
+    while req.status is ReqStatus.RUNNING:
+        batch = sched.schedule()
+        assert all(not e.is_prefill for e in batch.entries)  # its prompt is never computed
+        sched.update(batch, model.forward(batch))
+    assert req.output_ids == solo(prompt, 6)
+    assert model.tokens_forwarded == 5
+    # Its prompt and output are cached as a computed request's are; no slot is lost.
+    assert_clean(sched, 4096)
+    assert sched.cache.match_prefix(prompt).length == 12  # whole pages
+
+
+def test_a_request_prefilled_elsewhere_waits_for_room_and_may_end_at_once() -> None:
+    sched = make(pool=32, rows=1)
+    busy = Req("busy", prompts(1, 0, 8, seed=1)[0], 4)
+    busy.stopper = CountStopper(limit=4)
+    assert sched.admit_prefilled(busy) is not None
+    late = Req("late", prompts(1, 0, 8, seed=2)[0], 1)
+    late.stopper = CountStopper(limit=1)
+    assert sched.admit_prefilled(late) is None  # no row: nothing changed
+    assert late.status is ReqStatus.WAITING and late.kv_len == 0
+    sched.abort(busy)
+    assert sched.admit_prefilled(late) is not None
+    assert sched.append_prefilled(late, 3).finish == FinishReason("length")
+    assert late.finished
+    assert_clean(sched, 32)
+
+
+def test_a_retracted_request_prefilled_elsewhere_recomputes_from_the_cache_only() -> None:
+    sched, model = make(), FakeModel()
+    prompt = prompts(1, 0, 10, seed=9)[0]
+    req = Req("pd", prompt, 4, input_logprob_start=0, stopper=CountStopper(limit=4))
+    slots = sched.admit_prefilled(req)
+    assert slots is not None and req.input_logprobs_done  # its prompt logprobs came along
+    for position, (token, slot) in enumerate(zip(prompt, slots, strict=True)):
+        model.kv[slot] = (token, position)
+    sched.append_prefilled(req, next_token(prompt))
+    batch = sched.schedule()
+    sched.update(batch, model.forward(batch))
+    assert sched.retract_all() == 1
+    batch = sched.schedule()
+    [entry] = batch.entries
+    # Back from the cache: only the token after what it cached is computed, nothing scored.
+    assert entry.is_prefill and entry.logprob_targets is None
+    assert entry.prefix_len == len(prompt) + 1 and len(entry.input_ids) == 1
+    sched.update(batch, model.forward(batch))
+    while req.status is ReqStatus.RUNNING:
+        batch = sched.schedule()
+        sched.update(batch, model.forward(batch))
+    assert req.output_ids == solo(prompt, 4)
+    assert_clean(sched, 4096)

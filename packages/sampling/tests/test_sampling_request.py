@@ -183,3 +183,43 @@ def test_params_of_a_batch_must_be_split_first() -> None:
     request = GenerateRequest.parse({"text": ["a"], "sampling_params": [{}]})
     with pytest.raises(TypeError, match="split"):
         _ = request.params
+
+
+def test_bootstrap_fields_are_broadcast_or_taken_per_item() -> None:
+    request = GenerateRequest.parse(
+        {
+            "text": ["a", "b"],
+            "bootstrap_host": "10.0.0.1",
+            "bootstrap_port": 8998,
+            "bootstrap_room": [7, 2**63 - 1],
+        }
+    )
+    items = request.split()
+    assert [(i.bootstrap_host, i.bootstrap_port, i.bootstrap_room) for i in items] == [
+        ("10.0.0.1", 8998, 7),
+        ("10.0.0.1", 8998, 2**63 - 1),
+    ]
+
+
+def test_batch_takes_one_distinct_bootstrap_room_per_prompt() -> None:
+    with pytest.raises(InvalidRequest, match="one per prompt") as caught:
+        GenerateRequest.parse({"text": ["a", "b"], "bootstrap_room": 7})
+    assert caught.value.field == "bootstrap_room"
+    with pytest.raises(InvalidRequest, match="distinct"):
+        GenerateRequest.parse({"text": ["a", "b"], "bootstrap_room": [7, 7]})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("bootstrap_room", -1),
+        ("bootstrap_room", 2**63),
+        ("bootstrap_port", 0),
+        ("bootstrap_port", 70000),
+        ("bootstrap_host", " "),
+    ],
+)
+def test_bootstrap_values_out_of_range_are_rejected(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        GenerateRequest.parse({"text": "a", field: value})
+    assert caught.value.field == field

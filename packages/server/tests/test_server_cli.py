@@ -442,3 +442,30 @@ def test_otlp_traces_endpoint_turns_tracing_on_and_is_off_by_default() -> None:
     assert server_config(args).otlp_traces_endpoint == "http://collector:4318/v1/traces"
     assert "otlp_traces_endpoint" not in engine_kwargs(args)
     assert server_config(build_parser().parse_args([])).otlp_traces_endpoint is None
+
+
+def test_disaggregation_flags_reach_the_engine_with_the_server_host() -> None:
+    args = build_parser().parse_args(
+        ["--host", "0.0.0.0", "--disaggregation-mode", "prefill",
+         "--disaggregation-bootstrap-port", "9000", "--disaggregation-transfer-backend", "shm",
+         "--disaggregation-transfer-timeout", "5"]
+    )  # fmt: skip
+    assert engine_kwargs(args) == {
+        "disaggregation_mode": "prefill",
+        "disaggregation_bootstrap_port": 9000,
+        "disaggregation_transfer_backend": "shm",
+        "disaggregation_transfer_timeout": 5.0,
+        "disaggregation_bootstrap_host": "0.0.0.0",  # where the HTTP server listens
+        "engine_process": True,
+        "engine_restarts": 3,
+    }
+    decode = engine_kwargs(build_parser().parse_args(["--disaggregation-mode", "decode"]))
+    assert "disaggregation_bootstrap_host" not in decode
+
+
+def test_disaggregation_is_not_combined_with_replicas(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--model-path", "/m", "--dp-size", "2", "--disaggregation-mode", "decode"]
+    assert serve_main(argv) == 2
+    assert "--pd-disaggregation" in capsys.readouterr().err

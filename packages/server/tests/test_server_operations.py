@@ -88,6 +88,48 @@ def test_priority_and_timeout_reach_the_engine(http: httpx.Client, engine: Any) 
     assert bad.status_code == 400 and "timeout" in bad.text
 
 
+# ------------------------------------------------ prefill/decode disaggregation fields
+
+
+def test_bootstrap_fields_reach_the_engine_from_every_route(
+    http: httpx.Client, engine: Any
+) -> None:
+    fields = {"bootstrap_host": "10.0.0.2", "bootstrap_port": 8998, "bootstrap_room": 2**62}
+    chat = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json={**chat, **fields}).is_success
+    sent = engine.received[-1]
+    assert (sent.bootstrap_host, sent.bootstrap_port, sent.bootstrap_room) == tuple(fields.values())
+    completion = {"model": "toy", "prompt": ["a", "b"], "max_tokens": 2}
+    rooms = {**fields, "bootstrap_room": [5, 6]}
+    assert http.post("/v1/completions", json={**completion, **rooms}).is_success
+    assert [r.bootstrap_room for r in engine.received[-2:]] == [5, 6]
+    assert {r.bootstrap_host for r in engine.received[-2:]} == {"10.0.0.2"}
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}, **fields}
+    assert http.post("/generate", json=body).is_success
+    assert engine.received[-1].bootstrap_room == 2**62
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        # Two prompts need two rooms (one room pairs one prompt's halves).
+        ("/v1/completions", {"model": "toy", "prompt": ["a", "b"], "bootstrap_room": 5}),
+        ("/v1/completions", {"model": "toy", "prompt": ["a", "b"], "bootstrap_room": [5]}),
+        ("/v1/chat/completions",
+         {"model": "toy", "messages": [{"role": "user", "content": "hi"}],
+          "bootstrap_room": [5, 6]}),
+        ("/generate", {"text": "hi", "bootstrap_room": -1}),
+        ("/generate", {"text": "hi", "bootstrap_port": 0}),
+    ],
+)  # fmt: skip
+def test_bad_bootstrap_fields_are_a_400_naming_them(
+    http: httpx.Client, route: str, body: dict[str, Any]
+) -> None:
+    response = http.post(route, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] in ("bootstrap_room", "bootstrap_port")
+
+
 # ------------------------------------------------------------------------- drain
 
 

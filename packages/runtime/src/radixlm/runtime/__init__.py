@@ -12,6 +12,7 @@ from radixlm.runtime.builtin import (
 from radixlm.runtime.config import (
     AttentionConfig,
     CacheConfig,
+    DisaggregationConfig,
     EngineConfig,
     GrammarConfig,
     MediaConfig,
@@ -47,6 +48,7 @@ __all__ = [
     "BatchEntry",
     "CacheConfig",
     "CustomProcessorsDisabled",
+    "DisaggregationConfig",
     "Engine",
     "EngineConfig",
     "FlattenedTensorBucket",

@@ -43,6 +43,13 @@ DistBackend = Literal["auto", "gloo", "nccl"]
 #: `speculative_algorithm` (SGLang's names): drafts from n-grams of the request's own tokens
 #: and of the radix cache, a standalone draft model, or EAGLE heads.
 SpeculativeAlgorithm = Literal["NGRAM", "STANDALONE", "EAGLE", "EAGLE3"]
+#: `disaggregation_mode` (SGLang's names): `null` runs prefill and decode in this engine; a
+#: `prefill` engine computes prompts and sends their K/V to the decode engine of each request;
+#: a `decode` engine takes prompts' K/V from prefill engines and decodes.
+DisaggregationMode = Literal["null", "prefill", "decode"]
+#: How K/V crosses from a prefill engine to a decode engine: ZeroMQ over TCP, shared memory on
+#: one host (metadata over ZeroMQ), or the RDMA libraries SGLang drives (named, not driven).
+TransferBackendName = Literal["tcp", "shm", "nixl", "mooncake"]
 
 DTYPES: tuple[str, ...] = get_args(DtypeName)
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
@@ -691,6 +698,46 @@ class MediaConfig:
 
 
 @dataclass(frozen=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (SGLang's `--disaggregation-*` flags; see
+    `radixlm.runtime.disaggregation`).
+
+    - `mode`: `null` (off: this engine prefills and decodes), `prefill` or `decode`.
+    - `bootstrap_host` / `bootstrap_port`: where a prefill engine listens for the decode
+      engines' registrations (0: any free port, reported in the server info); a decode engine
+      reaches each request's prefill engine at the request's own `bootstrap_host:port`.
+    - `transfer_backend`: `tcp` (ZeroMQ over TCP, between machines), `shm` (one host: the K/V
+      in a shared-memory file, only metadata over ZeroMQ); `nixl` and `mooncake` are named
+      for SGLang's command lines and refused at startup (their GPU libraries are not driven).
+    - `transfer_timeout`: seconds each side waits for the other (a registration, the K/V, the
+      decode engine's receipt) before the request ends with finish reason abort.
+    """
+
+    mode: DisaggregationMode = "null"
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = 8998
+    transfer_backend: TransferBackendName = "tcp"
+    transfer_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        _choice("disaggregation_mode", self.mode, DisaggregationMode)
+        _choice("disaggregation_transfer_backend", self.transfer_backend, TransferBackendName)
+        if not 0 <= self.bootstrap_port < 65536:
+            raise ValueError(
+                "disaggregation_bootstrap_port must be a TCP port in [0, 65535] (0: any free "
+                f"one); got {self.bootstrap_port}"
+            )
+        if not self.transfer_timeout > 0:
+            raise ValueError(
+                f"disaggregation_transfer_timeout must be > 0 seconds; got {self.transfer_timeout}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "null"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, composed by feature.
 
@@ -728,6 +775,7 @@ class EngineConfig:
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     sampling_defaults: SamplingDefaultsMode = "model"
     incremental_streaming_output: bool = False
     clamp_max_tokens: bool = False
@@ -755,6 +803,8 @@ class EngineConfig:
                 "sampled acceptance draws from a shared generator): drop speculative_algorithm "
                 "or the deterministic mode"
             )
+        if self.disaggregation.enabled:
+            self._check_disaggregation()
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1; got {self.cpu_threads}")
         _choice("sampling_defaults", self.sampling_defaults, SamplingDefaultsMode)
@@ -763,6 +813,25 @@ class EngineConfig:
             raise ValueError(f"stream_interval must be >= 1 tokens; got {self.stream_interval}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0; got {self.max_logprobs}")
+
+    def _check_disaggregation(self) -> None:
+        """Refuse what a disaggregated engine does not cover yet, naming the setting."""
+        mode = self.disaggregation.mode
+        if self.runner.parallel.tp_size > 1:
+            raise ValueError(
+                f"disaggregation_mode {mode} is not available under tensor parallelism yet "
+                "(each rank holds a shard of the K/V to send): drop tp_size"
+            )
+        if self.speculative.enabled:
+            raise ValueError(
+                f"disaggregation_mode {mode} does not cover speculative decoding yet: drop "
+                "speculative_algorithm"
+            )
+        if self.runner.model.is_embedding:
+            raise ValueError(
+                f"disaggregation_mode {mode} is for generation; an embedding model computes "
+                "its prompts only: drop is_embedding or the disaggregation mode"
+            )
 
     @property
     def model_path(self) -> str:
@@ -809,6 +878,7 @@ class EngineConfig:
             grammar=GrammarConfig(**sections["grammar"]),
             media=MediaConfig(**sections["media"]),
             speculative=SpeculativeConfig(**sections["speculative"]),
+            disaggregation=DisaggregationConfig(**sections["disaggregation"]),
             **top,
         )
 
@@ -847,6 +917,7 @@ _SECTIONS = (
     "media",
     "lora",
     "speculative",
+    "disaggregation",
 )
 
 #: SGLang-style keyword -> (section, field, conversion).
@@ -975,6 +1046,12 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
         "disable_by_batch_size",
         lambda v: None if v is None else int(v),
     ),
+    # prefill/decode disaggregation
+    "disaggregation_mode": ("disaggregation", "mode", None),
+    "disaggregation_bootstrap_host": ("disaggregation", "bootstrap_host", None),
+    "disaggregation_bootstrap_port": ("disaggregation", "bootstrap_port", int),
+    "disaggregation_transfer_backend": ("disaggregation", "transfer_backend", None),
+    "disaggregation_transfer_timeout": ("disaggregation", "transfer_timeout", float),
     # engine
     "sampling_defaults": ("engine", "sampling_defaults", None),
     "incremental_streaming_output": ("engine", "incremental_streaming_output", None),
@@ -1011,4 +1088,6 @@ ENGINE_CHOICES: dict[str, tuple[Any, ...]] = {
     "dist_backend": get_args(DistBackend),
     "speculative_algorithm": SPECULATIVE_AVAILABLE,
     "speculative_draft_model_quantization": QUANTIZATION_METHODS,
+    "disaggregation_mode": get_args(DisaggregationMode),
+    "disaggregation_transfer_backend": get_args(TransferBackendName),
 }

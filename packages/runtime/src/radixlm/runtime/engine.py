@@ -265,6 +265,7 @@ class Engine:
                 mixture_of_experts=info.static_info.get("moe") is not None,
                 routed_experts=bool(info.static_info.get("routed_experts")),
                 priority_scheduling=config.scheduler.enable_priority_scheduling,
+                disaggregation_mode=config.disaggregation.mode,
             ),
             config.incremental_streaming_output,
             multimodal_preparer(
@@ -479,6 +480,9 @@ class Engine:
         priority: int | list[int | None] | None = None,
         timeout: float | list[float | None] | None = None,
         require_reasoning: bool | list[bool] = False,
+        bootstrap_host: str | list[str | None] | None = None,
+        bootstrap_port: int | list[int | None] | None = None,
+        bootstrap_room: int | list[int | None] | None = None,
     ) -> Any: ...
 
     def generate(
@@ -506,12 +510,17 @@ class Engine:
         priority: int | list[int | None] | None = None,
         timeout: float | list[float | None] | None = None,
         require_reasoning: bool | list[bool] = False,
+        bootstrap_host: str | list[str | None] | None = None,
+        bootstrap_port: int | list[int | None] | None = None,
+        bootstrap_room: int | list[int | None] | None = None,
     ) -> Any:
         """Generate, SGLang's way, blocking: a dict for one prompt (n == 1), a list of dicts
         for a batch or n > 1 (prompt-major), or with `stream=True` an iterator of chunks
         (cumulative text; `index` tells sequences apart). `priority` needs an engine with
         `enable_priority_scheduling`; `timeout` (seconds from arrival) ends a request with
-        finish reason abort, keeping what it generated.
+        finish reason abort, keeping what it generated. `bootstrap_host`, `bootstrap_port`
+        and `bootstrap_room` pair the halves of a request on a prefill and a decode engine
+        (`disaggregation_mode`; see `radixlm.runtime.disaggregation`).
 
         Given a `GenerateRequest` instead, returns an async iterator of its chunks (the
         `EngineClient` form the HTTP server uses).
@@ -545,6 +554,9 @@ class Engine:
                 priority=priority,
                 timeout=timeout,
                 require_reasoning=require_reasoning,
+                bootstrap_host=bootstrap_host,
+                bootstrap_port=bootstrap_port,
+                bootstrap_room=bootstrap_room,
             ),
         )
         chunks = self._stream_sync(request)
@@ -577,6 +589,9 @@ class Engine:
         priority: int | list[int | None] | None = None,
         timeout: float | list[float | None] | None = None,
         require_reasoning: bool | list[bool] = False,
+        bootstrap_host: str | list[str | None] | None = None,
+        bootstrap_port: int | list[int | None] | None = None,
+        bootstrap_room: int | list[int | None] | None = None,
     ) -> Any:
         """`generate` for asyncio: awaits the result, or with `stream=True` returns an async
         iterator of chunks (`async for chunk in await engine.async_generate(..., stream=True)`)."""
@@ -607,6 +622,9 @@ class Engine:
                 priority=priority,
                 timeout=timeout,
                 require_reasoning=require_reasoning,
+                bootstrap_host=bootstrap_host,
+                bootstrap_port=bootstrap_port,
+                bootstrap_room=bootstrap_room,
             ),
         )
         chunks = self._stream_async(request)

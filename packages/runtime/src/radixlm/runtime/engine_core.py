@@ -25,6 +25,14 @@ from radixlm import kernels
 from radixlm.cache import RadixCache
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.detokenizer import load_tokenizer
+from radixlm.runtime.disaggregation import (
+    Disaggregation,
+    KVArrived,
+    KVDelivered,
+    TransferEvent,
+    TransferFailed,
+    create_side,
+)
 from radixlm.runtime.distributed import SINGLE, RankFailure, TensorParallel
 from radixlm.runtime.executor import EntryInputs, InputLogprobAsk, ModelExecutor, StepResult
 from radixlm.runtime.grammar import GrammarService
@@ -135,7 +143,7 @@ class EngineCore:
         #: a front end in another process reads them without asking.
         self.publish_stats = publish_stats
         self._stats_at = 0.0
-        self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Command | TransferEvent] = queue.SimpleQueue()
         self.handles: dict[str, RequestHandle] = {}
         #: The engine-side state of each running sequence, by its scheduler request's rid.
         self._seqs: dict[str, SequenceState] = {}
@@ -157,14 +165,17 @@ class EngineCore:
             adapters.peers = self._weights  # adapters given as tensors reach every rank
         #: `release_memory_occupation`: what is released (no step runs while it matters).
         self.memory = MemoryOccupation(executor.runner)
+        #: Prefill/decode disaggregation: this engine's side (None: it prefills and decodes).
+        #: Its transfer thread posts its events to the inbox.
+        self.disagg: Disaggregation | None = None
         # Statistics.
         self.finished_requests = 0
         self.steps = 0
 
     # ---------------------------------------------------------------------------- commands
 
-    def post(self, command: Command) -> None:
-        """Hand a command to the loop (thread-safe)."""
+    def post(self, command: Command | TransferEvent) -> None:
+        """Hand a command (or a transfer thread's event) to the loop (thread-safe)."""
         self.inbox.put(command)
 
     def serve(self) -> None:
@@ -193,6 +204,8 @@ class EngineCore:
         self._flush()
         if self.scheduler.tiers is not None:
             self.scheduler.tiers.close()  # the storage read-ahead thread
+        if self.disagg is not None:
+            self.disagg.close()  # the K/V transfer thread
 
     def _flush(self) -> None:
         if self.publish_stats:
@@ -233,11 +246,14 @@ class EngineCore:
             first = False
             self.handle(command)
 
-    def handle(self, command: Command) -> None:
+    def handle(self, command: Command | TransferEvent) -> None:
         """Carry out one command (on the loop's thread)."""
         match command:
             case EngineRequest():
                 self.add(command)
+            case KVArrived() | KVDelivered() | TransferFailed():
+                assert self.disagg is not None, "transfer events come from the transfer thread"
+                self._settle_transfers(self.disagg.on_event(command))
             case Abort(rid):
                 self.abort(rid)
             case StopSequence(rid, index):
@@ -571,6 +587,8 @@ class EngineCore:
                 # Checked again here: the adapter may have been unloaded since the front end
                 # checked the name.
                 lora = self._lora_registry().resolve(request.lora_name)
+            if self.disagg is not None:
+                self.disagg.check(request)
             future = self.grammar.submit(request.params)
         except InvalidRequest as error:
             self._out.append(RequestFailed(rid, error))
@@ -589,8 +607,12 @@ class EngineCore:
                 seq.req.extra_key = (_WEIGHTS, self._weights_epoch, seq.req.extra_key)
         added = []
         bumped = []
+        # A decode engine keeps a disaggregated request aside until its K/V comes.
+        aside = (
+            self.disagg is not None and request.bootstrap is not None and self.disagg.take(handle)
+        )
         try:
-            for seq in handle.seqs:
+            for seq in [] if aside else handle.seqs:
                 other = self.scheduler.add(seq.req)
                 added.append(seq)
                 if other is not None:
@@ -598,8 +620,11 @@ class EngineCore:
         except EngineOverloaded as error:
             for seq in added:
                 self.scheduler.abort(seq.req)
+            for seq in handle.seqs:
+                seq.stops.abort(str(error))
             handle.closed = True
             self._out.append(RequestFailed(rid, error))
+            self._forget(handle)  # (a prefill engine tells the decode engine)
             return
         for other_handle in bumped:  # priority scheduling gave their places to this one
             self._close_with_error(
@@ -645,6 +670,8 @@ class EngineCore:
                 self.scheduler.abort(seq.req)
                 seq.stops.abort(message)
                 seq.dirty = True
+        if self.disagg is not None:
+            self.disagg.abort(handle, message)
         self._emit(handle)
         return True
 
@@ -725,6 +752,7 @@ class EngineCore:
             # are released, or while weights_unwritten > 0).
             **self.memory.stats(),
             **(self.adapters.stats() if self.adapters is not None else {}),
+            **(self.disagg.stats() if self.disagg is not None else {}),
         }
 
     # -------------------------------------------------------------------------------- step
@@ -734,6 +762,9 @@ class EngineCore:
         if self._deadlines:
             self._expire()
         self._poll_grammars()
+        if self.disagg is not None:
+            # Requests whose K/V came from their prefill engine join the running batch.
+            self._settle_transfers(self.disagg.admit())
         batch = self.scheduler.schedule()
         touched: dict[str, RequestHandle] = {}
         for req in batch.dropped:
@@ -796,8 +827,14 @@ class EngineCore:
             or any(lp is not None for lp in result.logprobs)
         ):
             self._record(batch, result)
+        if self.disagg is not None:
+            # A prefill engine copies out the K/V of the prompts that just sampled their
+            # first token, before the update phase ends their requests.
+            self.disagg.capture(batch, result.tokens)
         # The one update phase: the scheduler appends, takes back, stops and ends requests.
         updated = self.scheduler.update(batch, result.tokens, result.accepted)
+        if self.disagg is not None:
+            self.disagg.after_update()
         done = time.monotonic()
         for update in updated:
             seq = self._seqs[update.req.rid]
@@ -931,8 +968,8 @@ class EngineCore:
         """Queue the deltas of the request's sequences that changed (every step while it
         streams or the front end watches its text, else once it ends); close it once every
         sequence finished."""
-        if handle.closed:
-            return
+        if handle.closed or (self.disagg is not None and self.disagg.holds(handle)):
+            return  # (a prefill engine's request ends once the decode engine has its K/V)
         for seq in handle.seqs:
             due = handle.stream or seq.watch_text or seq.finish is not None
             if seq.dirty and not seq.quiet and due:
@@ -953,7 +990,17 @@ class EngineCore:
             self._out.append(RequestFailed(handle.rid, error))
         self._forget(handle)
 
+    def _settle_transfers(self, outcomes: list[tuple[RequestHandle, str | None]]) -> None:
+        """Emit the requests a transfer moved on; abort those it failed, with its message."""
+        for handle, message in outcomes:
+            if message is None:
+                self._emit(handle)
+            else:
+                self.abort(handle.rid, message)
+
     def _forget(self, handle: RequestHandle) -> None:
+        if self.disagg is not None and handle.request.bootstrap is not None:
+            self.disagg.forget(handle)
         self.handles.pop(handle.rid, None)
         uid = self._lora_of.pop(handle.rid, None)
         if uid is not None and self.adapters is not None:
@@ -1184,6 +1231,18 @@ def create_core(
     }
     # Each rank's memory after loading: its weights, its KV pool, its resident size.
     static["tp_ranks"] = ranks
+    if config.disaggregation.enabled:
+        if info.pooling is not None:
+            raise ValueError(
+                f"disaggregation_mode {config.disaggregation.mode} is for generation; a "
+                "pooling model computes its prompts only: drop the disaggregation mode"
+            )
+        architectures = getattr(info.hf_config, "architectures", None) or ["unknown"]
+        core.disagg = create_side(
+            config.disaggregation, scheduler, pool, str(architectures[0]), core.post
+        )
+    # Prefill/decode disaggregation: the mode, backend and (prefill) bootstrap port.
+    static["disaggregation"] = core.disagg.describe() if core.disagg is not None else None
     engine_info = EngineInfo(
         context_length=runner.context_length,
         vocab_size=runner.vocab_size,

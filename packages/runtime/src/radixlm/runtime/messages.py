@@ -44,6 +44,21 @@ class PoolingAsk:
 
 
 @dataclass(frozen=True, slots=True)
+class Bootstrap:
+    """A disaggregated request's pairing (SGLang's bootstrap fields): `room` pairs its prefill
+    half with its decode half; `host:port` is the prefill engine's bootstrap endpoint (what
+    a decode engine registers the room at; a prefill engine needs only the room)."""
+
+    room: int
+    host: str | None = None
+    port: int | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One validated, tokenized single request (made by `RequestPreparer.prepare`): all the
     engine core needs to run its `params.n` sequences."""
@@ -81,6 +96,8 @@ class EngineRequest:
     priority: int = 0
     #: time.monotonic() past which it ends with finish reason abort (None: no limit).
     deadline: float | None = None
+    #: Prefill/decode disaggregation: the request's pairing (None on a colocated engine).
+    bootstrap: Bootstrap | None = None
     created: float = 0.0  # time.monotonic() when it arrived (system-wide on Linux)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from radixlm.runtime.input_embeds import input_embeds_cache_ids, parse_input_embeds
-from radixlm.runtime.messages import EngineRequest, LogprobOptions, PoolingAsk
+from radixlm.runtime.messages import Bootstrap, EngineRequest, LogprobOptions, PoolingAsk
 from radixlm.runtime.multimodal.inputs import MultimodalInputs
 from radixlm.runtime.multimodal.preparer import MultimodalPreparer
 from radixlm.runtime.thinking import THINK_END, end_of_thinking_token, think_end_ids
@@ -63,6 +63,9 @@ class FrontendLimits:
     routed_experts: bool = False
     #: Whether requests may carry a `priority` (the scheduler's `enable_priority_scheduling`).
     priority_scheduling: bool = False
+    #: Prefill/decode disaggregation: `null` (colocated: bootstrap fields are refused),
+    #: `prefill` or `decode` (they are required).
+    disaggregation_mode: str = "null"
 
 
 class RequestPreparer:
@@ -143,13 +146,18 @@ class RequestPreparer:
                 f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} "
                 "to generate); ask for fewer tokens or shorten the prompt",
             )
+        bootstrap = self._bootstrap(item, params, wanted, embeds, media, hidden)
+        max_new_tokens = room if wanted is None else min(wanted, room)
+        if bootstrap is not None and self.limits.disaggregation_mode == "prefill":
+            # The prefill half generates the first token only; the decode half the rest.
+            max_new_tokens = 1
         created = time.monotonic()
         timeout = _one(item.timeout, float)
         return EngineRequest(
             rid=_one(item.rid, str) or uuid.uuid4().hex,
             prompt_ids=tuple(prompt_ids),
             params=params,
-            max_new_tokens=room if wanted is None else min(wanted, room),
+            max_new_tokens=max_new_tokens,
             stream=item.stream,
             incremental=self.incremental_streaming,
             stream_interval=params.stream_interval or self.limits.stream_interval,
@@ -165,8 +173,69 @@ class RequestPreparer:
             routed_experts_start=self._routed_experts_start(item, len(prompt_ids)),
             priority=self._priority(item),
             deadline=None if timeout is None else created + timeout,
+            bootstrap=bootstrap,
             created=created,
         )
+
+    def _bootstrap(
+        self,
+        item: GenerateRequest,
+        params: SamplingParams,
+        max_new_tokens: int | None,
+        embeds: Any,
+        media: MultimodalInputs | None,
+        hidden: bool,
+    ) -> Bootstrap | None:
+        """The request's pairing on a disaggregated engine (None on a colocated one). The
+        fields are required there and refused elsewhere, and what a disaggregated request
+        cannot carry yet is refused, naming the field."""
+        mode = self.limits.disaggregation_mode
+        host = _one(item.bootstrap_host, str)
+        port = _one(item.bootstrap_port, int)
+        room = _one(item.bootstrap_room, int)
+        given = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+        if mode == "null":
+            for field, value in given.items():
+                if value is not None:
+                    raise InvalidRequest(
+                        field,
+                        "this server runs prefill and decode itself (it is not disaggregated); "
+                        "remove the bootstrap fields, or send the request to servers started "
+                        "with --disaggregation-mode prefill and decode",
+                    )
+            return None
+        # The prefill half needs only the room; the decode half registers it at host:port.
+        required = ("bootstrap_room",) if mode == "prefill" else tuple(given)
+        for field in required:
+            if given[field] is None:
+                raise InvalidRequest(
+                    field,
+                    f"this is a {mode} server (--disaggregation-mode {mode}): a request needs "
+                    "bootstrap_host, bootstrap_port (the prefill server's bootstrap endpoint) "
+                    "and bootstrap_room (a random id the router sends to both servers); send "
+                    "it through a prefill/decode router, or to a colocated server",
+                )
+        media_field = "image_data" if _one_media(item.image_data) is not None else "video_data"
+        refused = {
+            "n": (params.n > 1, "parallel sampling (n > 1)"),
+            "max_new_tokens": (max_new_tokens == 0, "prompt scoring (max_new_tokens 0)"),
+            "input_embeds": (embeds is not None, "input_embeds"),
+            media_field: (media is not None, "images and videos"),
+            "return_hidden_states": (hidden, "return_hidden_states"),
+            "return_routed_experts": (
+                bool(_one(item.return_routed_experts, bool)),
+                "return_routed_experts",
+            ),
+        }
+        for field, (bad, what) in refused.items():
+            if bad:
+                raise InvalidRequest(
+                    field,
+                    f"{what} is not available with prefill/decode disaggregation yet; send the "
+                    "request to a colocated server (no --disaggregation-mode)",
+                )
+        assert room is not None
+        return Bootstrap(room, host, port)
 
     def _priority(self, item: GenerateRequest) -> int:
         """The request's priority (0 when it names none); refused unless the engine

@@ -28,6 +28,9 @@ _PER_ITEM_SCALARS = (
     "priority",
     "timeout",
     "require_reasoning",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
 )
 # Fields whose single-request value is itself a list, so only a list of lists is per-item.
 _PER_ITEM_LISTS = ("token_ids_logprob",)
@@ -80,6 +83,14 @@ class GenerateRequest(BaseModel):
     #: structured-output constraint applies only after `</think>` (the reasoning is free).
     #: The chat API sets it itself when the server has a reasoning parser.
     require_reasoning: bool | list[bool] = False
+    #: Prefill/decode disaggregation (SGLang's fields; only for a server started with
+    #: `--disaggregation-mode prefill` or `decode`): a router sends the same values to the
+    #: prefill server and to the decode server. `bootstrap_host:bootstrap_port` is the
+    #: prefill server's bootstrap endpoint, `bootstrap_room` a random id in [0, 2**63) that
+    #: pairs the two halves of the request (a batch takes a list of distinct rooms).
+    bootstrap_host: str | list[str | None] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int | None] | None = None
 
     @classmethod
     def parse(cls, data: Mapping[str, Any]) -> GenerateRequest:
@@ -122,6 +133,7 @@ class GenerateRequest(BaseModel):
         timeouts = self.timeout if isinstance(self.timeout, list) else [self.timeout]
         if any(value is not None and not value > 0 for value in timeouts):
             raise InvalidRequest("timeout", "must be a number of seconds > 0 (or null: no limit)")
+        self._check_bootstrap()
         for name in ("logprob_start_len", "top_logprobs_num", "routed_experts_start_len"):
             values = getattr(self, name)
             floor = -1 if name == "logprob_start_len" else 0
@@ -133,6 +145,24 @@ class GenerateRequest(BaseModel):
         else:
             self._check_batch(size)
         return self
+
+    def _check_bootstrap(self) -> None:
+        """The bootstrap fields' ranges (whether the server needs them is the engine's call)."""
+        ports = (
+            self.bootstrap_port if isinstance(self.bootstrap_port, list) else [self.bootstrap_port]
+        )
+        if any(port is not None and not 0 < port < 65536 for port in ports):
+            raise InvalidRequest("bootstrap_port", "must be a TCP port in [1, 65535]")
+        rooms = (
+            self.bootstrap_room if isinstance(self.bootstrap_room, list) else [self.bootstrap_room]
+        )
+        if any(room is not None and not 0 <= room < 2**63 for room in rooms):
+            raise InvalidRequest("bootstrap_room", "must be an integer in [0, 2**63)")
+        hosts = (
+            self.bootstrap_host if isinstance(self.bootstrap_host, list) else [self.bootstrap_host]
+        )
+        if any(host is not None and not host.strip() for host in hosts):
+            raise InvalidRequest("bootstrap_host", "must be a host name or address, not empty")
 
     def _id_lists(self) -> list[list[int]]:
         ids = self.input_ids
@@ -176,6 +206,15 @@ class GenerateRequest(BaseModel):
             raise InvalidRequest("rid", "a batch takes a list of request ids, one per prompt")
         if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
             raise InvalidRequest("rid", "request ids in a batch must be distinct")
+        room = self.bootstrap_room
+        if isinstance(room, int):
+            # One room pairs one prefill half with one decode half.
+            raise InvalidRequest(
+                "bootstrap_room", "a batch takes a list of bootstrap rooms, one per prompt"
+            )
+        given = [r for r in room or [] if r is not None]
+        if len(set(given)) != len(given):
+            raise InvalidRequest("bootstrap_room", "bootstrap rooms in a batch must be distinct")
 
     @property
     def is_single(self) -> bool:

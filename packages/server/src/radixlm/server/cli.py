@@ -315,6 +315,29 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         "help": "keep the experts a mixture-of-experts model routes each token to, so that "
         "/generate requests may ask for them (return_routed_experts)",
     },
+    # Prefill/decode disaggregation (SGLang's flags).
+    "disaggregation_mode": {
+        "help": "null (default): this server prefills and decodes; prefill: it computes "
+        "prompts and sends their K/V to each request's decode server; decode: it takes the K/V "
+        "from prefill servers and decodes. Requests then carry bootstrap_host, bootstrap_port "
+        "and bootstrap_room (radixlm-router --pd-disaggregation sets them)",
+    },
+    "disaggregation_bootstrap_port": {
+        "type": int,
+        "metavar": "PORT",
+        "help": "prefill: the port decode servers register requests at, on --host (default 8998)",
+    },
+    "disaggregation_transfer_backend": {
+        "help": "how K/V goes from prefill to decode: tcp (ZeroMQ over TCP, any two machines; "
+        "default), shm (shared memory, both servers on one host); nixl and mooncake (RDMA "
+        "between GPUs) are named but refused",
+    },
+    "disaggregation_transfer_timeout": {
+        "type": float,
+        "metavar": "SECONDS",
+        "help": "how long each side waits for the other (a registration, the K/V, its "
+        "receipt) before the request ends with finish reason abort (default 60)",
+    },
     # Images and videos (vision models).
     "allow_media_urls": {
         "action": "store_true",
@@ -611,6 +634,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kwargs[dest] = value
     if args.enable_custom_logit_processor:
         kwargs["enable_custom_logit_processor"] = True
+    if kwargs.get("disaggregation_mode") == "prefill":
+        # The bootstrap listener is reachable where the HTTP server is.
+        kwargs["disaggregation_bootstrap_host"] = args.host
     kwargs["engine_process"] = args.engine_mode == "process"
     kwargs["engine_restarts"] = args.engine_restarts
     return kwargs
@@ -655,6 +681,14 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm serve") -
     if chosen is None:
         return 2
     model_path, config = chosen
+    if args.dp_size > 1 and args.disaggregation_mode not in (None, "null"):
+        print(
+            "radixlm serve: --dp-size cannot be combined with --disaggregation-mode (each "
+            "replica would need a bootstrap port of its own); start one server per prefill or "
+            "decode instance and put radixlm-router --pd-disaggregation in front of them",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if args.node_rank:  # another node of a multi-node group: its ranks, no HTTP
             return serve_node(model_path, engine_kwargs(args))

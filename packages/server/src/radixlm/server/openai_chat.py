@@ -281,6 +281,9 @@ class _Chat:
                 "lora_path": model.lora,
                 "priority": request.priority,
                 "timeout": request.timeout,
+                "bootstrap_host": request.bootstrap_host,
+                "bootstrap_port": request.bootstrap_port,
+                "bootstrap_room": request.bootstrap_room,
                 # The constraint (response_format, tool_choice) shapes the answer, not the
                 # reasoning: it applies after `</think>`.
                 "require_reasoning": reasoning is not None,

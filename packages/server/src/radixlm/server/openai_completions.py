@@ -62,6 +62,7 @@ class _Completion:
         params = sampling_params(request, unset_max_tokens=DEFAULT_MAX_TOKENS)
         logprobs = request.logprobs
         self.items: list[GenerateRequest] = []
+        rooms = _bootstrap_rooms(request, len(self.prompts))
         for i, (text, ids) in enumerate(self.prompts):
             rid = request.rid if request.rid and len(self.prompts) == 1 else None
             if request.rid and len(self.prompts) > 1:
@@ -81,6 +82,9 @@ class _Completion:
                     "lora_path": model.lora,
                     "priority": request.priority,
                     "timeout": request.timeout,
+                    "bootstrap_host": request.bootstrap_host,
+                    "bootstrap_port": request.bootstrap_port,
+                    "bootstrap_room": rooms[i],
                 }
             )
             self.items.append(state.prepare(item))
@@ -237,3 +241,22 @@ async def create_completion(state: ServerState, http: Request) -> Response:
             await cancel_on_disconnect(http, streams.start())
             return EventStreamResponse(call.events(streams))
         return EngineJSONResponse(await cancel_on_disconnect(http, call.collect(streams)))
+
+
+def _bootstrap_rooms(request: CompletionRequest, prompts: int) -> list[int | None]:
+    """Each prompt's `bootstrap_room` (prefill/decode disaggregation): one room pairs one
+    prompt's halves, so several prompts take a list of rooms, one each."""
+    room = request.bootstrap_room
+    if room is None:
+        return [None] * prompts
+    if isinstance(room, int):
+        if prompts > 1:
+            raise InvalidRequest(
+                "bootstrap_room", f"{prompts} prompts take a list of {prompts} distinct rooms"
+            )
+        return [room]
+    if len(room) != prompts:
+        raise InvalidRequest(
+            "bootstrap_room", f"has {len(room)} rooms but the request has {prompts} prompts"
+        )
+    return list(room)

@@ -107,6 +107,12 @@ class SamplingFields(BaseModel):
     priority: int | None = None
     #: Seconds the request may take; past them it ends with finish reason abort.
     timeout: float | None = None
+    #: SGLang's prefill/decode disaggregation fields, which a router sets identically on the
+    #: requests it sends a prefill and a decode server: the prefill server's bootstrap
+    #: endpoint and the room pairing the two halves (completions: one room per prompt).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | list[int] | None = None
 
     @field_validator("n")
     @classmethod
@@ -382,6 +388,8 @@ class ChatCompletionRequest(SamplingFields):
     # SGLang's: with --reasoning-parser, return the reasoning apart as reasoning_content.
     separate_reasoning: bool = True
     modalities: list[str] | None = None
+    #: One conversation, one room (prefill/decode disaggregation).
+    bootstrap_room: int | None = None
 
     metadata: Any = None
     store: Any = None

@@ -831,6 +831,10 @@ class Scheduler:
 
     def _admit(self, req: Req, node: object, prefix_slots: list[int], row: int) -> None:
         self.waiting.remove(req)
+        self._occupy(req, node, prefix_slots, row)
+
+    def _occupy(self, req: Req, node: object, prefix_slots: list[int], row: int) -> None:
+        """Make `req` a running request in prefill, holding `row` and its cached prefix."""
         self.running.append(req)
         req.status = ReqStatus.RUNNING
         req.in_prefill = True
@@ -903,14 +907,66 @@ class Scheduler:
                     self._jump_forward(req)
             elif self._append(req, token) == "ok" and req.jump_forward and stopper.finish is None:
                 self._jump_forward(req)
-            finish = stopper.finish
-            if finish is not None:
-                if finish.type == "abort":
-                    self.abort(req)
-                else:
-                    self.finish(req)
-            updates.append(SeqUpdate(req, finish))
+            updates.append(self._settle(req))
         return updates
+
+    def _settle(self, req: Req) -> SeqUpdate:
+        """End `req` if its stopper says so (aborted: freed; else cached and freed)."""
+        assert req.stopper is not None
+        finish = req.stopper.finish
+        if finish is not None:
+            if finish.type == "abort":
+                self.abort(req)
+            else:
+                self.finish(req)
+        return SeqUpdate(req, finish)
+
+    # ------------------------------------------------------------ prefilled elsewhere
+
+    def admit_prefilled(self, req: Req) -> list[int] | None:
+        """Start running a request whose prompt another engine computed (the decode side of
+        prefill/decode disaggregation; it is not in the queue): a running place, a table row
+        and fresh KV slots for its whole prompt, which are returned for the caller to write
+        the prompt's K/V into before the next step; then `append_prefilled` gives it its first
+        token. None when they are not free now (nothing changed; try again after a step);
+        with nothing running, None means the prompt does not fit in the pool at all.
+
+        The prompt is not matched against the cache: the request runs on the K/V it was sent
+        (bit for bit what its prefill computed), which goes to the cache when it ends, as a
+        computed prompt does. Mutates the running set, the pool and the cache (evictions)."""
+        if len(self.running) >= self.max_running:
+            return None
+        if req.lora is not None and not self._adapter_fits(req.lora[0]):
+            return None
+        count = len(req.prompt_ids)
+        needed = self._tokens_to_alloc(req, count)
+        # As a prefill is admitted: room beside what the running requests will still need.
+        reserve = sum(self._reserve(r) for r in self.running)
+        future = self.new_token_ratio * min(req.max_new_tokens, self.config.clip_max_new_tokens)
+        free = self.pool.available + self.evictable_tokens()
+        if (self.running and free < needed + reserve + future) or not self._make_room(needed):
+            return None
+        row = self.rows.alloc()
+        if row is None:
+            return None
+        self._occupy(req, None, [], row)
+        slots = self._alloc(req, count)
+        assert slots is not None, "room was made"
+        req.in_prefill = False  # its K/V is written now; the next step decodes
+        if req.input_logprob_next is not None:
+            # Its prompt logprobs came with its K/V: a retraction recomputes none.
+            req.input_logprob_next = max(req.input_logprob_next, len(req.prompt_ids) - 1)
+        return slots
+
+    def append_prefilled(self, req: Req, token: int) -> SeqUpdate:
+        """Append the first output token of a request `admit_prefilled` started (sampled by the
+        engine that computed its prompt) as the update phase appends a sampled token: through
+        its grammar, with the tokens the grammar forces after it, and its stops (it may end
+        here)."""
+        assert req.stopper is not None
+        if self._append(req, token) == "ok" and req.jump_forward and req.stopper.finish is None:
+            self._jump_forward(req)
+        return self._settle(req)
 
     def _append_verified(self, req: Req, draft: list[int], accepted: int, token: int) -> bool:
         """Append the first `accepted` draft tokens and then `token`, as far as the request goes
