@@ -362,5 +362,5 @@ def test_metrics_count_requests_and_tokens(http: httpx.Client) -> None:
                  "sglang:num_retracted_requests_total", "sglang:generation_tokens_total"):  # fmt: skip
         assert re.search(rf'^{name}\{{[^}}]*model_name="tiny-llama"', text, re.M), name
     # Queue time from the real engine's timestamps: one observation per finished request.
-    queued = re.search(r'^sglang:queue_time_seconds_count\{[^}]*\} (\S+)$', text, re.M)
+    queued = re.search(r"^sglang:queue_time_seconds_count\{[^}]*\} (\S+)$", text, re.M)
     assert queued and float(queued.group(1)) >= 1
