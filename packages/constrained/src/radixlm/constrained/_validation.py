@@ -196,6 +196,16 @@ class ValidatingGrammar:
         twin._pending = self._pending
         return twin
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError where the bookkeeping disagrees: one buffer end and one scanner
+        snapshot per accepted token, the buffer as long as the last end, the scanner in the
+        state of the last snapshot. Changes nothing."""
+        count = len(self._history)
+        assert len(self._ends) == count == len(self._snapshots), "one end and snapshot per token"
+        assert len(self._buffer) == (self._ends[-1] if count else 0), "buffer and ends disagree"
+        assert self._snapshot == (self._snapshots[-1] if count else INITIAL), "stale snapshot"
+        assert self._scanner.snapshot() == self._snapshot, "scanner and snapshot disagree"
+
     def allows_any(self, token_ids: list[int]) -> bool:
         host = getattr(self._inner, "allows_any", None)
         return bool(host(token_ids)) if host is not None else True
