@@ -204,7 +204,9 @@ class JsonScanner:
                             return True
                 else:  # a string or a member name: on to its next quote or backslash
                     quote = data.find(0x22, at)
-                    slash = data.find(0x5C, at, size if quote < 0 else quote)
+                    slash = -1
+                    if 0x5C in data:  # (rare: an escape)
+                        slash = data.find(0x5C, at, size if quote < 0 else quote)
                     if slash >= 0:
                         self.skip = 1
                         at = slash + 1
