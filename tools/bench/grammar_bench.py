@@ -21,7 +21,7 @@ Five parts, each printed as tables:
    turn (`--validation-pairs` times each), timed by wall and by process CPU time (less
    sensitive to other processes on the machine); the overhead is the median of the per-pair
    ratios, printed with its 10th-90th percentile spread and beside the ratio of the minimums.
-   `--parts validation` alone takes about 30 s.
+   `--parts validation` alone takes about 50 s.
 5. corpus (grammar_corpus_bench.py): raw xgrammar, llguidance and outlines-core beside our
    `auto` backend over corpora of real-world and generated JSON schemas — schemas compiled,
    random walks valid, compile and per-token times, auto's choices and goals.
