@@ -251,6 +251,8 @@ def validating_walk(
             assert len(grammar.history) - found.rollback >= committed
             grammar.rollback(found.rollback)
             rollbacks += 1
+        if hasattr(grammar, "check_invariants"):  # the validating matcher's bookkeeping
+            grammar.check_invariants()
     if not grammar.is_terminated():
         return None, rollbacks
     return info.decode_bytes(grammar.history).decode("utf-8"), rollbacks
