@@ -350,7 +350,12 @@ class JsonScanner:
             value = self._parse(start_byte, end, start_token, pointer)
             parsed = True
             if top is None:
-                error = self.checks.first_error(value, self.checks.root_place.located, final=True)
+                error = self.checks.first_error(
+                    value,
+                    self.checks.root_place.located,
+                    final=True,
+                    text=bytes(self.buffer[start_byte:end]),
+                )
             else:
                 error = self.checks.first_error(value, place.located)
             if error is not None:

@@ -73,7 +73,6 @@ class ValidatingGrammar:
         self._token_bytes = info.token_bytes
         self._history: list[int] = []
         self._buffer = bytearray()
-        self._ends: list[int] = []  # buffer length after each token
         self._scanner = JsonScanner(checks, self._buffer)
         self._snapshot = INITIAL  # the scanner's state now
         self._snapshots: list[Snapshot] = []  # the scanner's state after each token
@@ -85,6 +84,7 @@ class ValidatingGrammar:
         self._scratch: Any = None  # a one-row bitmask for _check_dead_end
         self._primed = False  # whether _scratch holds the banned mask of the current state
         self._keep_masks: dict[tuple[bytes, ...], Any] = {}
+        self._route()
 
     # -- Grammar -----------------------------------------------------------------------------
 
@@ -120,7 +120,6 @@ class ValidatingGrammar:
         buffer = self._buffer
         start = len(buffer)
         buffer += data
-        self._ends.append(start + len(data))
         scanner = self._scanner
         try:
             changed = scanner.feed(data, start, position)
@@ -131,6 +130,7 @@ class ValidatingGrammar:
             self._snapshot = scanner.snapshot()
             self._snapshots.append(self._snapshot)
             self._report(failure, position)
+            self._route()
             return True
         if changed:
             self._snapshot = scanner.snapshot()
@@ -138,6 +138,15 @@ class ValidatingGrammar:
         if self._bans:
             self._check_dead_end()
         return True
+
+    def _route(self) -> None:
+        """With no violation pending and no bans, filling a mask is the inner matcher's alone:
+        its bound method, set on this object, shadows `fill_bitmask` (one Python call less per
+        token); else the method below decides."""
+        if self._pending is None and not self._bans:
+            self.fill_bitmask = self._inner.fill_bitmask  # type: ignore[method-assign]
+        else:
+            self.__dict__.pop("fill_bitmask", None)
 
     def fill_bitmask(self, bitmask: Any, row: int = 0) -> None:
         if self._pending is not None:
@@ -159,6 +168,7 @@ class ValidatingGrammar:
             # the retry limit then ends the request).
             self._bans = [ban for ban in self._bans if ban not in bans]
             self._inner.fill_bitmask(bitmask, row)
+            self._route()
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens < 0 or num_tokens > len(self._history):
@@ -169,13 +179,13 @@ class ValidatingGrammar:
         self._primed = False
         self._inner.rollback(num_tokens)
         keep = len(self._history) - num_tokens
+        del self._buffer[self._end(keep) :]
         del self._history[keep:]
         del self._snapshots[keep:]
-        del self._ends[keep:]
-        del self._buffer[self._ends[-1] if self._ends else 0 :]
         self._snapshot = self._snapshots[-1] if self._snapshots else INITIAL
         self._scanner.restore(self._snapshot)
         self._bans = [ban for ban in self._bans if ban.anchor <= keep]
+        self._route()
 
     def jump_forward(self) -> JumpForward | None:
         if self._pending is not None or self._active_bans():
@@ -186,7 +196,6 @@ class ValidatingGrammar:
         twin = ValidatingGrammar(self._inner.fork(), self._checks, self._info)
         twin._history = list(self._history)
         twin._buffer += self._buffer  # the twin's scanner reads this very bytearray
-        twin._ends = list(self._ends)
         twin._snapshots = list(self._snapshots)  # immutable, shared
         twin._snapshot = self._snapshot
         twin._scanner.restore(self._snapshot)
@@ -194,15 +203,20 @@ class ValidatingGrammar:
         twin._retries = dict(self._retries)
         twin._total_retries = self._total_retries
         twin._pending = self._pending
+        twin._route()
         return twin
 
     def check_invariants(self) -> None:
-        """Raise AssertionError where the bookkeeping disagrees: one buffer end and one scanner
-        snapshot per accepted token, the buffer as long as the last end, the scanner in the
-        state of the last snapshot. Changes nothing."""
+        """Raise AssertionError where the bookkeeping disagrees: one scanner snapshot per
+        accepted token, the buffer the accepted tokens' bytes, the scanner in the state of the
+        last snapshot, the mask filled by the inner matcher alone exactly when nothing is
+        pending or banned. Changes nothing."""
         count = len(self._history)
-        assert len(self._ends) == count == len(self._snapshots), "one end and snapshot per token"
-        assert len(self._buffer) == (self._ends[-1] if count else 0), "buffer and ends disagree"
+        assert len(self._snapshots) == count, "one snapshot per token"
+        written = b"".join(self._token_bytes[t] or b"" for t in self._history)
+        assert bytes(self._buffer) == written, "buffer and tokens disagree"
+        direct = "fill_bitmask" in self.__dict__
+        assert direct == (self._pending is None and not self._bans), "stale fill route"
         assert self._snapshot == (self._snapshots[-1] if count else INITIAL), "stale snapshot"
         assert self._scanner.snapshot() == self._snapshot, "scanner and snapshot disagree"
 
@@ -281,6 +295,15 @@ class ValidatingGrammar:
             data.startswith(ban.rejected[size - ban.anchor_byte :]) for ban in self._active_bans()
         )
 
+    def _end(self, count: int) -> int:
+        """The buffer's length after the first `count` accepted tokens (counted back from the
+        end: rollbacks and violations go back a few tokens)."""
+        end = len(self._buffer)
+        token_bytes = self._token_bytes
+        for token_id in self._history[count:]:
+            end -= len(token_bytes[token_id] or b"")
+        return end
+
     # -- violations --------------------------------------------------------------------------
 
     def _report(self, failure: Failure, position: int) -> None:
@@ -294,7 +317,7 @@ class ValidatingGrammar:
         self._last_keyword, self._last_pointer = keyword, pointer
         start = failure.start_token
         self._count_retry(start, failure.pointer)
-        anchor_byte = self._ends[start - 1] if start else 0
+        anchor_byte = self._end(start)
         self._bans.append(
             _Ban(start, anchor_byte, bytes(self._buffer[anchor_byte : failure.last_byte + 1]))
         )
