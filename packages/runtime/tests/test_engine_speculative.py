@@ -9,6 +9,7 @@ then accepted in full, in part and not at all, step after step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -21,6 +22,7 @@ import pytest
 from radixlm.runtime import Engine
 from radixlm.runtime.fixtures import build_tiny_model
 from radixlm.runtime.scheduler import Req
+from radixlm.runtime.speculative.costs import StepCost
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 PROMPTS = [
@@ -104,7 +106,15 @@ def test_greedy_outputs_are_the_same_with_speculation(models: dict[str, Path], a
         prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
     with _engine(path, spec=True) as engine:
         # NGRAM's own drafts: alone, then batched (the second time the radix cache holds
-        # every answer: its continuations are accepted whole).
+        # every answer: its continuations are accepted whole). Its step costs are the
+        # assumed ones: measured on a loaded machine they can price every draft out.
+        engine.run_in_loop(
+            lambda core: setattr(
+                core.scheduler.drafter,
+                "costs",
+                dataclasses.replace(core.scheduler.drafter.costs, target=StepCost.assumed()),
+            )
+        )
         assert _ids(engine.generate(PROMPTS[0], GREEDY)) == reference[:1]
         assert _ids(engine.generate(PROMPTS, GREEDY)) == reference
         assert _stats(engine)["spec_accepted_tokens"] > 0
