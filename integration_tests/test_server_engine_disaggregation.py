@@ -3,7 +3,9 @@ decode server with the same bootstrap fields (as radixlm-router --pd-disaggregat
 is answered by the decode server as a colocated server answers it, on `/generate` and the
 OpenAI routes; a decode server refuses a request without the fields (400); and with real
 `radixlm serve --disaggregation-mode prefill` / `decode` processes, a decode engine killed
-mid-stream ends the client's stream with an error event instead of leaving it hanging."""
+mid-stream ends the client's stream with an error event instead of leaving it hanging; and
+`--dp-size 2` prefill and decode servers answer concurrent requests as a colocated engine,
+each prefill replica computing the rooms that are its own."""
 
 from __future__ import annotations
 
@@ -206,3 +208,59 @@ def test_radixlm_serve_prefill_and_decode_processes(tiny_llama: Path, tmp_path: 
         assert ended_after < 10
         # The prefill server is not hurt.
         assert httpx.get(f"{prefill_url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.timeout(120)
+def test_data_parallel_prefill_and_decode_servers(tiny_llama: Path, tmp_path: Path) -> None:
+    """`--dp-size 2` on both sides: the prefill server's router sends each room to replica
+    room % 2, which listens on its own bootstrap port; the decode replicas, given the
+    server's first port, register each room at its replica."""
+    from radixlm.runtime import Engine
+
+    common = [
+        "--model-path", str(tiny_llama), "--device", "cpu", "--dtype", "float32",
+        "--max-total-tokens", "4096", "--dp-size", "2",
+    ]  # fmt: skip
+    prefill_args = [
+        *common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "0",
+    ]  # fmt: skip
+    decode_args = [*common, "--disaggregation-mode", "decode"]
+    prompts = [f"Replicated apart {k}: the radix tree" for k in range(6)]
+    with contextlib.ExitStack() as stack:
+        with ThreadPoolExecutor(1) as pool:  # the reference, while the servers start
+            reference = pool.submit(
+                lambda: Engine(str(tiny_llama), show_progress=False, device="cpu", **ENGINE)
+            )
+            prefill_url, decode_url = _start_together(
+                stack,
+                [
+                    (prefill_args, tmp_path / "prefill.log", None),
+                    (decode_args, tmp_path / "decode.log", None),
+                ],
+            )
+        colocated = stack.enter_context(reference.result())
+        section = httpx.get(f"{prefill_url}/get_server_info", timeout=10).json()["disaggregation"]
+        ports = section["bootstrap_ports"]
+        assert ports == [section["bootstrap_port"], section["bootstrap_port"] + 1]
+
+        first = random.getrandbits(62) * 2
+        rooms = [first + k for k in range(len(prompts))]  # both parities
+
+        def send(k: int) -> Any:  # (the server's first port, as a router names it)
+            body = {"text": prompts[k], "sampling_params": GREEDY, **_fields(ports[0], rooms[k])}
+            return _both(prefill_url, decode_url, "/generate", body)
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(send, range(len(prompts))))
+        expected = [colocated.generate(p, GREEDY)["output_ids"] for p in prompts]
+        assert [a["output_ids"] for a in answers] == expected
+
+        for url in (prefill_url, decode_url):
+            assert httpx.post(f"{url}/flush_cache", timeout=30).status_code == 200
+            info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+            assert info["dp_size"] == 2 and info["num_running_reqs"] == 0
+            # Every KV slot is free again on every replica.
+            assert [r["token_usage"] for r in info["replicas"]] == [0.0, 0.0], info["replicas"]
+            if url == prefill_url:  # each prefill replica computed its half of the prompts
+                assert info["router_policy"] == "follow_bootstrap_room"
+                assert all(r["prompt_tokens"] > 0 for r in info["replicas"]), info["replicas"]
