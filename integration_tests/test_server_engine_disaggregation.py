@@ -3,7 +3,10 @@ decode server with the same bootstrap fields (as radixlm-router --pd-disaggregat
 is answered by the decode server as a colocated server answers it, on `/generate` and the
 OpenAI routes; a decode server refuses a request without the fields (400); and with real
 `radixlm serve --disaggregation-mode prefill` / `decode` processes, a decode engine killed
-mid-stream ends the client's stream with an error event instead of leaving it hanging."""
+mid-stream ends the client's stream with an error event instead of leaving it hanging; and
+`--dp-size 2` prefill and decode servers (built as `radixlm serve` builds them, served from
+this process) answer concurrent requests as a colocated engine, each prefill replica computing
+the rooms that are its own, and export their disaggregation queues as gauges."""
 
 from __future__ import annotations
 
@@ -206,3 +209,79 @@ def test_radixlm_serve_prefill_and_decode_processes(tiny_llama: Path, tmp_path: 
         assert ended_after < 10
         # The prefill server is not hurt.
         assert httpx.get(f"{prefill_url}/health", timeout=10).status_code == 200
+
+
+def _replicated(model: Path, mode: str, **options: Any) -> tuple[Any, Any]:
+    """A `--dp-size 2` server of `mode` as `radixlm serve` builds it (two engine processes
+    behind the server's router), served from this process; (its engine, its live server)."""
+    from uvicorn_thread import ThreadedServer
+
+    from radixlm.server import ServerConfig, create_app
+    from radixlm.server.launcher import build_replicas
+
+    kwargs = {
+        "show_progress": False, "device": "cpu", "dtype": "float32", "max_total_tokens": 4096,
+        "engine_restarts": 0, "disaggregation_mode": mode, **options,
+    }  # fmt: skip
+    engine = build_replicas(str(model), kwargs, dp_size=2, router_policy="cache_aware")
+    config = ServerConfig(served_model_name="tiny-llama", enable_metrics=True, log_requests=False)
+    return engine, ThreadedServer(create_app(engine, config), lifespan="off").start()
+
+
+@pytest.mark.timeout(120)
+def test_data_parallel_prefill_and_decode_servers(tiny_llama: Path) -> None:
+    """`--dp-size 2` on both sides: the prefill server's router sends each room to replica
+    room % 2, which listens on its own bootstrap port; the decode replicas, given the
+    server's first port, register each room at its replica."""
+    from radixlm.runtime import Engine
+
+    prompts = [f"Replicated apart {k}: the radix tree" for k in range(6)]
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(3) as pool:
+        starting = [
+            pool.submit(_replicated, tiny_llama, "prefill", disaggregation_bootstrap_port=0),
+            pool.submit(_replicated, tiny_llama, "decode"),
+            pool.submit(Engine, str(tiny_llama), show_progress=False, device="cpu", **ENGINE),
+        ]
+        for future in starting:  # what started stops at the end, even if another failed
+            if future.exception() is None:
+                started = future.result()
+                if isinstance(started, tuple):  # (engine, live server): the server stops first
+                    stack.callback(started[0].shutdown)
+                    stack.callback(started[1].stop)
+                else:
+                    stack.callback(started.shutdown)
+        (prefill, prefill_live), (decode, decode_live), colocated = (f.result() for f in starting)
+        prefill_url, decode_url = prefill_live.url, decode_live.url
+        section = httpx.get(f"{prefill_url}/get_server_info", timeout=10).json()["disaggregation"]
+        ports = section["bootstrap_ports"]
+        assert ports == [section["bootstrap_port"], section["bootstrap_port"] + 1]
+
+        first = random.getrandbits(62) * 2
+        rooms = [first + k for k in range(len(prompts))]  # both parities
+
+        def send(k: int) -> Any:  # (the server's first port, as a router names it)
+            body = {"text": prompts[k], "sampling_params": GREEDY, **_fields(ports[0], rooms[k])}
+            return _both(prefill_url, decode_url, "/generate", body)
+
+        with ThreadPoolExecutor(len(prompts)) as senders:
+            answers = list(senders.map(send, range(len(prompts))))
+        expected = [colocated.generate(p, GREEDY)["output_ids"] for p in prompts]
+        assert [a["output_ids"] for a in answers] == expected
+
+        for engine, url in ((prefill, prefill_url), (decode, decode_url)):
+            info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+            assert info["dp_size"] == 2 and info["num_running_reqs"] == 0
+            if url == prefill_url:  # each prefill replica computed its half of the prompts
+                assert info["router_policy"] == "follow_bootstrap_room"
+                assert all(r["prompt_tokens"] > 0 for r in info["replicas"]), info["replicas"]
+            # The side's disaggregation queues are gauges (empty now), the other side's absent.
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+            side, other = ("prefill", "decode") if url == prefill_url else ("decode", "prefill")
+            for queue in ("prealloc", "inflight" if side == "prefill" else "transfer"):
+                assert f"sglang:num_{side}_{queue}_queue_reqs{{" in metrics
+            assert f"sglang:num_{other}_prealloc_queue_reqs" not in metrics
+            # No KV slot is lost on any replica, and with the cache flushed every one is free.
+            assert httpx.post(f"{url}/flush_cache", timeout=30).status_code == 200
+            for replica in engine.replicas:
+                replica.check_invariants()
+                assert replica.server_info(fresh=True)["token_usage"] == 0.0

@@ -230,6 +230,35 @@ def test_server_info_sums_the_replicas_and_lists_each() -> None:
     assert all(not r.seen for r in replicas)
 
 
+def test_a_prefill_server_routes_each_bootstrap_room_to_its_replica() -> None:
+    replicas = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
+    engine = DataParallelEngine(replicas, "cache_aware", follow_bootstrap_room=True)
+    rooms = [7, 8, 9, 10, 2**62 + 1]
+    requests = [GenerateRequest(text="same prompt", bootstrap_room=r, rid=str(r)) for r in rooms]
+    chunks = asyncio.run(_run(engine, requests))
+    assert [c.text for c in chunks] == [replicas[r % 3].name for r in rooms]
+    assert engine.server_info()["router_policy"] == "follow_bootstrap_room"
+    replicas[1].healthy = False  # the room's replica is down: no other may take it
+    with pytest.raises(EngineUnavailable, match="replica 1"):
+        asyncio.run(_run(engine, [GenerateRequest(text="x", bootstrap_room=4)]))
+    # Without the option a room is no routing key (a decode server's replicas).
+    plain = DataParallelEngine(replicas[::2], "round_robin")
+    chunks = asyncio.run(_run(plain, [GenerateRequest(text="y", bootstrap_room=0)] * 2))
+    assert [c.text for c in chunks] == ["a", "c"]
+
+
+def test_server_info_sums_disaggregation_queues_where_reported() -> None:
+    class Queued(FakeReplica):
+        def server_info(self) -> dict[str, Any]:
+            return {**super().server_info(), "num_decode_transfer_queue_reqs": 2}
+
+    info = DataParallelEngine([Queued("a"), Queued("b")]).server_info()
+    assert info["num_decode_transfer_queue_reqs"] == 4
+    assert [r["num_decode_transfer_queue_reqs"] for r in info["replicas"]] == [2, 2]
+    plain = DataParallelEngine([FakeReplica("a"), FakeReplica("b")]).server_info()
+    assert "num_decode_transfer_queue_reqs" not in plain
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="at least one replica"):
         DataParallelEngine([])

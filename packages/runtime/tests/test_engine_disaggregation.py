@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation on a tiny random Llama: a prefill engine and a decode engine
 (threads of this process, over both transfer backends) answer a request together exactly as a
 colocated engine does (greedy: text, ids, logprobs, cached tokens), batched, concurrent and
-chunked; and every failure (no prefill server, no prefill request, a decode side that goes
+chunked; a data-parallel prefill server's replicas each prefill their own rooms, a decode
+engine sent to the wrong one registering at the right one; and every failure (no prefill server, no prefill request, a decode side that goes
 away, another model, an abort) ends the request with finish reason abort and a message that
 says what to check, with every KV slot back."""
 
@@ -21,8 +22,16 @@ import zmq
 from radixlm.runtime import Engine
 from radixlm.runtime.disaggregation import create_backend
 from radixlm.runtime.disaggregation.kv import pool_layout
-from radixlm.runtime.disaggregation.protocol import Register, Registered, to_frame
+from radixlm.runtime.disaggregation.protocol import (
+    Cancel,
+    Redirect,
+    Register,
+    Registered,
+    from_frame,
+    to_frame,
+)
 from radixlm.runtime.fixtures import build_tiny_model
+from radixlm.runtime.replicas import free_port_range, replica_options
 from radixlm.sampling import InvalidRequest
 
 GREEDY: dict[str, Any] = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -129,7 +138,7 @@ def both(
     thread = threading.Thread(target=run_prefill)
     thread.start()
     if prefill_first:
-        wait_for(lambda: prefill.server_info()["num_prefill_inflight_queue_reqs"] > 0)
+        wait_for(lambda: prefill.server_info()["num_prefill_prealloc_queue_reqs"] > 0)
     decoded = decode.generate(prompt, **kwargs)
     thread.join(30)
     return answers["prefill"], decoded
@@ -291,6 +300,95 @@ def test_the_servers_may_use_other_page_sizes(
         _, answer = both(prefill, decode, prompt, **LOGPROBS)
         assert_slots_back(decode)
     assert comparable(answer) == comparable(colocated.generate(prompt, GREEDY, **LOGPROBS))
+
+
+# ------------------------------------------------------------ a data-parallel prefill server
+
+
+@pytest.fixture(scope="module")
+def replicated(model: Path) -> Iterator[tuple[list[Engine], Engine]]:
+    """The two prefill replicas of a `--dp-size 2` prefill server (threads here: the options
+    `radixlm serve` gives its replica processes) and a decode engine."""
+    options = replica_options(
+        {**COMMON, "disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 0}, 2
+    )
+    with (
+        Engine(str(model), **{**options[0], "engine_process": False}) as first,
+        Engine(str(model), **{**options[1], "engine_process": False}) as second,
+        Engine(str(model), disaggregation_mode="decode", **COMMON) as decode,
+    ):
+        yield [first, second], decode
+
+
+def test_each_prefill_replica_prefills_its_rooms(
+    replicated: tuple[list[Engine], Engine], colocated: Engine
+) -> None:
+    replicas, decode = replicated
+    ports = [r.info.static_info["disaggregation"]["bootstrap_port"] for r in replicas]
+    assert ports[1] == ports[0] + 1
+    assert replicas[1].info.static_info["disaggregation"]["bootstrap_ports"] == ports
+    prompts = [f"Replicated {k}: the prefill server has two engines" for k in range(4)]
+    answers: list[Any] = [None] * len(prompts)
+    finished = [r.server_info()["finished_requests"] for r in replicas]
+    rooms = [next(_rooms) for _ in prompts]  # two even ones, two odd ones
+
+    def run(k: int) -> None:
+        # The decode engine is given the server's first port, as a router gives it.
+        fields = bootstrap(replicas[0], rooms[k])
+        answers[k] = both(replicas[rooms[k] % 2], decode, prompts[k], **fields)[1]
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    expected = [colocated.generate(p, GREEDY)["output_ids"] for p in prompts]
+    assert [a["output_ids"] for a in answers] == expected
+    assert [r.server_info()["finished_requests"] for r in replicas] == [n + 2 for n in finished]
+    assert_slots_back(*replicas, decode)
+
+
+def test_a_prefill_replica_refuses_another_replicas_room(
+    replicated: tuple[list[Engine], Engine],
+) -> None:
+    replicas, _ = replicated
+    room = 2 * next(_rooms) + 1  # replica 1's
+    with pytest.raises(InvalidRequest, match="replica 1 of this data-parallel") as caught:
+        replicas[0].generate(PROMPTS[0], GREEDY, **bootstrap(replicas[0], room))
+    assert caught.value.field == "bootstrap_room"
+
+
+def test_a_prefill_replica_sends_decode_engines_to_the_room_s_replica(
+    replicated: tuple[list[Engine], Engine],
+) -> None:
+    replicas, _ = replicated
+    ports = replicas[0].info.static_info["disaggregation"]["bootstrap_ports"]
+    layout = pool_layout(replicas[0].runner.kv_pool, "LlamaForCausalLM")
+    with zmq.Context() as context, context.socket(zmq.DEALER) as dealer:
+        dealer.connect(f"tcp://127.0.0.1:{ports[0]}")
+        room = 2 * next(_rooms) + 1
+        dealer.send(to_frame(Register(room, layout, "tcp")))
+        assert dealer.poll(5000)
+        assert from_frame(dealer.recv()) == Redirect(room, tuple(ports))
+        dealer.send(to_frame(Register(room - 1, layout, "tcp")))
+        assert dealer.poll(5000)
+        assert from_frame(dealer.recv()) == Registered(room - 1, tuple(ports))
+        dealer.send(to_frame(Cancel(room - 1, "a test")))
+
+
+def test_a_lone_prefill_engine_speaks_as_before() -> None:
+    # A server without replicas sends the frames of version 1 as they were.
+    assert to_frame(Registered(7)) == b'{"v":1,"type":"registered","room":7}'
+    assert from_frame(b'{"v":1,"type":"registered","room":7}') == Registered(7)
+
+
+def test_free_port_range_finds_consecutive_free_ports() -> None:
+    import socket
+
+    first = free_port_range("127.0.0.1", 3)
+    for port in range(first, first + 3):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
 
 
 # ------------------------------------------------------------------------------ failures

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.replicas import replica_kwargs
+from radixlm.runtime.replicas import replica_kwargs, replica_options
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU split")
@@ -34,6 +34,41 @@ def test_what_replicas_cannot_do_is_refused() -> None:
         replica_kwargs({}, 2, 2)
     with pytest.raises(ValueError, match="drop --device"):
         replica_kwargs({"device": "cuda:0"}, 0, 2)
+
+
+def test_prefill_replicas_listen_on_consecutive_bootstrap_ports() -> None:
+    prefill = {"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 9000}
+    options = replica_options({**prefill, "cpu_threads": 1}, 3)
+    assert [o["disaggregation_bootstrap_port"] for o in options] == [9000, 9001, 9002]
+    assert all(o["disaggregation_bootstrap_ports"] == [9000, 9001, 9002] for o in options)
+    default = replica_options({"disaggregation_mode": "prefill", "cpu_threads": 1}, 2)
+    assert [o["disaggregation_bootstrap_port"] for o in default] == [8998, 8999]
+    # Port 0 (any free one): the first of free consecutive ports, chosen once for all.
+    anywhere = replica_options({**prefill, "disaggregation_bootstrap_port": 0}, 2)
+    first = anywhere[0]["disaggregation_bootstrap_port"]
+    assert first > 0 and anywhere[1]["disaggregation_bootstrap_port"] == first + 1
+    config = EngineConfig.from_kwargs("m", **anywhere[1]).disaggregation
+    assert config.bootstrap_ports == (first, first + 1) and config.bootstrap_port == first + 1
+    # A decode server's replicas, and one replica, keep the options as given.
+    decode = replica_options({"disaggregation_mode": "decode", "cpu_threads": 1}, 2)
+    assert all("disaggregation_bootstrap_ports" not in o for o in decode)
+    assert "disaggregation_bootstrap_ports" not in replica_options(prefill, 1)[0]
+    with pytest.raises(ValueError, match="past 65535"):
+        replica_options({**prefill, "disaggregation_bootstrap_port": 65535}, 2)
+    with pytest.raises(ValueError, match="replica_options"):
+        replica_kwargs({**prefill, "disaggregation_bootstrap_port": 0}, 0, 2)
+
+
+def test_replica_bootstrap_ports_are_checked() -> None:
+    with pytest.raises(ValueError, match="must be one of disaggregation_bootstrap_ports"):
+        EngineConfig.from_kwargs(
+            "m", disaggregation_mode="prefill", disaggregation_bootstrap_port=7,
+            disaggregation_bootstrap_ports=[8, 9],
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="drop them for disaggregation_mode decode"):
+        EngineConfig.from_kwargs(
+            "m", disaggregation_mode="decode", disaggregation_bootstrap_ports=[8, 9]
+        )
 
 
 def test_cpu_threads_is_an_engine_option() -> None:

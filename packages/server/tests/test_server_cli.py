@@ -463,9 +463,22 @@ def test_disaggregation_flags_reach_the_engine_with_the_server_host() -> None:
     assert "disaggregation_bootstrap_host" not in decode
 
 
-def test_disaggregation_is_not_combined_with_replicas(
-    capsys: pytest.CaptureFixture[str],
+def test_disaggregation_combines_with_replicas(
+    monkeypatch: pytest.MonkeyPatch, tokenizer: Any
 ) -> None:
-    argv = ["--model-path", "/m", "--dp-size", "2", "--disaggregation-mode", "decode"]
-    assert serve_main(argv) == 2
-    assert "--pd-disaggregation" in capsys.readouterr().err
+    asked: dict[str, Any] = {}
+
+    def build_replicas(
+        model_path: str, kwargs: dict[str, Any], dp_size: int, policy: str, tracer: Any = None
+    ) -> Any:
+        asked.update(kwargs=kwargs, dp_size=dp_size)
+        return fake.FakeEngine(tokenizer)
+
+    monkeypatch.setattr(launcher, "build_replicas", build_replicas)
+    install_uvicorn(monkeypatch, lambda server: None)
+    argv = ["--model-path", "/m", "--dp-size", "2", "--disaggregation-mode", "prefill",
+            "--disaggregation-bootstrap-port", "9000"]  # fmt: skip
+    assert serve_main(argv) == 0
+    assert asked["dp_size"] == 2
+    assert asked["kwargs"]["disaggregation_mode"] == "prefill"
+    assert asked["kwargs"]["disaggregation_bootstrap_port"] == 9000

@@ -1,6 +1,6 @@
 """/metrics under SGLang's names (the default) or vLLM's (`--metrics-format vllm`): the names,
 their labels, and the values after requests; first-token and inter-token times from streamed
-requests only."""
+requests only; a disaggregated engine's queues as SGLang's gauges."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+import server_fake_engine as fake  # loaded by conftest.py
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixlm.sampling import FinishReason, GenerateChunk, GenerateRequest
@@ -76,6 +77,30 @@ def test_sglang_names_are_the_default_with_model_name_labels(started: Callable[.
     assert value(samples, "sglang:num_used_tokens", **engine) == 0
     assert "sglang:gen_throughput" in samples
     assert not [name for name in samples if name.startswith("vllm:")]
+    assert not [name for name in samples if "_prealloc_" in name or "_transfer_queue" in name]
+
+
+#: A disaggregated engine's queues (SGLang's names), as its server_info reports them.
+PD_QUEUES = {
+    "num_prefill_prealloc_queue_reqs": 1,
+    "num_prefill_inflight_queue_reqs": 2,
+    "num_decode_prealloc_queue_reqs": 3,
+    "num_decode_transfer_queue_reqs": 4,
+}
+
+
+def test_a_disaggregated_engines_queues_are_sglang_gauges(
+    make_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reported = fake.FakeEngine.server_info
+    monkeypatch.setattr(
+        fake.FakeEngine, "server_info", lambda self: {**reported(self), **PD_QUEUES}
+    )
+    live, _ = make_server(ServerConfig(served_model_name="toy", enable_metrics=True))
+    samples = scrape(live.url)
+    labels = {"model_name": "toy", "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
+    for key, count in PD_QUEUES.items():
+        assert value(samples, f"sglang:{key}", **labels) == count
 
 
 def test_radixlm_names_that_duplicate_sglangs_are_gone(started: Callable[..., str]) -> None:

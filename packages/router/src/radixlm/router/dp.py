@@ -15,6 +15,12 @@ see `radixlm.router.keys`). A replica that is not healthy is out of routing unti
 (its engine process restarts): requests in flight there end with its `EngineUnavailable` (a
 503 the client may retry), new ones go to the others.
 
+With `follow_bootstrap_room` (the replicas of a prefill server of prefill/decode
+disaggregation, as SGLang's `follow_bootstrap_room` load balancing), a request with a
+`bootstrap_room` goes to replica `room % N`, the one decode engines register that room at;
+when that replica is down, the request fails (a 503) rather than go where no decode engine
+will look for it.
+
 Given an OpenTelemetry `tracer_provider`, each routing decision is a span (`route`, a child
 of the span current where the request is routed, e.g. the server's HTTP span) naming the
 replica, the policy, its reason and how many prompt tokens the chosen replica's tree
@@ -61,12 +67,14 @@ class DataParallelEngine:
         tokenizer: Any = None,
         match_on: str = "tokens",
         tracer_provider: Any = None,
+        follow_bootstrap_room: bool = False,
         **policy_options: Any,
     ) -> None:
         """`match_on="tokens"` keys requests by token ids (the tokenizer is the first
         replica's unless given); `"text"` by the prompt text's bytes (a chat, which the server
         sends as token ids, is still keyed by them). `tracer_provider`: an OpenTelemetry
-        TracerProvider for the routing spans (None: no spans)."""
+        TracerProvider for the routing spans (None: no spans). `follow_bootstrap_room`: a
+        request with a `bootstrap_room` goes to replica room % N (see the module)."""
         if not replicas:
             raise ValueError("a data-parallel engine needs at least one replica")
         if match_on not in ("tokens", "text"):
@@ -74,6 +82,7 @@ class DataParallelEngine:
         self.replicas = list(replicas)
         self.router = Router(policy, [str(i) for i in range(len(self.replicas))], **policy_options)
         self.match_on = match_on
+        self.follow_bootstrap_room = follow_bootstrap_room
         self._tokenizer = tokenizer if tokenizer is not None else self.replicas[0].tokenizer
         self._owners: dict[str, int] = {}  # rid -> replica index, while it runs
         self._lock = threading.Lock()
@@ -147,6 +156,9 @@ class DataParallelEngine:
             return await self._route(request, span)
 
     async def _route(self, request: GenerateRequest | EmbeddingRequest, span: Any) -> int:
+        room = getattr(request, "bootstrap_room", None)
+        if self.follow_bootstrap_room and isinstance(room, int):
+            return self._route_by_room(room, span)
         key = await self._key(request)
         self.refresh()
         try:
@@ -169,6 +181,23 @@ class DataParallelEngine:
                 attributes["radixlm.router.matched_tokens"] = decision.matched
             span.set_attributes(attributes)
         return int(replica.id)
+
+    def _route_by_room(self, room: int, span: Any) -> int:
+        index = room % len(self.replicas)
+        self.refresh()
+        if not self.router.replica(str(index)).healthy:
+            raise EngineUnavailable(
+                f"replica {index}, which prefills bootstrap_room {room} (room % "
+                f"{len(self.replicas)}), is down; retry with another room"
+            )
+        if span is not None:
+            span.set_attributes(
+                {
+                    "radixlm.router.replica": index,
+                    "radixlm.router.policy": "follow_bootstrap_room",
+                }
+            )
+        return index
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Route one single request and stream its chunks from the chosen replica."""
@@ -295,8 +324,13 @@ class DataParallelEngine:
         usages = [i.get("token_usage", 0.0) for i in infos if i]
         out["token_usage"] = sum(usages) / len(usages) if usages else 0.0
         out["healthy"] = self.healthy
+        for key in _SUMMED_WHERE_REPORTED:
+            if any(key in info for info in infos):
+                out[key] = sum(i.get(key, 0) for i in infos)
         out["dp_size"] = len(self.replicas)
-        out["router_policy"] = self.router.policy.name
+        out["router_policy"] = (
+            "follow_bootstrap_room" if self.follow_bootstrap_room else self.router.policy.name
+        )
         states = {s["id"]: s for s in self.router.snapshot()}
         out["replicas"] = [
             {
@@ -331,6 +365,14 @@ _SUMMED = (
     "num_retractions",
     "max_total_num_tokens",
 )
+# Live figures summed over the replicas where they report them: prefill/decode
+# disaggregation's queues (SGLang's names).
+_SUMMED_WHERE_REPORTED = (
+    "num_prefill_prealloc_queue_reqs",
+    "num_prefill_inflight_queue_reqs",
+    "num_decode_prealloc_queue_reqs",
+    "num_decode_transfer_queue_reqs",
+)
 # Figures listed per replica.
 _PER_REPLICA = (
     "num_running_reqs",
@@ -341,6 +383,7 @@ _PER_REPLICA = (
     "cached_tokens",
     "max_total_num_tokens",
     "engine_pid",
+    *_SUMMED_WHERE_REPORTED,
 )
 
 

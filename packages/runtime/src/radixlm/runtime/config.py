@@ -706,6 +706,10 @@ class DisaggregationConfig:
     - `bootstrap_host` / `bootstrap_port`: where a prefill engine listens for the decode
       engines' registrations (0: any free port, reported in the server info); a decode engine
       reaches each request's prefill engine at the request's own `bootstrap_host:port`.
+    - `bootstrap_ports`: a prefill engine that is a replica of a data-parallel server
+      (`radixlm serve --dp-size N`): every replica's bootstrap port, in replica order, its own
+      (`bootstrap_port`) among them; replica i prefills the rooms with `room % N == i` and
+      sends decode engines that register another replica's room there. Empty: it is alone.
     - `transfer_backend`: `tcp` (ZeroMQ over TCP, between machines), `shm` (one host: the K/V
       in a shared-memory file, only metadata over ZeroMQ); `nixl` and `mooncake` are named
       for SGLang's command lines and refused at startup (their GPU libraries are not driven).
@@ -716,6 +720,7 @@ class DisaggregationConfig:
     mode: DisaggregationMode = "null"
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 8998
+    bootstrap_ports: tuple[int, ...] = ()
     transfer_backend: TransferBackendName = "tcp"
     transfer_timeout: float = 60.0
 
@@ -730,6 +735,26 @@ class DisaggregationConfig:
         if not self.transfer_timeout > 0:
             raise ValueError(
                 f"disaggregation_transfer_timeout must be > 0 seconds; got {self.transfer_timeout}"
+            )
+        object.__setattr__(self, "bootstrap_ports", tuple(self.bootstrap_ports))
+        if self.bootstrap_ports:
+            self._check_replica_ports()
+
+    def _check_replica_ports(self) -> None:
+        ports = self.bootstrap_ports
+        if self.mode != "prefill":
+            raise ValueError(
+                "disaggregation_bootstrap_ports are the ports of a data-parallel prefill "
+                f"server's replicas; drop them for disaggregation_mode {self.mode}"
+            )
+        if not all(0 < port < 65536 for port in ports) or len(set(ports)) != len(ports):
+            raise ValueError(
+                f"disaggregation_bootstrap_ports must be distinct TCP ports; got {list(ports)}"
+            )
+        if self.bootstrap_port not in ports:
+            raise ValueError(
+                f"disaggregation_bootstrap_port {self.bootstrap_port} must be one of "
+                f"disaggregation_bootstrap_ports {list(ports)} (this replica's)"
             )
 
     @property
@@ -1050,6 +1075,11 @@ ENGINE_KWARGS: dict[str, tuple[str, str, Any]] = {
     "disaggregation_mode": ("disaggregation", "mode", None),
     "disaggregation_bootstrap_host": ("disaggregation", "bootstrap_host", None),
     "disaggregation_bootstrap_port": ("disaggregation", "bootstrap_port", int),
+    "disaggregation_bootstrap_ports": (
+        "disaggregation",
+        "bootstrap_ports",
+        lambda v: tuple(int(p) for p in v),
+    ),
     "disaggregation_transfer_backend": ("disaggregation", "transfer_backend", None),
     "disaggregation_transfer_timeout": ("disaggregation", "transfer_timeout", float),
     # engine

@@ -325,7 +325,8 @@ ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "disaggregation_bootstrap_port": {
         "type": int,
         "metavar": "PORT",
-        "help": "prefill: the port decode servers register requests at, on --host (default 8998)",
+        "help": "prefill: the port decode servers register requests at, on --host (default "
+        "8998); with --dp-size N, replica i listens on PORT + i",
     },
     "disaggregation_transfer_backend": {
         "help": "how K/V goes from prefill to decode: tcp (ZeroMQ over TCP, any two machines; "
@@ -681,14 +682,6 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm serve") -
     if chosen is None:
         return 2
     model_path, config = chosen
-    if args.dp_size > 1 and args.disaggregation_mode not in (None, "null"):
-        print(
-            "radixlm serve: --dp-size cannot be combined with --disaggregation-mode (each "
-            "replica would need a bootstrap port of its own); start one server per prefill or "
-            "decode instance and put radixlm-router --pd-disaggregation in front of them",
-            file=sys.stderr,
-        )
-        return 2
     try:
         if args.node_rank:  # another node of a multi-node group: its ranks, no HTTP
             return serve_node(model_path, engine_kwargs(args))

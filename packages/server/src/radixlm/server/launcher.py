@@ -57,7 +57,10 @@ def build_replicas(
     """`dp_size` engines (each in its own engine process, on its own GPU or share of the CPU
     cores: `radixlm.runtime.replicas`) behind `radixlm.router.DataParallelEngine`, which
     routes each request with `router_policy` (a span per routing decision when
-    `tracer_provider` is given). The replicas start in parallel."""
+    `tracer_provider` is given). The replicas start in parallel. The replicas of a prefill
+    server (`disaggregation_mode="prefill"`) each listen on a bootstrap port of their own, and
+    a disaggregated request goes to the replica its `bootstrap_room` names (room % dp_size),
+    where decode engines register it."""
     from concurrent.futures import ThreadPoolExecutor
 
     try:
@@ -70,7 +73,7 @@ def build_replicas(
         ) from None
     try:
         router.make_policy(router_policy)
-        options = [replicas.replica_kwargs(engine_kwargs, i, dp_size) for i in range(dp_size)]
+        options = replicas.replica_options(engine_kwargs, dp_size)
     except ValueError as error:
         raise LaunchError(str(error)) from None
     with ThreadPoolExecutor(dp_size, thread_name_prefix="radixlm-replica") as pool:
@@ -93,7 +96,11 @@ def build_replicas(
         # wrote there, every one of them hits.
         policy_options["shared_storage"] = True
     dp: EngineClient = router.DataParallelEngine(
-        started, router_policy, tracer_provider=tracer_provider, **policy_options
+        started,
+        router_policy,
+        tracer_provider=tracer_provider,
+        follow_bootstrap_room=engine_kwargs.get("disaggregation_mode") == "prefill",
+        **policy_options,
     )
     return dp
 

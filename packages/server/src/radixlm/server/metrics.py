@@ -175,6 +175,26 @@ class _SGLang:
                 "The average acceptance length of speculative decoding.",
                 "avg_spec_accept_length",
             ),
+            # Prefill/decode disaggregation's queues (a disaggregated server reports them).
+            "sglang:num_prefill_prealloc_queue_reqs": (
+                "The number of requests in the prefill prealloc queue (prefilled, waiting "
+                "for their decode server's registration).",
+                "num_prefill_prealloc_queue_reqs",
+            ),
+            "sglang:num_prefill_inflight_queue_reqs": (
+                "The number of requests in the prefill inflight queue (K/V sent, waiting for "
+                "the decode server's receipt).",
+                "num_prefill_inflight_queue_reqs",
+            ),
+            "sglang:num_decode_prealloc_queue_reqs": (
+                "The number of requests in the decode prealloc queue (K/V arrived, waiting "
+                "for KV slots).",
+                "num_decode_prealloc_queue_reqs",
+            ),
+            "sglang:num_decode_transfer_queue_reqs": (
+                "The number of requests in the decode transfer queue (waiting for their K/V).",
+                "num_decode_transfer_queue_reqs",
+            ),
         }
         for name, (doc, key) in gauges.items():
             value = _find_number(info, key)

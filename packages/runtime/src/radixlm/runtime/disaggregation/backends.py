@@ -9,7 +9,10 @@ thread writes into its pool.
 
 - `tcp`: the bytes are the frame after `KVSent` (one message per request, any two machines).
 - `shm`: the bytes are in a file under /dev/shm that the decode side maps (one host; only
-  metadata crosses ZeroMQ). The prefill side removes the file once the decode side has it.
+  metadata crosses ZeroMQ). The decode side removes the file once it has mapped it, the
+  prefill side when it gives the room up. Each file is named for the process that wrote it
+  (`radixlm-kv-<pid>-<room>-<n>`): a shm backend starting up removes the files of processes
+  that are gone (a prefill engine killed mid-transfer leaves its files behind).
 - `nixl`, `mooncake`: SGLang's RDMA transports between GPUs. Named so that SGLang command
   lines parse; refused at startup (not installed, or not driven by this version).
 """
@@ -18,13 +21,17 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import logging
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+logger = logging.getLogger("radixlm.runtime.disaggregation")
 
 
 @dataclass
@@ -93,6 +100,47 @@ def _shm_directory() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+#: A staged K/V file's name: the pid of the process that wrote it, the room, a counter.
+_SHM_NAME = re.compile(r"radixlm-kv-(\d+)-\d+-\d+")
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not waited for, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    except OverflowError:
+        return False
+    try:  # Linux: the state letter follows the command name in parentheses
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def sweep_orphans(directory: str | os.PathLike[str]) -> list[Path]:
+    """Remove the K/V files in `directory` whose writing process is gone; the files removed.
+    (Processes in another pid namespace that share the directory look gone: give each
+    container its own /dev/shm, as Docker does.)"""
+    removed: list[Path] = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        match = _SHM_NAME.fullmatch(path.name)
+        if match is None or _process_alive(int(match.group(1))):
+            continue
+        try:
+            path.unlink()
+        except OSError:
+            continue  # another engine swept it first, or it is not ours to remove
+        removed.append(path)
+    return removed
+
+
 class ShmBackend:
     """The K/V bytes are in a file of shared memory (/dev/shm) that the decode side maps: one
     copy into it on the prefill side, one out of it on the decode side, nothing through a
@@ -102,7 +150,15 @@ class ShmBackend:
     _counter = itertools.count()
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+        """Removes the files that processes gone left in `directory` (default /dev/shm)."""
         self.directory = Path(directory) if directory is not None else _shm_directory()
+        removed = sweep_orphans(self.directory)
+        if removed:
+            logger.warning(
+                "removed %d shared-memory K/V files of stopped prefill engines from %s",
+                len(removed),
+                self.directory,
+            )
 
     def stage(self, room: int, nbytes: int) -> StagedKV:
         path = self.directory / f"radixlm-kv-{os.getpid()}-{room}-{next(self._counter)}"
@@ -121,6 +177,13 @@ class ShmBackend:
     def open(self, location: str | None, frames: list[Any], nbytes: int) -> torch.Tensor:
         if location is None or frames:
             raise ValueError("the K/V message is not a shm transfer (the prefill server uses tcp?)")
+        path = Path(location)
+        # Only a K/V file in the shared-memory directory: this side removes what it opens.
+        if path.parent != self.directory or _SHM_NAME.fullmatch(path.name) is None:
+            raise ValueError(
+                f"{location} is not a K/V file of {self.directory}: both servers must run on "
+                "one host with the shm transfer backend"
+            )
         try:
             size = os.stat(location).st_size
         except OSError as error:
@@ -131,8 +194,11 @@ class ShmBackend:
             ) from None
         if size != nbytes:
             raise ValueError(f"the shared-memory K/V file holds {size} bytes, not {nbytes}")
-        # Mapped, not read: the mapping stays valid after the prefill side removes the file.
-        return torch.from_file(location, shared=True, size=nbytes, dtype=torch.uint8)
+        # Mapped, not read: the mapping stays valid once the file is removed, as it is now
+        # (should the prefill process die before the decode side's receipt, nothing is left).
+        data = torch.from_file(location, shared=True, size=nbytes, dtype=torch.uint8)
+        path.unlink(missing_ok=True)
+        return data
 
 
 #: SGLang's RDMA transports: the module each needs.

@@ -3,7 +3,8 @@ each one JSON frame on the wire (never pickles: the bootstrap port may face othe
 the K/V bytes of a `KVSent` in the frame after it (tcp) or in shared memory (shm).
 
     decode -> prefill   Register(room, layout, backend)   "send room's K/V over this connection"
-    prefill -> decode   Registered(room)                  the registration is taken
+    prefill -> decode   Registered(room[, ports])         the registration is taken
+    prefill -> decode   Redirect(room, ports)             register room at another replica's port
     prefill -> decode   KVSent(room, ...) [+ K/V bytes]   the prompt's K/V and first token
     decode -> prefill   Received(room)                    the K/V is here: the prefill finishes
     prefill -> decode   Failed(room, message)             the prefill side gave the room up
@@ -12,6 +13,13 @@ the K/V bytes of a `KVSent` in the frame after it (tcp) or in shared memory (shm
 A decode engine connects one ZeroMQ DEALER to each prefill engine's ROUTER (its bootstrap
 port) and sends every message of the rooms it expects there; the prefill engine answers on
 the same connection, so a decode engine listens on no port of its own.
+
+A data-parallel prefill server (`--dp-size N`) runs N prefill engines, replica i listening on
+`ports[i]` and prefilling the rooms with `room % N == i` (its router sends them there). A
+decode engine registers each room at the port its request names; the replica there answers a
+room of another replica with `Redirect(room, ports)`, and every `Registered` with the ports,
+so that the decode engine registers later rooms of that server at their replica at once. A
+lone prefill engine never sends `ports`: its frames are those of a server without replicas.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import hashlib
 import json
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.sampling import LogprobEntry
@@ -51,9 +59,9 @@ class KVLayout:
     def mismatch(self, other: KVLayout) -> str | None:
         """What differs from `other`, in words (None: they agree)."""
         differences = [
-            f"{field.name} {getattr(self, field.name)} vs {getattr(other, field.name)}"
-            for field in dataclasses.fields(self)
-            if getattr(self, field.name) != getattr(other, field.name)
+            f"{spec.name} {getattr(self, spec.name)} vs {getattr(other, spec.name)}"
+            for spec in dataclasses.fields(self)
+            if getattr(self, spec.name) != getattr(other, spec.name)
         ]
         return ", ".join(differences) or None
 
@@ -129,11 +137,28 @@ class Register:
     backend: str
 
 
+#: A field added to a message after version 1: left out of the frame while it is None, so
+#: that the frames of a server that does not use it are what they were.
+_LATER = {"later": True}
+
+
 @dataclass(frozen=True)
 class Registered:
-    """prefill -> decode: the registration of `room` is taken."""
+    """prefill -> decode: the registration of `room` is taken; `bootstrap_ports` are the
+    ports of the prefill server's replicas (None: it has none)."""
 
     room: int
+    bootstrap_ports: tuple[int, ...] | None = field(default=None, metadata=_LATER)
+
+
+@dataclass(frozen=True)
+class Redirect:
+    """prefill -> decode: `room` is prefilled by another replica of this data-parallel
+    prefill server: register it at `bootstrap_ports[room % len(bootstrap_ports)]`, on the same
+    host."""
+
+    room: int
+    bootstrap_ports: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -174,11 +199,12 @@ class Cancel:
     message: str
 
 
-Message = Register | Registered | KVSent | Received | Failed | Cancel
+Message = Register | Registered | Redirect | KVSent | Received | Failed | Cancel
 
 _TYPES: dict[str, type[Any]] = {
     "register": Register,
     "registered": Registered,
+    "redirect": Redirect,
     "kv_sent": KVSent,
     "received": Received,
     "failed": Failed,
@@ -190,14 +216,27 @@ _NAMES = {kind: name for name, kind in _TYPES.items()}
 def to_frame(message: Message) -> bytes:
     """One message as its JSON frame."""
     body: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": _NAMES[type(message)]}
-    for field in dataclasses.fields(message):
-        value = getattr(message, field.name)
+    for spec in dataclasses.fields(message):
+        value = getattr(message, spec.name)
+        if value is None and spec.metadata.get("later"):
+            continue
         if isinstance(value, KVLayout):
             value = dataclasses.asdict(value)
         elif isinstance(value, FirstToken):
             value = value.to_json()
-        body[field.name] = value
+        elif isinstance(value, tuple):
+            value = list(value)
+        body[spec.name] = value
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _ports(value: Any) -> tuple[int, ...]:
+    """A list of replicas' bootstrap ports, checked."""
+    if not isinstance(value, list) or not value:
+        raise ValueError("bootstrap_ports must be a non-empty list")
+    if not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in value):
+        raise ValueError("bootstrap_ports must hold TCP ports")
+    return tuple(value)
 
 
 def from_frame(frame: bytes) -> Message:
@@ -215,6 +254,8 @@ def from_frame(frame: bytes) -> Message:
             body["layout"] = KVLayout(**body["layout"])
         if "first" in body:
             body["first"] = FirstToken.from_json(body["first"])
+        if body.get("bootstrap_ports") is not None:
+            body["bootstrap_ports"] = _ports(body["bootstrap_ports"])
         message: Message = kind(**body)
     except ProtocolError:
         raise

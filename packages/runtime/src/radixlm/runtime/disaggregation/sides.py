@@ -140,6 +140,7 @@ class PrefillSide:
             self.backend,
             config.transfer_timeout,
             notify,
+            config.bootstrap_ports,
         )
         self._open: dict[int, SequenceState] = {}  # room -> its sequence, while it is open
         self._rooms: dict[str, int] = {}  # rid -> room
@@ -148,8 +149,21 @@ class PrefillSide:
         self._delivered: set[int] = set()
 
     def check(self, request: EngineRequest) -> None:
-        if request.bootstrap is not None and request.bootstrap.room in self._open:
-            raise _room_in_use(request.bootstrap.room)
+        if request.bootstrap is None:
+            return
+        room = request.bootstrap.room
+        if room in self._open:
+            raise _room_in_use(room)
+        ports = self.config.bootstrap_ports
+        if ports and room % len(ports) != ports.index(self.transfer.port):
+            # Decode engines register the room at replica room % N: it would wait there.
+            raise InvalidRequest(
+                "bootstrap_room",
+                f"bootstrap_room {room} belongs to replica {room % len(ports)} of this "
+                f"data-parallel prefill server (this is replica "
+                f"{ports.index(self.transfer.port)} of {len(ports)}): send requests to the "
+                "server, whose router picks the replica",
+            )
 
     def take(self, handle: RequestHandle) -> bool:
         room = _room(handle)
@@ -239,8 +253,14 @@ class PrefillSide:
         self.transfer.abandon(room, reason)
 
     def stats(self) -> dict[str, Any]:
-        # SGLang's name: requests whose K/V is on its way.
-        return {"num_prefill_inflight_queue_reqs": len(self._sending)}
+        # SGLang's names: requests prefilled whose decode engine has not registered them yet
+        # (SGLang keeps them from the prefill until then; this engine from the sending),
+        # and requests whose K/V is on its way or waits for the decode engine's receipt.
+        unregistered = min(self.transfer.unregistered, len(self._sending))
+        return {
+            "num_prefill_prealloc_queue_reqs": unregistered,
+            "num_prefill_inflight_queue_reqs": len(self._sending) - unregistered,
+        }
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -248,6 +268,8 @@ class PrefillSide:
             "transfer_backend": self.backend.name,
             "bootstrap_host": self.transfer.host,
             "bootstrap_port": self.transfer.port,
+            # Every replica's, in replica order (this engine's alone without replicas).
+            "bootstrap_ports": list(self.config.bootstrap_ports or (self.transfer.port,)),
             "transfer_timeout": self.config.transfer_timeout,
         }
 

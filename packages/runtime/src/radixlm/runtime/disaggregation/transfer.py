@@ -9,8 +9,9 @@ which side waited for what.
 
 `PrefillTransfer` binds the bootstrap port (a ROUTER): decode engines register rooms there, it
 sends each room's K/V to the connection that registered it once the step thread has staged
-it, and reports the decode side's receipt. `DecodeTransfer` connects a DEALER to each prefill
-engine its requests name, registers their rooms, receives the K/V and acknowledges it.
+it, and reports the decode side's receipt (a replica of a data-parallel prefill server sends
+the rooms of the other replicas there: `protocol`). `DecodeTransfer` connects a DEALER to each
+prefill engine its requests name, registers their rooms, receives the K/V and acknowledges it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from radixlm.runtime.disaggregation.protocol import (
     Message,
     ProtocolError,
     Received,
+    Redirect,
     Register,
     Registered,
     from_frame,
@@ -98,7 +100,8 @@ class _Send:
 @dataclass(frozen=True)
 class _Expect:
     room: int
-    endpoint: str
+    host: str
+    port: int
 
 
 @dataclass(frozen=True)
@@ -261,9 +264,14 @@ class PrefillTransfer(_TransferThread):
         backend: TransferBackend,
         timeout: float,
         notify: Notify,
+        replica_ports: tuple[int, ...] = (),
     ) -> None:
+        """`replica_ports`: the bootstrap ports of every replica of a data-parallel prefill
+        server, `port` among them (empty: this engine serves alone)."""
         super().__init__("radixlm-kv-prefill", backend, timeout, notify)
         self.layout = layout
+        self.replica_ports = replica_ports
+        self._rank = replica_ports.index(port) if replica_ports else 0
         self._router = self._socket(zmq.ROUTER)
         # Sending to a decode engine that went away fails at once instead of vanishing.
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -289,6 +297,12 @@ class PrefillTransfer(_TransferThread):
         self.start()
 
     # The step thread's side.
+
+    @property
+    def unregistered(self) -> int:
+        """Rooms whose K/V is staged while no decode engine has registered them (read from
+        the step thread: the length of a dict the transfer thread changes, a snapshot)."""
+        return len(self._waiting)
 
     def send(self, header: KVSent, staged: StagedKV) -> None:
         """Send `header.room`'s staged K/V to the decode engine that registers the room (now,
@@ -338,6 +352,10 @@ class PrefillTransfer(_TransferThread):
                 raise ProtocolError(f"a prefill server does not take {type(message).__name__}")
 
     def _register(self, peer: bytes, room: int, layout: KVLayout, backend: str) -> None:
+        ports = self.replica_ports or None
+        if ports is not None and room % len(ports) != self._rank:
+            self._reply(peer, Redirect(room, ports))  # another replica prefills it
+            return
         refusal = None
         if backend != self.backend.name:
             refusal = (
@@ -359,7 +377,7 @@ class PrefillTransfer(_TransferThread):
             self._give_up(room, refusal)
             return
         self._registered[room] = _Registration(peer, time.monotonic())
-        self._reply(peer, Registered(room))
+        self._reply(peer, Registered(room, ports))
         if room in self._waiting:
             self._transmit(room)
 
@@ -449,9 +467,11 @@ class PrefillTransfer(_TransferThread):
 
 @dataclass
 class _Expected:
-    """A room this decode engine waits for: where it registered, since when, and whether the
-    prefill engine took the registration."""
+    """A room this decode engine waits for: the prefill server its request names (`server`),
+    where it registered (that server, or the replica that prefills it), since when, and
+    whether the prefill engine took the registration."""
 
+    server: str
     endpoint: str
     since: float
     registered: bool = False
@@ -472,6 +492,9 @@ class DecodeTransfer(_TransferThread):
         #: Each dealer's monitor: a closed connection fails the rooms registered over it.
         self._monitors: dict[zmq.Socket[Any], str] = {}
         self._expected: dict[int, _Expected] = {}
+        #: The replicas' bootstrap ports of each data-parallel prefill server met (by the
+        #: `host:port` requests name it with).
+        self._replicas: dict[str, tuple[int, ...]] = {}
         self.start()
 
     # The step thread's side.
@@ -479,7 +502,7 @@ class DecodeTransfer(_TransferThread):
     def expect(self, room: int, host: str, port: int) -> None:
         """Register `room` at the prefill engine `host:port`; `KVArrived` or `TransferFailed`
         follows."""
-        self._post(_Expect(room, f"{host}:{port}"))
+        self._post(_Expect(room, host, port))
 
     def abandon(self, room: int, message: str) -> None:
         """The decode side's request for `room` ended before its K/V arrived: tell the
@@ -504,9 +527,14 @@ class DecodeTransfer(_TransferThread):
 
     def _command(self, command: Any) -> None:
         match command:
-            case _Expect(room, endpoint):
+            case _Expect(room, host, port):
+                server = f"{host}:{port}"
+                ports = self._replicas.get(server)
+                if ports is not None:  # straight to the replica that prefills it
+                    port = ports[room % len(ports)]
+                endpoint = f"{host}:{port}"
                 socket = self._dealer(endpoint)
-                self._expected[room] = _Expected(endpoint, time.monotonic(), socket=socket)
+                self._expected[room] = _Expected(server, endpoint, time.monotonic(), socket=socket)
                 self._send(socket, Register(room, self.layout, self.backend.name))
             case _Abandon(room, message):
                 expected = self._expected.pop(room, None)
@@ -528,10 +556,14 @@ class DecodeTransfer(_TransferThread):
         endpoint = self._endpoints[socket]
         message = from_frame(frames[0].bytes)
         match message:
-            case Registered(room):
+            case Registered(room, ports):
                 expected = self._expected.get(room)
                 if expected is not None:
                     expected.registered = True
+                    if ports is not None:
+                        self._replicas[expected.server] = ports
+            case Redirect(room, ports):
+                self._redirect(room, ports)
             case KVSent(room):
                 self._arrived(socket, message, frames[1:])
             case Failed(room, reason):
@@ -546,9 +578,37 @@ class DecodeTransfer(_TransferThread):
             case _:
                 raise ProtocolError(f"a decode server does not take {type(message).__name__}")
 
+    def _redirect(self, room: int, ports: tuple[int, ...]) -> None:
+        """Another replica of the prefill server prefills `room`: register it there, and
+        the server's later rooms at their replicas at once."""
+        expected = self._expected.get(room)
+        if expected is None:
+            return
+        self._replicas[expected.server] = ports
+        host = expected.endpoint.rpartition(":")[0]
+        endpoint = f"{host}:{ports[room % len(ports)]}"
+        if endpoint == expected.endpoint:  # (a replica that disowns its own rooms)
+            del self._expected[room]
+            self._event(
+                TransferFailed(
+                    room,
+                    f"the prefill server at {endpoint} sent bootstrap_room {room} back to "
+                    "itself: its replicas disagree on their bootstrap ports (restart it)",
+                )
+            )
+            return
+        expected.endpoint = endpoint
+        expected.socket = self._dealer(endpoint)
+        self._send(expected.socket, Register(room, self.layout, self.backend.name))
+
     def _disconnected(self, endpoint: str) -> None:
         """The connection to `endpoint` closed: the rooms it took are lost there (a new
-        connection is another peer to it)."""
+        connection is another peer to it), and what its server said of its replicas is
+        forgotten (it may come back with others)."""
+        host, _, port = endpoint.rpartition(":")
+        for server, ports in list(self._replicas.items()):
+            if server.rpartition(":")[0] == host and int(port) in ports:
+                del self._replicas[server]
         for room, expected in list(self._expected.items()):
             if expected.endpoint == endpoint and expected.registered:
                 del self._expected[room]
