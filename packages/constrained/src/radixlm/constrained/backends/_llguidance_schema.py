@@ -166,7 +166,7 @@ class _Writer:
         self.blocks: dict[str, str] = {}  # block JSON -> rule
         self.named: dict[str, str] = {}  # $ref -> rule
         self.pending: list[tuple[str, str]] = []  # ($ref, rule) still to write
-        self.sizes: dict[int, int] = {}
+        self.sizes: dict[int, tuple[Any, int]] = {}  # id -> (the node, kept alive; its size)
         self.carried: dict[str, frozenset[str] | None] = {}
         self.terminals = 0
         self.width = block_nodes  # grows with the largest block (rows inside it)
@@ -241,8 +241,8 @@ class _Writer:
         """Subschemas in `node`, not following references."""
         found = self.sizes.get(id(node))
         if found is None:
-            found = self.sizes[id(node)] = 1 + sum(map(self.size, subschemas(node)))
-        return found
+            found = self.sizes[id(node)] = (node, 1 + sum(map(self.size, subschemas(node))))
+        return found[1]
 
     def carry_definitions(self) -> None:
         """For each definition, the definitions a block of it carries (itself and all it refers
