@@ -45,6 +45,7 @@ from radixlm.constrained._schema_rewrite import rewrite_for_grammar
 from radixlm.constrained._schema_support import (
     DEF_CONTAINERS,
     FORMAT_PATTERNS,
+    LAZY_MAX_NODES,
     LLGUIDANCE_SUPPORT,
     OUTLINES_SUPPORT,
     VALIDATION_KEYWORDS,
@@ -54,7 +55,8 @@ from radixlm.constrained._schema_support import (
 )
 from radixlm.constrained.errors import GrammarError
 
-_MAX_NODES = 20_000
+# GrammarError.limit of a schema too large for the backend at hand but not for llguidance.
+BACKEND_NODES_LIMIT = "backend_schema_nodes"
 _LONGEST_LENGTH_PATTERN = 256
 # Regex features the backends' automata cannot express (look-around, backreferences).
 _NON_REGULAR = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<")
@@ -215,6 +217,27 @@ class _Normalizer:
             backend=self.support.backend,
             keyword=keyword,
             path=path or "/",
+        )
+
+    def too_many_nodes(self) -> GrammarError:
+        backend, limit = self.support.backend, self.support.max_nodes
+        if limit < LAZY_MAX_NODES:
+            return GrammarError(
+                f"the JSON schema has over {limit} subschemas, too many for the {backend} "
+                "backend, which builds its whole grammar when it compiles; use the llguidance "
+                f"backend (or auto), which compiles schemas of up to {LAZY_MAX_NODES} "
+                "subschemas lazily, or simplify the schema",
+                kind="json_schema",
+                backend=backend,
+                limit=BACKEND_NODES_LIMIT,
+            )
+        return GrammarError(
+            f"the JSON schema has more than {limit} subschemas, above the limit of {limit} "
+            "that any backend compiles; simplify it (share repeated parts through $defs and "
+            "$ref, or split it into several requests)",
+            kind="json_schema",
+            backend=backend,
+            limit="max_schema_nodes",
         )
 
     def unsupported(self, path: str, keyword: str, detail: str = "") -> GrammarError:
@@ -403,8 +426,8 @@ class _Normalizer:
                 path, None, f"nested deeper than this server accepts ({self.max_depth} levels)"
             )
         self.nodes += 1
-        if self.nodes > _MAX_NODES:
-            raise self.reject(path, None, f"more than {_MAX_NODES} subschemas; simplify it")
+        if self.nodes > self.support.max_nodes:
+            raise self.too_many_nodes()
         if schema is True:
             return {}
         if schema is False:

@@ -27,6 +27,12 @@ _STRUCTURAL = frozenset(
      "prefixItems", "allOf", "anyOf", "oneOf", "$ref"}
 )  # fmt: skip
 DEF_CONTAINERS = ("$defs", "definitions")
+# How many subschemas (as the normalizer counts them) a backend compiles. xgrammar and outlines
+# build their whole grammar when they compile (xgrammar took 8 s for 1,000 optional properties);
+# llguidance builds lexer and parser states as the output needs them, and a schema too large
+# for its own JSON compiler is written as Lark by `backends/_llguidance_schema.py`.
+EAGER_MAX_NODES = 20_000
+LAZY_MAX_NODES = 200_000
 
 
 @functools.cache
@@ -50,7 +56,8 @@ class SchemaSupport:
     so patterns get JSON Schema's ASCII meaning spelled out. `recursion`: recursive $ref works.
     `any_value`: what stands in for an unconstrained subschema (None: the backend's own).
     `length_as_pattern`: string lengths must be written as a pattern (xgrammar's own length
-    rule lets raw control characters into strings, which is invalid JSON)."""
+    rule lets raw control characters into strings, which is invalid JSON). `max_nodes`: the
+    most subschemas it compiles (`EAGER_MAX_NODES`, `LAZY_MAX_NODES`)."""
 
     backend: str
     keywords: frozenset[str]
@@ -59,6 +66,7 @@ class SchemaSupport:
     recursion: bool = True
     any_value: Schema | None = None
     length_as_pattern: bool = False
+    max_nodes: int = EAGER_MAX_NODES
 
 
 _YEAR = "([0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
@@ -129,6 +137,7 @@ LLGUIDANCE_SUPPORT = SchemaSupport(
         "maxProperties", "patternProperties",
     },
     formats=frozenset({"email", "duration", "uri", "ipv6"}),
+    max_nodes=LAZY_MAX_NODES,
 )  # fmt: skip
 
 

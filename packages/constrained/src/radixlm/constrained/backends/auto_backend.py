@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 
 from radixlm.constrained._common import unsupported_kind
-from radixlm.constrained._schema import normalize_json_schema
+from radixlm.constrained._schema import BACKEND_NODES_LIMIT, normalize_json_schema
 from radixlm.constrained._schema_support import support_of
 from radixlm.constrained._validation import SchemaChecks, ValidatingGrammar
 from radixlm.constrained.errors import GrammarError
@@ -177,7 +177,10 @@ class AutoBackend:
 
 def _another_may_take_it(error: GrammarError) -> bool:
     """Whether another backend could compile what this one refused: a keyword or form it does
-    not enforce, not a constraint that is invalid or over a limit everywhere."""
+    not enforce, or a schema too large for it alone; not a constraint that is invalid or over
+    a limit everywhere."""
+    if error.limit is not None:  # only a schema too large for one backend goes elsewhere
+        return error.limit == BACKEND_NODES_LIMIT
     text = error.message
     invalid = (
         "not valid JSON",
@@ -202,7 +205,9 @@ def _best(errors: list[GrammarError], spec: GrammarSpec) -> GrammarError:
         return GrammarError(
             f"no installed grammar backend supports {spec.kind} constraints", kind=spec.kind
         )
-    first = next((e for e in errors if e.keyword), errors[0])
+    # "Too large for this backend, use llguidance" is beside the point once llguidance spoke.
+    telling = [e for e in errors if e.limit != BACKEND_NODES_LIMIT] or errors
+    first = next((e for e in telling if e.keyword), telling[0])
     others = sorted({e.backend for e in errors if e.backend and e is not first})
     message = first.message
     if others and _another_may_take_it(first):

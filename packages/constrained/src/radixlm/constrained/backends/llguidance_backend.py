@@ -2,7 +2,9 @@
 lazily built regex lexers), on a tokenizer built from our own token table.
 
 Each constraint is first written as Lark text by `_llguidance_lark`, whose module doc says why
-EBNF and tag literals are written one character per lexeme.
+EBNF and tag literals are written one character per lexeme. A JSON schema too large for
+llguidance's own JSON compiler is written as Lark rules around small `%json` blocks by
+`_llguidance_schema`, and compiled with limits and a thread stack sized for it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy
@@ -32,6 +35,12 @@ from radixlm.constrained.backends._llguidance_lark import (
     lark_regex,
     literal,
 )
+from radixlm.constrained.backends._llguidance_schema import (
+    LARGE_NODES,
+    LargeSchema,
+    count_nodes,
+    write_large_schema,
+)
 from radixlm.constrained.bitmask import bitmask_width
 from radixlm.constrained.errors import GrammarError
 from radixlm.constrained.interfaces import CompiledGrammar, JumpForward, Violation
@@ -48,6 +57,14 @@ KINDS = frozenset({"json_schema", "regex", "ebnf", "structural_tag", "choice", "
 # grammar allows, and forced text is planned by our jump-forward.
 _OPTIONS = '%llguidance {"no_forcing": true}'
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
+# llguidance compiles a Lark grammar recursively along its rules (about 3 KiB of stack per
+# rule; past about 2,500 rules deep a default 8 MiB stack overflows and the process dies), so
+# a large schema compiles on a thread with a stack for the depth its rules may reach.
+_STACK_BASE = 32 << 20
+_STACK_PER_RULE = 6 << 10
+_MAX_STACK = 1 << 30
+_STACK_LOCK = threading.Lock()
+_JSON_COMPILER_SIZE = "json_compiler_size"  # GrammarError.limit: "schema too large"
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 
 
@@ -62,6 +79,24 @@ def parser_limits() -> LLParserLimits:
         step_max_items=50_000,
         max_lexer_states=250_000,
         max_grammar_size=500_000,
+        verbose_errors=False,
+    )
+
+
+def large_schema_limits(written: LargeSchema) -> LLParserLimits:
+    """Limits for a schema written by `write_large_schema`: a parser row holds about four items
+    per member or branch that may come next (optional members, `anyOf` branches), so the row
+    and step limits grow with the widest such choice; the grammar size and the fuel for
+    building it with the subschemas. A step past the defaults costs about 1 ms per 20,000
+    items."""
+    defaults = parser_limits()
+    return LLParserLimits(
+        max_items_in_row=max(defaults.max_items_in_row, 6 * written.width),
+        initial_lexer_fuel=max(defaults.initial_lexer_fuel, 1_000 * written.nodes),
+        step_lexer_fuel=max(defaults.step_lexer_fuel, 100 * written.width),
+        step_max_items=max(defaults.step_max_items, 30 * written.width),
+        max_lexer_states=defaults.max_lexer_states,
+        max_grammar_size=max(defaults.max_grammar_size, 60 * written.nodes),
         verbose_errors=False,
     )
 
@@ -143,7 +178,15 @@ class LLGuidanceBackend:
         check_size(spec, self.options, NAME)
         if spec.kind in ("json_schema", "json_object"):
             schema = json.loads(prepare_schema(spec, LLGUIDANCE_SUPPORT, self.options))
+            if count_nodes(schema) > LARGE_NODES:
+                return self._compile_large(spec, schema)
             lark = f"start: {lark_json(schema, self.json_options())}"
+            try:
+                return self._compile_lark(spec, lark, self._limits)
+            except GrammarError as error:  # llguidance counts its own way: a few smaller
+                if error.limit != _JSON_COMPILER_SIZE:  # schemas are too large for it too
+                    raise
+                return self._compile_large(spec, schema)
         elif spec.kind == "regex":
             lark = f"start: /{lark_regex(str(spec.source))}/"
         elif spec.kind == "choice":
@@ -152,8 +195,13 @@ class LLGuidanceBackend:
             lark = ebnf_to_lark(str(spec.source))
         else:
             lark = self._structural_tag(spec)
+        return self._compile_lark(spec, lark, self._limits)
+
+    def _compile_lark(
+        self, spec: GrammarSpec, lark: str, limits: LLParserLimits
+    ) -> CompiledGrammar:
         grammar = LLMatcher.grammar_from_lark(f"{_OPTIONS}\n{lark}")
-        matcher = LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
+        matcher = LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
         problem = _problem(matcher)
         if problem is None:  # the first step's mask, which some limits stop only when built
             probe = matcher.deep_copy()
@@ -162,6 +210,16 @@ class LLGuidanceBackend:
         if problem is not None:
             raise _grammar_error(spec, problem)
         return CompiledGrammar(spec=spec, backend=NAME, handle=_LLGuidanceGrammar(matcher))
+
+    def _compile_large(self, spec: GrammarSpec, schema: Any) -> CompiledGrammar:
+        """A schema too large for llguidance's JSON compiler, as Lark rules around `%json`
+        blocks (`_llguidance_schema`), compiled with limits and a stack sized for it."""
+        try:
+            written = write_large_schema(schema, self.json_options())
+        except GrammarError as error:
+            raise error.with_context(kind=spec.kind, backend=NAME) from None
+        limits = large_schema_limits(written)
+        return _on_deep_stack(written.depth, lambda: self._compile_lark(spec, written.text, limits))
 
     def _structural_tag(self, spec: GrammarSpec) -> str:
         try:
@@ -306,6 +364,42 @@ class LLGuidanceMatcher:
 # -- errors -----------------------------------------------------------------------------------
 
 
+def _on_deep_stack(depth: int, work: Callable[[], CompiledGrammar]) -> CompiledGrammar:
+    """`work()` on a thread whose stack holds llguidance's recursion `depth` rules deep, or
+    `GrammarError` when that stack would pass `_MAX_STACK`."""
+    size = _STACK_BASE + depth * _STACK_PER_RULE
+    if size > _MAX_STACK:
+        deepest = (_MAX_STACK - _STACK_BASE) // _STACK_PER_RULE
+        raise GrammarError(
+            f"the JSON schema's rules nest up to {depth} deep through its references, more "
+            f"than the llguidance backend compiles ({deepest}); simplify it (fewer $refs in a "
+            "chain or in a cycle)",
+            kind="json_schema",
+            backend=NAME,
+            keyword="$ref",
+            limit="rule_depth",
+        )
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(work())
+        except BaseException as error:  # handed to the caller's thread
+            outcome.append(error)
+
+    with _STACK_LOCK:
+        previous = threading.stack_size(size)
+        try:
+            thread = threading.Thread(target=run, name="llguidance-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]  # type: ignore[no-any-return]
+
+
 def _problem(matcher: Any) -> str | None:
     if matcher.is_error():
         return str(matcher.get_error())
@@ -328,7 +422,7 @@ def _grammar_error(spec: GrammarSpec, problem: str) -> GrammarError:
     """llguidance's complaint as a GrammarError that names the keyword where there is one
     (the normalizer refuses what llguidance lacks first; this is the backstop)."""
     line = _first_line(problem)
-    keyword = None
+    keyword = limit = None
     schema = spec.kind in ("json_schema", "json_object")
     found = _UNIMPLEMENTED.search(problem)
     if found:
@@ -361,6 +455,19 @@ def _grammar_error(spec: GrammarSpec, problem: str) -> GrammarError:
     elif schema and "regex" in problem:
         keyword = "pattern"
         message = f"JSON schema: a pattern does not compile on llguidance: {line}"
+    elif "schema too large" in problem:
+        limit = _JSON_COMPILER_SIZE
+        message = (
+            f"the {spec.kind} constraint holds a JSON schema too large for llguidance's JSON "
+            f"compiler ({line}); simplify it"
+        )
+    elif "symbols.len()" in problem:  # a grammar holds at most 65,535 symbols
+        limit = "grammar_symbols"
+        message = (
+            f"the {spec.kind} constraint needs more grammar symbols than llguidance holds "
+            "(65,535; a distinct optional property takes about two, repeated parts are shared); "
+            "simplify it: fewer distinct properties, more shared $defs"
+        )
     elif any(word in problem for word in ("too complex", "fuel", "limit", "too many")):
         message = (
             f"the {spec.kind} constraint is too large or too ambiguous for the llguidance "
@@ -368,4 +475,4 @@ def _grammar_error(spec: GrammarSpec, problem: str) -> GrammarError:
         )
     else:
         message = f"the {spec.kind} constraint does not compile on llguidance: {line}"
-    return GrammarError(message, kind=spec.kind, backend=NAME, keyword=keyword)
+    return GrammarError(message, kind=spec.kind, backend=NAME, keyword=keyword, limit=limit)
