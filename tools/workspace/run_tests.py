@@ -47,10 +47,11 @@ TESTING = ROOT / "tools" / "testing"
 DURATIONS = ROOT / "tools" / "workspace" / "test_durations.json"
 FAST_FILE_SECONDS = 5.0
 # With two lanes (`--jobs 2`, the default where there are two cores or more), these packages
-# run one after another in the first lane, the rest (constrained, server, the integration tests
-# but SERIAL) in the second, each pytest single-threaded (OMP_NUM_THREADS=1: two processes
-# with a thread per core each, not four threads fighting over two cores).
-LANE_A = ("runtime", "lang", "cache", "sampling", "kernels", "router")
+# run one after another in the first lane, the rest (constrained, server, lang, router, the
+# integration tests but SERIAL) in the second, each pytest single-threaded (OMP_NUM_THREADS=1:
+# two processes with a thread per core each, not four threads fighting over two cores; a test
+# that compares what the torch kernels compute pins two threads, see the runtime conftest).
+LANE_A = ("runtime", "cache", "sampling", "kernels")
 # Integration test files that run after the lanes, alone, with every core: the real model's
 # (heavy arithmetic, faster on two threads) and those that time how a server drains, dies or
 # serves, which a loaded machine would stretch.

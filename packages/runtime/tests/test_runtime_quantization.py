@@ -111,6 +111,7 @@ LOAD_TIME_CASES = [
 ]
 
 
+@pytest.mark.usefixtures("torch_path_threads")
 @pytest.mark.parametrize("family", ["qwen2", "llama3"])
 @pytest.mark.parametrize(("method", "fields", "dequantize", "tolerance"), LOAD_TIME_CASES)
 def test_load_time_quantization_matches_the_dequantized_reference(
@@ -422,6 +423,7 @@ def test_quantization_flag_conflicting_with_the_checkpoint_is_refused() -> None:
         resolve_quantization("gptq", {})
 
 
+@pytest.mark.usefixtures("torch_path_threads")
 def test_int4_takes_the_largest_group_a_layer_allows(
     hf_checkpoints: dict[str, tuple[Path, Any]],
 ) -> None:
