@@ -149,9 +149,12 @@ def run_pytest(
     if options.fast_subset:
         chosen = fast_files(tests)
         if chosen is not None:
-            skipped = len(list(tests.glob("test_*.py"))) - len(chosen)
+            if files is not None:  # a lane's share of the files: the fast ones among them
+                chosen = [f for f in chosen if f in files]
+            skipped = len(targets if files is not None else list(tests.glob("test_*.py")))
+            skipped -= len(chosen)
             print(f"[{name}] fast subset: {len(chosen)} test files ({skipped} slow ones ran "
-                  "in the workspace run)", flush=True)  # fmt: skip
+                  "in the workspace run)", file=out, flush=True)  # fmt: skip
             targets = chosen
     cmd = [sys.executable, "-m", "pytest", *map(str, targets), "-q"]
     if options.installed:
@@ -226,8 +229,9 @@ def main(argv: list[str]) -> int:
         selected.remove("integration")
     jobs = options.jobs
     if jobs is None:
-        several = len(selected) > 1 and options.record_durations is None
-        jobs = 2 if several and (os.cpu_count() or 1) >= 2 else 1
+        jobs = 2 if len(selected) > 1 and (os.cpu_count() or 1) >= 2 else 1
+    if options.record_durations is not None:
+        jobs = 1  # one writer of the record, and times measured alone
     if jobs > 1:
         failed = run_lanes(selected, pytest_args, options)
     else:
