@@ -188,3 +188,61 @@ def test_a_float_rows_output_does_not_depend_on_the_other_rows_at_any_shape(n: i
         many = cpu.f32_linear(x[:rows].contiguous(), w)
         for row in range(rows):
             assert torch.equal(many[row], cpu.f32_linear(x[row : row + 1].contiguous(), w)[0])
+
+
+@needs_kernels
+@pytest.mark.parametrize(("n", "k"), [(1, 5), (16, 64), (37, 64), (40, 203), (49, 576), (96, 33)])
+def test_panels_hold_the_weight_and_give_it_back(n: int, k: int) -> None:
+    """Rows padded with zeros to a multiple of PANEL, each panel column by column; unpacking
+    gives the weight back bit for bit."""
+    torch.manual_seed(5)
+    w = torch.randn(n, k)
+    panels = cpu.pack_f32_panels(w)
+    count = -(-n // cpu.PANEL)
+    assert panels.shape == (count, k, cpu.PANEL) and panels.data_ptr() % 64 == 0
+    assert torch.equal(panels[0, :, 0], w[0]) and torch.equal(panels[0, 1, : min(n, 16)], w[:16, 1])
+    assert not panels.transpose(1, 2).reshape(count * cpu.PANEL, k)[n:].any()  # the padding
+    assert torch.equal(cpu.unpack_f32_panels(panels, n), w)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 70])
+@pytest.mark.parametrize(("n", "k"), [(1, 5), (16, 64), (37, 64), (40, 203), (49, 576), (96, 33)])
+def test_f32_panel_linear_is_the_float_product(rows: int, n: int, k: int) -> None:
+    """Every remainder of the tiles (an odd panel count, a last panel partly padding, row
+    counts past a tile of 4 or 8, any K) against float64."""
+    torch.manual_seed(6)
+    x, w = torch.randn(rows, k), torch.randn(n, k) / k**0.5
+    got = cpu.f32_panel_linear(x, cpu.pack_f32_panels(w), n)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("n", "k"), [(38, 72), (258, 203), (64, 576)])
+def test_a_rows_panel_product_does_not_depend_on_the_other_rows(n: int, k: int) -> None:
+    """Bit for bit, alone or among others at any place of a call (every output is its column
+    products summed in column order)."""
+    torch.manual_seed(7)
+    w, x = torch.randn(n, k), torch.randn(70, k)
+    panels = cpu.pack_f32_panels(w)
+    for rows in (2, 5, 8, 13, 70):
+        many = cpu.f32_panel_linear(x[:rows].contiguous(), panels, n)
+        for row in range(rows):
+            one = cpu.f32_panel_linear(x[row : row + 1].contiguous(), panels, n)
+            assert torch.equal(many[row], one[0])
+
+
+@needs_kernels
+def test_f32_panel_linear_refuses_what_it_does_not_take() -> None:
+    panels = cpu.pack_f32_panels(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="do not hold 40 rows"):
+        cpu.f32_panel_linear(torch.randn(2, 8), panels, 40)
+    with pytest.raises(RuntimeError, match="do not hold 20 rows of x's 9 columns"):
+        cpu.f32_panel_linear(torch.randn(2, 9), panels, 20)
+    with pytest.raises(RuntimeError, match=r"contiguous torch\.float32"):
+        cpu.f32_panel_linear(torch.randn(8, 2).T, panels, 20)
+    with pytest.raises(RuntimeError, match="does not hold 33 rows"):
+        cpu.unpack_f32_panels(panels, 33)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu.pack_f32_panels(torch.randn(4, 4, dtype=torch.float64))

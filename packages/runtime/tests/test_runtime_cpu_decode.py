@@ -318,14 +318,19 @@ def test_short_prefills_beside_decodes_equal_the_model_forward(
 def test_decode_steps_equal_the_model_forward_for_float32_weights(
     hf_checkpoints: Any, runner_config_for: Any, driver_for: Any, family: str
 ) -> None:
-    """Plain float32 projections (the C float product, no rounding of activations)."""
-    path, _ = hf_checkpoints[family]
+    """Plain float32 projections (the C float product, no rounding of activations), held in
+    panels from the path's build on: the plain weights are released, and read back whole."""
+    path, hf_model = hf_checkpoints[family]
     runner = ModelRunner(runner_config_for(path))
     assert runner.cpu_decode is not None
     layer = runner.model.model.layers[0]
     for module in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
         packing = getattr(module, "packing", None)
-        assert packing is None or not packing.enabled  # the C product reads the plain weight
+        assert packing is not None and packing.panels is not None and not packing.enabled
+        assert module.weight.numel() == 0  # released: the panels are the only copy
+    state = hf_model.state_dict()
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        assert torch.equal(runner.weight(name), state[name])
     assert _decode_steps(runner, driver_for(runner), PROMPTS, steps=6, tolerance=1e-5) == 6
 
 
@@ -333,25 +338,30 @@ def test_decode_steps_equal_the_model_forward_for_float32_weights(
 def test_float32_heads_multiply_in_c_for_a_few_rows(
     hf_checkpoints: Any, runner_config_for: Any, family: str
 ) -> None:
-    """The C head gives the model's logits for 1..MAX_ROWS rows and hands more to the model;
-    a tied head keeps its packed copy (the embedding table stays plain anyway), an untied one
-    multiplies its plain weight from then on."""
-    path, _ = hf_checkpoints[family]
+    """The C head gives the model's logits for any number of rows, from panels its packing
+    holds (`compute_logits` reads them too): a tied head's table stays (the embedding lookup
+    reads it), an untied head's plain weight is released and read back whole."""
+    path, hf_model = hf_checkpoints[family]
     runner = ModelRunner(runner_config_for(path))
     decode = runner.cpu_decode
     assert decode is not None and decode.head is not None
     model = runner.model
-    assert decode.head.data_ptr() == model.lm_head_weight.data_ptr()  # read in place
     packing = model.head_packing
-    if packing is not None:
-        assert packing.enabled == (family == "llama3")
+    assert packing is not None and decode.head is packing.panels
+    tied = family == "llama3"
+    assert (model.lm_head_weight.numel() > 0) == tied
+    name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    weight = hf_model.state_dict()[name]
+    assert torch.equal(runner.weight(name), weight)
     torch.manual_seed(0)
-    for rows in (1, 5, kernels.cpu.MAX_ROWS, kernels.cpu.MAX_ROWS + 1):
+    for rows in (1, 5, kernels.cpu.MAX_ROWS, kernels.cpu.F32_MAX_ROWS + 3):
         hidden = torch.randn(rows, model.arch.hidden_size)
-        want = hidden.double() @ model.lm_head_weight.double().T
-        got = decode.logits(hidden)
-        assert got.dtype == torch.float32 and got.shape == want.shape
-        assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-5
+        want = hidden.double() @ weight.double().T
+        for got in (decode.logits(hidden), model.compute_logits(hidden)):
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-5
+        # a row's logits are the same bits in any call
+        assert torch.equal(decode.logits(hidden[rows - 1 :])[0], decode.logits(hidden)[rows - 1])
 
 
 def test_quantized_heads_stay_with_the_model(hf_checkpoints: Any, runner_config_for: Any) -> None:

@@ -35,8 +35,9 @@ import torch
 
 logger = logging.getLogger("radixlm.kernels.cpu")
 
-#: The sources of the one library: the products (gemv.c) and the decode step (decode.c).
-_SOURCES = (Path(__file__).with_name("gemv.c"), Path(__file__).with_name("decode.c"))
+#: The sources of the one library: the products (gemv.c: row-major weights; panels.c:
+#: float32 weights in panels) and the decode step (decode.c).
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.c", "panels.c", "decode.c"))
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 #: The most activation rows one call takes (decode batches); more run elsewhere.
 MAX_ROWS = 16
@@ -45,6 +46,8 @@ MAX_ROWS = 16
 F32_MAX_ROWS = 64
 #: Columns per activation block (and the smallest weight group the kernel takes).
 BLOCK = 32
+#: Weight rows per panel of `pack_f32_panels` (one 64-byte line per column).
+PANEL = 16
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -118,6 +121,9 @@ def _build() -> ctypes.CDLL | None:
     f32.restype = ctypes.c_int
     pointer = ctypes.c_void_p
     f32.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, ctypes.c_int, pointer]
+    panels = library.radixlm_f32_panels
+    panels.restype = ctypes.c_int
+    panels.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, ctypes.c_int, pointer]
     return library
 
 
@@ -215,6 +221,54 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     code = library.radixlm_f32_gemv(x.data_ptr(), rows, k, weight.data_ptr(), n, out.data_ptr())
     if code != 0:
         raise RuntimeError("f32_linear: the kernel refused these shapes")
+    return out
+
+
+def pack_f32_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] laid out for `f32_panel_linear`: rows padded with zeros to a
+    multiple of PANEL, each PANEL rows stored column by column, ``[ceil(N / PANEL), K, PANEL]``
+    (a new tensor, 64-byte aligned as torch allocates on the CPU; `unpack_f32_panels` gives
+    the weight back)."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise RuntimeError("pack_f32_panels takes a float32 [N, K] CPU tensor")
+    n, k = weight.shape
+    count = -(-n // PANEL)
+    padded = torch.zeros(count * PANEL, k, dtype=torch.float32)
+    padded[:n] = weight
+    panels = padded.view(count, PANEL, k).transpose(1, 2).contiguous()
+    if panels.data_ptr() % 64:  # (torch's CPU allocator aligns to 64 bytes)
+        raise RuntimeError("pack_f32_panels: the panels are not 64-byte aligned")
+    return panels
+
+
+def unpack_f32_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """The weight [n, K] that `pack_f32_panels` laid out as ``panels``."""
+    count, k, width = panels.shape
+    if width != PANEL or not (count - 1) * PANEL < n <= count * PANEL:
+        raise RuntimeError(f"unpack_f32_panels: {tuple(panels.shape)} does not hold {n} rows")
+    return panels.transpose(1, 2).reshape(count * PANEL, k)[:n].contiguous()
+
+
+def f32_panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    """``x @ weight.T`` for float32 ``x`` ``[M, K]`` (any M) and ``weight`` ``[n, K]`` as
+    `pack_f32_panels` laid it out; one thread; float32 ``[M, n]``. Each output is the sum of
+    its column products in column order (fused multiply-adds): a row's result does not depend
+    on the other rows of the call. Raises RuntimeError when the kernels are not available or
+    the shapes do not fit."""
+    library = _loaded()
+    rows, k = x.shape
+    if panels.dim() != 3 or panels.shape[1:] != (k, PANEL) or panels.shape[0] != -(-n // PANEL):
+        raise RuntimeError(
+            f"f32_panel_linear: panels {tuple(panels.shape)} do not hold {n} rows of x's "
+            f"{k} columns"
+        )
+    _check("f32_panel_linear", (("x", x, torch.float32), ("panels", panels, torch.float32)))
+    out = torch.empty(rows, n, dtype=torch.float32)
+    if rows == 0:
+        return out
+    code = library.radixlm_f32_panels(x.data_ptr(), rows, k, panels.data_ptr(), n, out.data_ptr())
+    if code != 0:
+        raise RuntimeError("f32_panel_linear: the kernel refused these panels (not 64-byte aligned?)")
     return out
 
 

@@ -5,7 +5,8 @@
  * the residual, RMSNorm, gate/up, SiLU x up, the down projection and the residual.
  *
  * The projections are gemv.c's int4 and int8 products (the same arithmetic as the per-layer
- * path: activations rounded to int8 per block of 32 columns) or its float32 one; everything
+ * path: activations rounded to int8 per block of 32 columns) or its float32 one (or panels.c's,
+ * for a float32 weight laid out in panels); everything
  * else is float32, in the order the torch path computes it. What this saves is the Python and operator
  * dispatch of the ~60 torch operations per layer a decode step otherwise runs, which on a
  * small model costs more than the products themselves.
@@ -29,8 +30,11 @@ int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
 int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
                       const float *scales, int n, int group, float *out);
 int radixlm_f32_gemv(const float *x, int m_rows, int k, const float *weight, int n, float *out);
+int radixlm_f32_panels(const float *x, int m_rows, int k, const float *panels, int n,
+                       float *out);
 
-enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_F32 = 3 };
+/* LINEAR_F32: a row-major float32 weight; LINEAR_F32_PANELS: one in panels (panels.c) */
+enum { LINEAR_INT4 = 1, LINEAR_INT8 = 2, LINEAR_F32 = 3, LINEAR_F32_PANELS = 4 };
 
 typedef struct {
     int32_t kind, n, k, group;
@@ -62,6 +66,8 @@ static int linear(const RlmLinear *l, const float *x, int m_rows, float *out) {
                                  l->group, out);
     else if (l->kind == LINEAR_F32)
         code = radixlm_f32_gemv(x, m_rows, l->k, (const float *)l->weight, l->n, out);
+    else if (l->kind == LINEAR_F32_PANELS)
+        code = radixlm_f32_panels(x, m_rows, l->k, (const float *)l->weight, l->n, out);
     else
         return -1;
     if (code || !l->bias) return code;

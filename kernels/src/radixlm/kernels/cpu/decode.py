@@ -2,7 +2,8 @@
 
 The model's weights are described once (`DecoderShape`, one `DecoderLayerWeights` per layer,
 their projections as `LinearWeights` in the int4 or int8 layouts of `int4_linear` and
-`int8_linear`, or float32 as `f32_linear` takes them), then `DecodeLayers(...)(hidden, ...)` runs a step of up to MAX_ROWS requests,
+`int8_linear`, or float32 as `f32_linear` or, in panels, `f32_panel_linear` takes them), then
+`DecodeLayers(...)(hidden, ...)` runs a step of up to `max_rows` requests,
 each adding one token: the residual stream `hidden` is updated in place and each new token's
 K/V is written into the layers' float32 pools. The arithmetic is that of the per-layer torch
 path with these kernels' products, so the two agree to float32 rounding.
@@ -17,7 +18,7 @@ import torch
 
 from radixlm.kernels import cpu
 
-_INT4, _INT8, _F32 = 1, 2, 3
+_INT4, _INT8, _F32, _F32_PANELS = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,9 @@ class LinearWeights:
     """One projection, ``y = x @ W.T (+ bias)``, as `int4_linear` (``kind="int4"``: ``weight``
     the packed uint8 codes [N, K / 2], ``scales`` and ``zeros`` [N, K / group_size]),
     `int8_linear` (``kind="int8"``: int8 ``weight`` [N, K], ``scales`` [N] or [N, K / g]) or
-    `f32_linear` (``kind="float32"``: ``weight`` [N, K], no scales) takes it; every tensor
-    float32 except the codes, contiguous, on the CPU."""
+    `f32_linear` (``kind="float32"``: ``weight`` [N, K], no scales) or `f32_panel_linear`
+    (``kind="float32_panels"``: ``weight`` as `pack_f32_panels` lays out [N, K], ``rows`` N)
+    takes it; every tensor float32 except the codes, contiguous, on the CPU."""
 
     kind: str
     weight: torch.Tensor
@@ -34,9 +36,13 @@ class LinearWeights:
     zeros: torch.Tensor | None = None
     group_size: int = 0
     bias: torch.Tensor | None = None
+    #: N of a weight in panels (its panels hold N rounded up to `cpu.PANEL`).
+    rows: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.kind == "float32_panels":
+            return self.rows, self.weight.shape[1]
         rows, columns = self.weight.shape
         return rows, columns * 2 if self.kind == "int4" else columns
 
@@ -133,6 +139,13 @@ def _linear(weights: LinearWeights, n: int, k: int, what: str) -> _Linear:
         weight = _pointer(weights.weight, f"{what} weight", torch.float32, n * k)
         bias = _pointer(weights.bias, f"{what} bias", torch.float32, n)
         return _Linear(_F32, n, k, 0, weight, None, None, bias)
+    if weights.kind == "float32_panels":
+        size = -(-n // cpu.PANEL) * cpu.PANEL * k
+        weight = _pointer(weights.weight, f"{what} panels", torch.float32, size)
+        if weight is None or weight % 64 or weights.weight.shape[2:] != (cpu.PANEL,):
+            raise ValueError(f"{what}: its panels are not {cpu.PANEL} wide and 64-byte aligned")
+        bias = _pointer(weights.bias, f"{what} bias", torch.float32, n)
+        return _Linear(_F32_PANELS, n, k, 0, weight, None, None, bias)
     if k % cpu.BLOCK:
         raise ValueError(f"{what}: its input width {k} is not a multiple of {cpu.BLOCK}")
     if weights.scales is None:
@@ -154,7 +167,9 @@ def _linear(weights: LinearWeights, n: int, k: int, what: str) -> _Linear:
         code, zeros = _INT8, None
         weight = _pointer(weights.weight, f"{what} weight", torch.int8, n * k)
     else:
-        raise ValueError(f"{what}: kind {weights.kind!r} is not int4, int8 or float32")
+        raise ValueError(
+            f"{what}: kind {weights.kind!r} is not int4, int8, float32 or float32_panels"
+        )
     scales = _pointer(weights.scales, f"{what} scales", torch.float32, n * groups)
     bias = _pointer(weights.bias, f"{what} bias", torch.float32, n)
     return _Linear(code, n, k, group, weight, scales, zeros, bias)
@@ -173,7 +188,7 @@ class DecodeLayers:
         self._layers = layers  # keeps every tensor the structures point to alive
         #: The most rows a call takes: F32_MAX_ROWS when every product is float32.
         float_only = all(
-            weights.kind == "float32"
+            weights.kind in ("float32", "float32_panels")
             for layer in layers
             for weights in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )

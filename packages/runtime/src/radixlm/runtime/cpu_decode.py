@@ -17,9 +17,12 @@ of its own), when the model and its KV pool are float32 and every projection is
   them with F.linear).
 
 The norms, rotary embedding, K/V writes and attention run in C too; the embedding lookup
-and the final norm stay in torch. A float32 LM head (on one thread) multiplies in C as well
-for the steps of at most `kernels.cpu.MAX_ROWS` rows (`logits`): memory-bound there, it reads
-its weight once per step where oneDNN's GEMV is slower at a few rows.
+and the final norm stay in torch. A float32 LM head (on one thread) multiplies in C as well,
+every step's rows (`logits`), from a copy of its weight in panels (`kernels.cpu.pack_f32_panels`,
+made when the path is built, so again after weights are loaded): memory-bound at a few rows,
+the product then streams the weight in the order it lies and needs no horizontal sums, which
+at a small hidden size cost as much as the products (SmolLM2's and Qwen2's heads are tied:
+their embedding table stays beside the copy, as oneDNN's packed copy did).
 
 The model runner builds it once after loading (`CpuDecodePath.build`, which says why not when
 it cannot) and uses it for the steps `can_run` accepts; everything else takes the model's own
@@ -87,8 +90,13 @@ def _float_projection(
     if module.weight.dtype != torch.float32:
         raise NotTaken(f"{what} is {module.weight.dtype}, not float32")
     packing = getattr(module, "packing", None)
-    if isinstance(packing, PackedWeight) and not packing.stay_plain():
-        raise NotTaken(f"{what}'s weight was packed for oneDNN already")
+    if isinstance(packing, PackedWeight):
+        # Held in panels from now on (prefills multiply them too), the plain weight released.
+        panels = packing.use_panels(module.weight)
+        if panels is None:
+            raise NotTaken(f"{what}'s weight was packed for oneDNN already")
+        rows = module.out_features
+        return LinearWeights("float32_panels", panels, bias=_bias(module), rows=rows)
     return LinearWeights("float32", module.weight.data.contiguous(), bias=_bias(module))
 
 
@@ -122,19 +130,22 @@ def _projection(module: object, what: str, deterministic: bool) -> LinearWeights
 
 
 def _float_head(model: DecoderForCausalLM, deterministic: bool) -> torch.Tensor | None:
-    """The LM head's plain float32 weight for the C product, or None: a quantized head, a
-    bf16 one, several torch threads (unless `deterministic`), or a weight oneDNN packed (and
-    released) already. An untied head then multiplies its plain weight in prefills too
-    (F.linear); a tied one keeps its packed copy for them beside the table."""
+    """The LM head's float32 weight in panels for the C product, or None: a quantized head,
+    a bf16 one, several torch threads (unless `deterministic`), or a weight oneDNN packed
+    (and released) already. The head's packing holds the panels when it has one (an untied
+    head's plain weight is released; a tied one's is the embedding table, which stays), so
+    that `compute_logits` reads them too; else they are a copy of the weight."""
     if model.quantized_head is not None or (torch.get_num_threads() != 1 and not deterministic):
         return None
     weight = model.lm_head_weight.data
+    packing = model.head_packing
+    if packing is not None and packing.panels is not None:
+        return packing.panels  # (a path built again over the same weights)
     if weight.dtype != torch.float32 or weight.numel() == 0 or not weight.is_contiguous():
         return None
-    packing = model.head_packing
-    if packing is not None and not packing.keep_plain and not packing.stay_plain():
-        return None
-    return weight
+    if packing is None:
+        return kernels.cpu.pack_f32_panels(weight)
+    return packing.use_panels(model.head.weight)
 
 
 def _invariant_head(
@@ -144,10 +155,12 @@ def _invariant_head(
     (deterministic inference), and the most rows a call takes; or NotTaken."""
     head = model.quantized_head
     if head is None:
-        weight = _float_head(model, deterministic=True)
-        if weight is None:
+        panels = _float_head(model, deterministic=True)
+        if panels is None:
             raise NotTaken("the LM head is neither float32 nor int8 in groups of 32 columns")
-        return (lambda rows: kernels.cpu.f32_linear(rows, weight)), kernels.cpu.F32_MAX_ROWS
+        vocab = model.head.per_rank
+        product = lambda rows: kernels.cpu.f32_panel_linear(rows, panels, vocab)  # noqa: E731
+        return product, kernels.cpu.F32_MAX_ROWS
     if not isinstance(head, Int8GroupedHead) or head.in_features % kernels.cpu.BLOCK:
         raise NotTaken("the LM head is neither float32 nor int8 in groups of 32 columns")
     values, scales = head.qweight.contiguous(), head.scales.to(torch.float32).contiguous()
@@ -191,8 +204,9 @@ class CpuDecodePath:
         self.layers = layers
         #: The most requests a step may have to take this path (in calls of `layers.max_rows`).
         self.max_batch = max_batch
-        #: The LM head's plain float32 weight [vocab, hidden] for the C product, or None.
+        #: The LM head's float32 weight in panels for the C product, or None.
         self.head = head
+        self.vocab = model.head.per_rank  # (the whole vocabulary: no tensor parallelism)
         #: Deterministic inference: the path takes every step (see the module docstring).
         self.invariant = invariant
 
@@ -250,8 +264,9 @@ class CpuDecodePath:
         return cls(model, layers, head=_float_head(model, deterministic), invariant=invariant)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's `compute_logits` of these rows: in C (calls of F32_MAX_ROWS rows) for up to
-        `max_batch` rows of a float32 head on one thread, else the model's own product."""
+        """The model's `compute_logits` of these rows: in C from the head's panels for a
+        float32 head on one thread (any number of rows, each row's logits the same bits at
+        any count), else the model's own product."""
         rows = hidden.shape[0]
         if self.invariant is not None:  # every row count, in calls of the head's rows
             hidden = hidden.contiguous()
@@ -259,16 +274,9 @@ class CpuDecodePath:
             return torch.cat(
                 [self.invariant.head(hidden[i : i + step]) for i in range(0, rows, step)]
             )
-        if self.head is None or rows > self.max_batch or torch.get_num_threads() != 1:
+        if self.head is None or torch.get_num_threads() != 1:
             return self.model.compute_logits(hidden)
-        hidden = hidden.contiguous()
-        step = kernels.cpu.F32_MAX_ROWS
-        if rows <= step:
-            return kernels.cpu.f32_linear(hidden, self.head)
-        # A decode batch in calls: each row's logits the same bits at any count.
-        return torch.cat(
-            [kernels.cpu.f32_linear(hidden[i : i + step], self.head) for i in range(0, rows, step)]
-        )
+        return kernels.cpu.f32_panel_linear(hidden.contiguous(), self.head, self.vocab)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether this step is one the path takes: a decode step of at most `max_batch`

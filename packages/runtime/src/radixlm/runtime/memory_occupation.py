@@ -146,6 +146,7 @@ class MemoryOccupation:
                 table = runner.req_to_token_pool.req_to_token
                 storages = ReleasedStorages([*pool.k_buffers, *pool.v_buffers, table])
             elif tag == WEIGHTS:
+                _unpanel(runner.model)  # the plain weights are what is released and written
                 for packing in _packings(runner.model):
                     packing.packed = None  # a kept plain weight's copy: packed again later
                 storages = ReleasedStorages(runner.model.parameters())
@@ -207,6 +208,18 @@ def _packings(model: torch.nn.Module) -> list[PackedWeight]:
             if isinstance(packing, PackedWeight):
                 found.append(packing)
     return found
+
+
+def _unpanel(model: torch.nn.Module) -> None:
+    """Bring back the plain weights that the CPU decode path holds in panels, dropping the
+    panels (the path lays them out again when it is built after a resume)."""
+    for module in model.modules():
+        packing = getattr(module, "packing", None)
+        if isinstance(packing, PackedWeight) and isinstance(module.weight, torch.Tensor):
+            packing.unpack_for_load(module.weight)
+        head_packing = getattr(module, "head_packing", None)
+        if isinstance(head_packing, PackedWeight):
+            head_packing.unpack_for_load(module.head.weight)
 
 
 def _return_to_system(device: torch.device) -> None:

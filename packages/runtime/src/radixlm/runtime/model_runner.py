@@ -34,7 +34,7 @@ from radixlm.runtime.memory import KVPool, ReqToTokenPool, kv_pool_capacity
 from radixlm.runtime.models import DecoderForCausalLM
 from radixlm.runtime.models.decoder import STACKED_PROJECTIONS
 from radixlm.runtime.models.decoder_pooling import DecoderForPooling
-from radixlm.runtime.models.linear import RowLinear, VocabEmbedding
+from radixlm.runtime.models.linear import PackedWeight, RowLinear, VocabEmbedding
 from radixlm.runtime.quant.linear import finalize_quantized, lm_head_source, reopen_lm_head
 from radixlm.runtime.sampler import SampleOutput, Sampler
 from radixlm.runtime.sampling_batch import SamplingBatch
@@ -525,11 +525,15 @@ class ModelRunner:
         raise KeyError(name)
 
     def _held(self, owner: torch.nn.Module, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor`, or its oneDNN-packed copy read back when the plain one was released."""
+        """`tensor`, or its oneDNN-packed copy or panels read back when the plain one was
+        released."""
         if tensor.numel():
             return tensor
         packing = self.model.head_packing if owner is self.model.head else None
-        packed = getattr(packing or getattr(owner, "packing", None), "packed", None)
+        packing = packing or getattr(owner, "packing", None)
+        if isinstance(packing, PackedWeight) and (plain := packing.plain()) is not None:
+            return plain
+        packed = getattr(packing, "packed", None)
         return packed.to_dense() if isinstance(packed, torch.Tensor) else tensor
 
     def reset(self) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm import kernels
 from radixlm.runtime.distributed import SINGLE, TensorParallel
 
 
@@ -424,13 +425,20 @@ class PackedWeight:
     """A weight re-laid out by oneDNN for fast CPU GEMM/GEMV (1.5-2x over F.linear in bf16 on
     AVX512-BF16 machines). Packing happens at the first call, after the weights are loaded; the
     plain weight is then released unless `keep_plain` (a tied embedding still needs it), and
-    brought back from the packed copy when weights are loaded again (`unpack_for_load`)."""
+    brought back from the packed copy when weights are loaded again (`unpack_for_load`).
+
+    Or, for the CPU decode path's float32 layers on one thread (`use_panels`), in radixlm's
+    float32 panels (`kernels.cpu.pack_f32_panels`): the plain weight is released, and every
+    product, prefills' too, reads the panels in C."""
 
     def __init__(self, keep_plain: bool = False) -> None:
         self.keep_plain = keep_plain
         self.packed: torch.Tensor | None = None
-        #: False once `stay_plain` was called: the plain weight is multiplied (F.linear).
+        #: False once `stay_plain` or `use_panels` was called: oneDNN packs nothing.
         self.enabled = True
+        #: The weight in float32 panels (`use_panels`), or None.
+        self.panels: torch.Tensor | None = None
+        self._rows = 0
 
     def stay_plain(self) -> bool:
         """Never pack: multiply the plain weight from now on, for a caller that reads it (the
@@ -440,9 +448,35 @@ class PackedWeight:
         self.packed, self.enabled = None, False
         return True
 
+    def use_panels(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """Hold this float32 weight [N, K] in panels from now on and release the plain one
+        (kept when `keep_plain`); every product then runs in C on one thread. The panels, or
+        None when oneDNN packed (and released) it already."""
+        if self.panels is not None:
+            return self.panels
+        if not self.stay_plain():
+            return None
+        self.panels = kernels.cpu.pack_f32_panels(weight.detach())
+        self._rows = weight.shape[0]
+        if not self.keep_plain:
+            weight.data = weight.data.new_empty(0)
+        return self.panels
+
+    def plain(self) -> torch.Tensor | None:
+        """The weight read back from the panels, or None when it is not held in panels."""
+        if self.panels is None:
+            return None
+        return kernels.cpu.unpack_f32_panels(self.panels, self._rows)
+
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
+        if self.panels is not None:
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            out = kernels.cpu.f32_panel_linear(rows, self.panels, self._rows)
+            if bias is not None:
+                out += bias
+            return out.view(*x.shape[:-1], self._rows)
         if not self.enabled:
             return F.linear(x, weight, bias)
         if self.packed is None:
@@ -456,7 +490,14 @@ class PackedWeight:
         """Before new weights are loaded into `weight` (a weight update): a released plain
         weight is brought back from the packed copy (oneDNN's reorder is lossless), so rows
         the update leaves alone keep their values; the packed copy is dropped either way and
-        made again from the new weight at the next call."""
+        made again from the new weight at the next call. Panels are dropped the same way (the
+        plain weight is multiplied until the CPU decode path, built again after a load, lays
+        it out again)."""
+        if self.panels is not None:
+            if weight.numel() == 0:
+                weight.data = kernels.cpu.unpack_f32_panels(self.panels, self._rows)
+            self.panels = None
+            return
         if self.packed is None:
             return
         if weight.numel() == 0:
