@@ -99,7 +99,10 @@ def test_gguf_4bit_weights_stay_int4_and_match_the_dequantized_model(
             values = kernels.dequantize_int4(
                 layer.qweight, layer.scales, layer.zeros, layer.group_size
             )
-            assert torch.allclose(values, exact_weights[path].weight, atol=1e-6), path
+            module = exact_weights[path]
+            # (on one thread the CPU decode path holds float32 weights in panels)
+            weight = module.weight if module.weight.numel() else module.packing.plain()
+            assert torch.allclose(values, weight, atol=1e-6), path
     ids = list(range(5, 40))
     want = _runner_logits(exact, driver_for, ids)
     got = _runner_logits(packed, driver_for, ids)

@@ -268,7 +268,9 @@ def f32_panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Ten
         return out
     code = library.radixlm_f32_panels(x.data_ptr(), rows, k, panels.data_ptr(), n, out.data_ptr())
     if code != 0:
-        raise RuntimeError("f32_panel_linear: the kernel refused these panels (not 64-byte aligned?)")
+        raise RuntimeError(
+            "f32_panel_linear: the kernel refused these panels (not 64-byte aligned?)"
+        )
     return out
 
 

@@ -6,9 +6,9 @@
  * column, [K][PANEL]: column i of the panel's sixteen rows is one 64-byte line. A product
  * then multiplies each activation value, broadcast, by a whole line and adds it into sixteen
  * outputs at once: the weights stream from memory in the order they lie, every output is a
- * sum over the columns in order (one fused multiply-add per column: a row's result does not
- * depend on the call's other rows, nor on the tile or the vector width), and no horizontal
- * sum is needed. The row-major product (gemv.c's f32) needs one per output, which at small K
+ * sum over the columns in a fixed order (one fused multiply-add per column in chunks of
+ * CHUNK columns, the chunks' sums added in order: a row's result does not depend on the
+ * call's other rows, nor on the tile or the vector width), and no horizontal sum is needed. The row-major product (gemv.c's f32) needs one per output, which at small K
  * (a 256- or 576-wide LM head) costs as much as the products themselves: measured on an
  * AVX-512 EPYC, a 151,936 x 256 head took 15.5 / 19.2 / 28.2 ms at 1 / 8 / 16 rows row-major
  * and 9.0 / 12.8 / 19.1 ms in panels (the weights alone stream in 9.1 ms).
@@ -30,6 +30,10 @@
 #endif
 
 #define PANEL 16
+/* Columns summed in one run of multiply-adds before the run's sum is added into the total:
+ * a sum over K in order would round K times in a row (its error grows with K); in chunks it
+ * rounds about CHUNK + K / CHUNK times, fewer than the row-major product's 16 lanes. */
+#define CHUNK 32
 
 /* out[m, j] for j in [first, first + count) (count <= 2 * PANEL), rows m of this tile. */
 static inline void store(float *out, size_t n, int first, int count, int m, const float *acc) {
@@ -39,83 +43,103 @@ static inline void store(float *out, size_t n, int first, int count, int m, cons
 
 #ifdef RADIXLM_PANELS_AVX512
 #define TILE_ROWS 8
-/* Up to TILE_ROWS rows x (one or two panels): 2 x 8 accumulators of 16 lanes. */
+/* Up to TILE_ROWS rows x (one or two panels): 2 x 8 accumulators of 16 lanes for a chunk of
+ * columns, added into the totals (in memory) after each chunk. */
 static inline __attribute__((always_inline)) void tile512(const float *x, int k, int tile,
                                                           const float *p0, const float *p1,
                                                           float *out, size_t n,
                                                           int first, int count) {
-    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
-    for (int m = 0; m < TILE_ROWS; m++) a0[m] = _mm512_setzero_ps(), a1[m] = _mm512_setzero_ps();
-    for (int i = 0; i < k; i++) {
-        __m512 w0 = _mm512_load_ps(p0 + (size_t)i * PANEL);
-        __m512 w1 = p1 ? _mm512_load_ps(p1 + (size_t)i * PANEL) : _mm512_setzero_ps();
-        for (int m = 0; m < TILE_ROWS; m++) {
-            if (m < tile) {
-                __m512 xv = _mm512_set1_ps(x[(size_t)m * k + i]);
-                a0[m] = _mm512_fmadd_ps(xv, w0, a0[m]);
-                if (p1) a1[m] = _mm512_fmadd_ps(xv, w1, a1[m]);
+    __m512 t0[TILE_ROWS], t1[TILE_ROWS];
+    for (int start = 0; start < k; start += CHUNK) {
+        int end = start + CHUNK < k ? start + CHUNK : k;
+        __m512 a0[TILE_ROWS], a1[TILE_ROWS];
+        for (int m = 0; m < TILE_ROWS; m++) a0[m] = _mm512_setzero_ps(), a1[m] = _mm512_setzero_ps();
+        for (int i = start; i < end; i++) {
+            __m512 w0 = _mm512_load_ps(p0 + (size_t)i * PANEL);
+            __m512 w1 = p1 ? _mm512_load_ps(p1 + (size_t)i * PANEL) : _mm512_setzero_ps();
+            for (int m = 0; m < TILE_ROWS; m++) {
+                if (m < tile) {
+                    __m512 xv = _mm512_set1_ps(x[(size_t)m * k + i]);
+                    a0[m] = _mm512_fmadd_ps(xv, w0, a0[m]);
+                    if (p1) a1[m] = _mm512_fmadd_ps(xv, w1, a1[m]);
+                }
             }
+        }
+        for (int m = 0; m < tile; m++) {
+            t0[m] = start ? _mm512_add_ps(t0[m], a0[m]) : a0[m];
+            t1[m] = start ? _mm512_add_ps(t1[m], a1[m]) : a1[m];
         }
     }
     float lanes[2 * PANEL];
     for (int m = 0; m < tile; m++) {
-        _mm512_storeu_ps(lanes, a0[m]);
-        _mm512_storeu_ps(lanes + PANEL, a1[m]);
+        _mm512_storeu_ps(lanes, t0[m]);
+        _mm512_storeu_ps(lanes + PANEL, t1[m]);
         store(out, n, first, count, m, lanes);
     }
 }
 #elif defined(RADIXLM_PANELS_AVX2)
 #define TILE_ROWS 4
-/* Up to TILE_ROWS rows x (one or two panels): 4 x 4 accumulators of 8 lanes. */
+/* Up to TILE_ROWS rows x (one or two panels): 4 x 4 accumulators of 8 lanes per chunk. */
 static inline __attribute__((always_inline)) void tile256(const float *x, int k, int tile,
                                                           const float *p0, const float *p1,
                                                           float *out, size_t n,
                                                           int first, int count) {
-    __m256 a[TILE_ROWS][4];
-    for (int m = 0; m < TILE_ROWS; m++)
-        for (int q = 0; q < 4; q++) a[m][q] = _mm256_setzero_ps();
-    for (int i = 0; i < k; i++) {
-        const float *l0 = p0 + (size_t)i * PANEL;
-        __m256 w0 = _mm256_load_ps(l0), w1 = _mm256_load_ps(l0 + 8);
-        __m256 w2 = _mm256_setzero_ps(), w3 = _mm256_setzero_ps();
-        if (p1) {
-            const float *l1 = p1 + (size_t)i * PANEL;
-            w2 = _mm256_load_ps(l1), w3 = _mm256_load_ps(l1 + 8);
-        }
-        for (int m = 0; m < TILE_ROWS; m++) {
-            if (m < tile) {
-                __m256 xv = _mm256_broadcast_ss(x + (size_t)m * k + i);
-                a[m][0] = _mm256_fmadd_ps(xv, w0, a[m][0]);
-                a[m][1] = _mm256_fmadd_ps(xv, w1, a[m][1]);
-                if (p1) {
-                    a[m][2] = _mm256_fmadd_ps(xv, w2, a[m][2]);
-                    a[m][3] = _mm256_fmadd_ps(xv, w3, a[m][3]);
+    __m256 t[TILE_ROWS][4];
+    for (int start = 0; start < k; start += CHUNK) {
+        int end = start + CHUNK < k ? start + CHUNK : k;
+        __m256 a[TILE_ROWS][4];
+        for (int m = 0; m < TILE_ROWS; m++)
+            for (int q = 0; q < 4; q++) a[m][q] = _mm256_setzero_ps();
+        for (int i = start; i < end; i++) {
+            const float *l0 = p0 + (size_t)i * PANEL;
+            __m256 w0 = _mm256_load_ps(l0), w1 = _mm256_load_ps(l0 + 8);
+            __m256 w2 = _mm256_setzero_ps(), w3 = _mm256_setzero_ps();
+            if (p1) {
+                const float *l1 = p1 + (size_t)i * PANEL;
+                w2 = _mm256_load_ps(l1), w3 = _mm256_load_ps(l1 + 8);
+            }
+            for (int m = 0; m < TILE_ROWS; m++) {
+                if (m < tile) {
+                    __m256 xv = _mm256_broadcast_ss(x + (size_t)m * k + i);
+                    a[m][0] = _mm256_fmadd_ps(xv, w0, a[m][0]);
+                    a[m][1] = _mm256_fmadd_ps(xv, w1, a[m][1]);
+                    if (p1) {
+                        a[m][2] = _mm256_fmadd_ps(xv, w2, a[m][2]);
+                        a[m][3] = _mm256_fmadd_ps(xv, w3, a[m][3]);
+                    }
                 }
             }
         }
+        for (int m = 0; m < tile; m++)
+            for (int q = 0; q < 4; q++) t[m][q] = start ? _mm256_add_ps(t[m][q], a[m][q]) : a[m][q];
     }
     float lanes[2 * PANEL];
     for (int m = 0; m < tile; m++) {
-        for (int q = 0; q < 4; q++) _mm256_storeu_ps(lanes + 8 * q, a[m][q]);
+        for (int q = 0; q < 4; q++) _mm256_storeu_ps(lanes + 8 * q, t[m][q]);
         store(out, n, first, count, m, lanes);
     }
 }
 #else
 #define TILE_ROWS 4
-/* The same sums in plain C: one fused multiply-add per column, in column order. */
+/* The same sums in plain C: per chunk one fused multiply-add per column, in column order,
+ * each chunk's sum then added into the total. */
 static void tile_c(const float *x, int k, int tile, const float *p0, const float *p1,
                    float *out, size_t n, int first, int count) {
-    float lanes[2 * PANEL];
+    float total[2 * PANEL], lanes[2 * PANEL];
     for (int m = 0; m < tile; m++) {
-        for (int j = 0; j < 2 * PANEL; j++) lanes[j] = 0.0f;
-        for (int i = 0; i < k; i++) {
-            float v = x[(size_t)m * k + i];
-            for (int j = 0; j < PANEL; j++) {
-                lanes[j] = fmaf(v, p0[(size_t)i * PANEL + j], lanes[j]);
-                if (p1) lanes[PANEL + j] = fmaf(v, p1[(size_t)i * PANEL + j], lanes[PANEL + j]);
+        for (int start = 0; start < k; start += CHUNK) {
+            int end = start + CHUNK < k ? start + CHUNK : k;
+            for (int j = 0; j < 2 * PANEL; j++) lanes[j] = 0.0f;
+            for (int i = start; i < end; i++) {
+                float v = x[(size_t)m * k + i];
+                for (int j = 0; j < PANEL; j++) {
+                    lanes[j] = fmaf(v, p0[(size_t)i * PANEL + j], lanes[j]);
+                    if (p1) lanes[PANEL + j] = fmaf(v, p1[(size_t)i * PANEL + j], lanes[PANEL + j]);
+                }
             }
+            for (int j = 0; j < 2 * PANEL; j++) total[j] = start ? total[j] + lanes[j] : lanes[j];
         }
-        store(out, n, first, count, m, lanes);
+        store(out, n, first, count, m, total);
     }
 }
 #endif

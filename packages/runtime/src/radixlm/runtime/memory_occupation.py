@@ -21,6 +21,7 @@ import torch
 
 from radixlm.runtime.cuda_graph import CudaGraphRunner
 from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.models.decoder import DecoderForCausalLM
 from radixlm.runtime.models.linear import PackedWeight
 from radixlm.sampling import InvalidRequest
 
@@ -218,7 +219,7 @@ def _unpanel(model: torch.nn.Module) -> None:
         if isinstance(packing, PackedWeight) and isinstance(module.weight, torch.Tensor):
             packing.unpack_for_load(module.weight)
         head_packing = getattr(module, "head_packing", None)
-        if isinstance(head_packing, PackedWeight):
+        if isinstance(head_packing, PackedWeight) and isinstance(module, DecoderForCausalLM):
             head_packing.unpack_for_load(module.head.weight)
 
 

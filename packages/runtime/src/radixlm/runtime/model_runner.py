@@ -269,9 +269,9 @@ class ModelRunner:
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         for module in self.model.modules():
             packing = getattr(module, "packing", None) or getattr(module, "head_packing", None)
-            packed = getattr(packing, "packed", None)
-            if isinstance(packed, torch.Tensor):
-                tensors.append(packed)
+            for copy in (getattr(packing, "packed", None), getattr(packing, "panels", None)):
+                if isinstance(copy, torch.Tensor):
+                    tensors.append(copy)
         for tensor in tensors:
             if id(tensor) not in seen and not tensor.is_meta:
                 seen.add(id(tensor))

@@ -473,10 +473,10 @@ class PackedWeight:
     ) -> torch.Tensor:
         if self.panels is not None:
             rows = x.reshape(-1, x.shape[-1]).contiguous()
-            out = kernels.cpu.f32_panel_linear(rows, self.panels, self._rows)
+            product = kernels.cpu.f32_panel_linear(rows, self.panels, self._rows)
             if bias is not None:
-                out += bias
-            return out.view(*x.shape[:-1], self._rows)
+                product += bias
+            return product.view(*x.shape[:-1], self._rows)
         if not self.enabled:
             return F.linear(x, weight, bias)
         if self.packed is None:
