@@ -251,9 +251,9 @@ def unpack_f32_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
 
 def f32_panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     """``x @ weight.T`` for float32 ``x`` ``[M, K]`` (any M) and ``weight`` ``[n, K]`` as
-    `pack_f32_panels` laid it out; one thread; float32 ``[M, n]``. Each output is the sum of
-    its column products in column order (fused multiply-adds): a row's result does not depend
-    on the other rows of the call. Raises RuntimeError when the kernels are not available or
+    `pack_f32_panels` laid it out; one thread; float32 ``[M, n]``. Each output sums its column
+    products in chunks of 32 columns (fused multiply-adds in column order, then the chunks in
+    order): a row's result does not depend on the other rows of the call. Raises RuntimeError when the kernels are not available or
     the shapes do not fit."""
     library = _loaded()
     rows, k = x.shape

@@ -12,17 +12,18 @@ of its own), when the model and its KV pool are float32 and every projection is
 - int4 or int8 in the layouts of `radixlm.kernels.cpu` (load-time `int8`/`int4`
   quantization, or a GGUF file's Q4_0/Q4_1/Q4_K and Q8_0 tensors): the same products as the
   per-layer path (activations rounded to int8 per 32 columns);
-- or plain float32, when the model is built on one torch thread: those layers then stop
-  packing their weights for oneDNN (the C product reads the plain ones; prefills multiply
-  them with F.linear).
+- or plain float32, when the model is built on one torch thread: those layers then hold
+  their weights in panels instead of packing them for oneDNN (`PackedWeight.use_panels`: the
+  plain weight released, prefills multiply the panels too, in C).
 
 The norms, rotary embedding, K/V writes and attention run in C too; the embedding lookup
 and the final norm stay in torch. A float32 LM head (on one thread) multiplies in C as well,
-every step's rows (`logits`), from a copy of its weight in panels (`kernels.cpu.pack_f32_panels`,
-made when the path is built, so again after weights are loaded): memory-bound at a few rows,
-the product then streams the weight in the order it lies and needs no horizontal sums, which
-at a small hidden size cost as much as the products (SmolLM2's and Qwen2's heads are tied:
-their embedding table stays beside the copy, as oneDNN's packed copy did).
+every step's rows (`logits`), from its weight in panels (`kernels.cpu.pack_f32_panels`, laid
+out when the path is built, so again after weights are loaded; the head's packing holds them,
+so `compute_logits` reads them too): memory-bound at a few rows, the product then streams the
+weight in the order it lies and needs no horizontal sums, which at a small hidden size cost
+as much as the products. An untied head's plain weight is released; a tied head's is the
+embedding table, which stays beside the panels, as oneDNN's packed copy did.
 
 The model runner builds it once after loading (`CpuDecodePath.build`, which says why not when
 it cannot) and uses it for the steps `can_run` accepts; everything else takes the model's own
