@@ -20,7 +20,7 @@ from radixlm.kernels.cpu.decode import (
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler here")
 
-SLOTS = 64
+SLOTS = 160
 
 
 def _linear(
@@ -218,13 +218,13 @@ def test_shapes_that_do_not_fit_are_named() -> None:
 
 
 def _verify_step(
-    length: int, rows_of_first: int, other: int, head_dim: int
+    length: int, rows_of_first: int, other: int, head_dim: int, width: int = 40
 ) -> tuple[torch.Tensor, ...]:
     """A step whose first request computes `rows_of_first` tokens (a token and its drafts:
     one table row, lengths `length`, `length` + 1, ...) beside a second request's decode."""
     gen = torch.Generator().manual_seed(4)
     order = torch.randperm(SLOTS, generator=gen).to(torch.int32)
-    table = torch.zeros(4, 40, dtype=torch.int32)
+    table = torch.zeros(4, width, dtype=torch.int32)
     last = length + rows_of_first - 1
     table[1, :last] = order[:last]
     table[2, :other] = order[last : last + other]
@@ -245,8 +245,10 @@ def test_rows_of_one_request_attend_together_as_the_reference_and_as_alone(
     head_dim: int, window: int | None
 ) -> None:
     """A verify step (one request's token and drafts in one table row, next to another
-    request) against the torch layers; and each of its rows bit for bit what that row gives
-    computed alone (head dims 64 and 128 take the grouped attention on AVX-512)."""
+    request) against the torch layers; and, built batch-invariant, each of its rows bit for
+    bit what that row gives computed alone (head dims 64 and 128 take the grouped attention
+    on AVX-512, and by default, for four rows of three query heads per KV head, the wide
+    one)."""
     shape, layers = _model("int4", 32, qk_norm=False, bias=False, window=window, heads=6,
                            kv_heads=2, head_dim=head_dim, layers=1)  # fmt: skip
     step = _verify_step(20, 4, 25, head_dim)
@@ -255,13 +257,32 @@ def test_rows_of_one_request_attend_together_as_the_reference_and_as_alone(
     torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
     cos, sin, out_slots, table, rows, lengths = step
     pools = [(layer.k_pool.clone(), layer.v_pool.clone()) for layer in layers]
-    DecodeLayers(shape, layers)(hidden.clone(), *step)  # every row's K/V in the pool
+    invariant = DecodeLayers(shape, layers, invariant=True)
+    together = hidden.clone()
+    invariant(together, *step)  # every row's K/V in the pool
+    torch.testing.assert_close(together, want, atol=2e-3, rtol=1e-3)
     for index in range(5):
         alone = hidden[index : index + 1].clone()
         pick = slice(index, index + 1)
-        DecodeLayers(shape, layers)(alone, cos[pick], sin[pick], out_slots[pick], table,
-                                    rows[pick], lengths[pick])  # fmt: skip
-        assert torch.equal(alone[0], got[index]), f"row {index}"
+        invariant(alone, cos[pick], sin[pick], out_slots[pick], table, rows[pick], lengths[pick])
+        assert torch.equal(alone[0], together[index]), f"row {index}"
     for layer, (k, v) in zip(layers, pools, strict=True):
         layer.k_pool.copy_(k)
         layer.v_pool.copy_(v)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 7])
+def test_a_prefill_chunk_attends_as_the_reference(head_dim: int, window: int | None) -> None:
+    """A prefill chunk of 37 tokens after 50 cached ones (groups of 16, 16 and 5 rows; the
+    wide attention on AVX-512, its key tiles ending mid-tile) beside a decode, against the
+    torch layers, by default and batch-invariant."""
+    shape, layers = _model("float32", 32, qk_norm=True, bias=False, window=window, heads=6,
+                           kv_heads=2, head_dim=head_dim, layers=2)  # fmt: skip
+    step = _verify_step(51, 37, 30, head_dim, width=96)
+    hidden = torch.randn(38, shape.hidden, generator=torch.Generator().manual_seed(6))
+    got, want, *_pools = _run_both(shape, layers, hidden, step)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+    invariant = hidden.clone()
+    DecodeLayers(shape, layers, invariant=True)(invariant, *step)
+    torch.testing.assert_close(invariant, want, atol=2e-3, rtol=1e-3)

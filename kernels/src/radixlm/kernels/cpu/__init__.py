@@ -44,6 +44,9 @@ MAX_ROWS = 16
 #: The most rows one float32 product (`f32_linear`, float32 `DecodeLayers`) takes: its tiles
 #: take any count, so a call of many rows reads the weights once for all of them.
 F32_MAX_ROWS = 64
+#: The most rows one `DecodeLayers` call takes when every projection is in panels (a whole
+#: prefill chunk: the panel products take any count and read each weight once per call).
+PANELS_MAX_ROWS = 8192
 #: Columns per activation block (and the smallest weight group the kernel takes).
 BLOCK = 32
 #: Weight rows per panel of `pack_f32_panels` (one 64-byte line per column).

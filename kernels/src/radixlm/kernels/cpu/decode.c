@@ -54,6 +54,9 @@ typedef struct {
 typedef struct {
     int32_t hidden, heads, kv_heads, head_dim, intermediate, layers;
     float eps, scaling;
+    /* 1: every row's attention takes the same operations whatever the rows beside it
+     * (batch-invariant inference); 0: long groups of rows (a prefill) take attend_wide512 */
+    int32_t invariant;
 } RlmShape;
 
 static int linear(const RlmLinear *l, const float *x, int m_rows, float *out) {
@@ -284,15 +287,161 @@ static inline __attribute__((always_inline)) void attend_group512(
                 }
             }
 }
+
+/* e^x, 16 lanes: exp256's arithmetic (the same clamps and polynomial). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* Keys scored together in attend_wide512 (independent chains of multiply-adds). */
+#define WIDE_KEYS 4
+/* The fewest query vectors (rows x query heads per KV head) that take attend_wide512: below,
+ * most of its lanes would be padding. */
+#define WIDE_MIN 8
+
+/* The rows r of one request over their keys, as attend_group512, for groups with many query
+ * vectors (a prefill chunk's rows x the query heads of a KV head): the vectors go across the
+ * lanes instead of the head dimension, so a key's scores for sixteen of them are one vector
+ * and need no horizontal sum. Per KV head: the group's queries, scaled, transposed into
+ * `work` ([blocks][head_dim][16]); scores [keys][blocks x 16] after them, each key's row
+ * multiplied into every block (WIDE_KEYS keys at a time), keys outside a row's range -inf;
+ * a softmax down each lane; then the values as attend_group512 sums them (per row, up to
+ * 16 / chunks of its heads at once). The sums run in another order than attend_group512's
+ * (a row's results depend on nothing beside it here either, but differ from that path's in
+ * the last bits): batch-invariant inference keeps to the one path. `work` holds
+ * 16 x blocks x (head_dim + keys + 2) floats. */
+static inline __attribute__((always_inline)) void attend_wide512(
+    const float *q, int q_stride, int r, const int *firsts, const int *lengths, int heads,
+    int per_kv, const float *k_pool, const float *v_pool, const int32_t *slots, int stride,
+    const int chunks, float scaling, float *work, float *out, int out_stride) {
+    const int ahead = 6, head_dim = chunks * 16, kv_heads = heads / per_kv;
+    const int count = r * per_kv, blocks = (count + 15) / 16, width = blocks * 16;
+    int lo = firsts[0], hi = lengths[0];
+    for (int j = 1; j < r; j++) {
+        lo = firsts[j] < lo ? firsts[j] : lo;
+        hi = lengths[j] > hi ? lengths[j] : hi;
+    }
+    const int span = hi - lo;
+    float *qt = work, *scores = qt + (size_t)width * head_dim, *inv = scores + (size_t)span * width;
+    int32_t *lane_first = (int32_t *)(inv + width), *lane_end = lane_first + width;
+    for (int v = 0; v < width; v++) {
+        lane_first[v] = v < count ? firsts[v / per_kv] : 0;
+        lane_end[v] = v < count ? lengths[v / per_kv] : 0; /* padding lanes: no key */
+    }
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    for (int g = 0; g < kv_heads; g++) {
+        for (int v = 0; v < width; v++) {
+            float *column = qt + (size_t)(v / 16) * head_dim * 16 + v % 16;
+            if (v < count) {
+                const float *src = q + (size_t)(v / per_kv) * q_stride + (g * per_kv + v % per_kv) * head_dim;
+                for (int d = 0; d < head_dim; d++) column[d * 16] = src[d] * scaling;
+            } else {
+                for (int d = 0; d < head_dim; d++) column[d * 16] = 0.0f;
+            }
+        }
+        for (int i = lo; i < hi; i += WIDE_KEYS) {
+            const int n = hi - i < WIDE_KEYS ? hi - i : WIDE_KEYS;
+            const float *key[WIDE_KEYS];
+            for (int u = 0; u < WIDE_KEYS; u++)
+                key[u] = k_pool + (size_t)slots[i + (u < n ? u : n - 1)] * stride + g * head_dim;
+            if (g == 0)
+                for (int u = 0; u < WIDE_KEYS && i + ahead + u < hi; u++)
+                    prefetch_row(k_pool + (size_t)slots[i + ahead + u] * stride, stride);
+            for (int b = 0; b < blocks; b++) {
+                const float *block = qt + (size_t)b * head_dim * 16;
+                __m512 acc[WIDE_KEYS];
+                for (int u = 0; u < WIDE_KEYS; u++) acc[u] = _mm512_setzero_ps();
+                for (int d = 0; d < head_dim; d++) {
+                    __m512 w = _mm512_loadu_ps(block + d * 16);
+                    for (int u = 0; u < WIDE_KEYS; u++)
+                        acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(key[u][d]), w, acc[u]);
+                }
+                __m512i first = _mm512_loadu_si512(lane_first + 16 * b);
+                __m512i end = _mm512_loadu_si512(lane_end + 16 * b);
+                for (int u = 0; u < n; u++) {
+                    __m512i at = _mm512_set1_epi32(i + u);
+                    __mmask16 valid = _mm512_cmp_epi32_mask(at, first, _MM_CMPINT_NLT) &
+                                      _mm512_cmp_epi32_mask(at, end, _MM_CMPINT_LT);
+                    _mm512_storeu_ps(scores + (size_t)(i + u - lo) * width + 16 * b,
+                                     _mm512_mask_blend_ps(valid, neg_inf, acc[u]));
+                }
+            }
+        }
+        for (int b = 0; b < blocks; b++) {
+            __m512 top = neg_inf, total = _mm512_setzero_ps();
+            for (int i = 0; i < span; i++)
+                top = _mm512_max_ps(top, _mm512_loadu_ps(scores + (size_t)i * width + 16 * b));
+            for (int i = 0; i < span; i++) {
+                float *at = scores + (size_t)i * width + 16 * b;
+                __m512 x = _mm512_loadu_ps(at);
+                __mmask16 valid = _mm512_cmp_ps_mask(x, neg_inf, _CMP_GT_OQ);
+                __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(x, top)));
+                _mm512_storeu_ps(at, e);
+                total = _mm512_add_ps(total, e);
+            }
+            _mm512_storeu_ps(inv + 16 * b, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
+        }
+        const int per_pass = 16 / chunks;
+        for (int j = 0; j < r; j++)
+            for (int t0 = 0; t0 < per_kv; t0 += per_pass) {
+                const int these = per_kv - t0 < per_pass ? per_kv - t0 : per_pass;
+                const int v0 = j * per_kv + t0;
+                __m512 acc[4][8];
+                for (int t = 0; t < per_pass; t++)
+                    for (int c = 0; c < chunks; c++) acc[t][c] = _mm512_setzero_ps();
+                for (int i = firsts[j]; i < lengths[j]; i++) {
+                    const float *v = v_pool + (size_t)slots[i] * stride + g * head_dim;
+                    const float *p = scores + (size_t)(i - lo) * width + v0;
+                    __m512 value[8];
+                    for (int c = 0; c < chunks; c++) value[c] = _mm512_loadu_ps(v + 16 * c);
+                    for (int t = 0; t < per_pass; t++) {
+                        if (t < these) {
+                            __m512 weight = _mm512_set1_ps(p[t]);
+                            for (int c = 0; c < chunks; c++) acc[t][c] = _mm512_fmadd_ps(weight, value[c], acc[t][c]);
+                        }
+                    }
+                }
+                for (int t = 0; t < these; t++) {
+                    int h = g * per_kv + t0 + t;
+                    __m512 scale = _mm512_set1_ps(inv[v0 + t]);
+                    float *o = out + (size_t)j * out_stride + h * head_dim;
+                    for (int c = 0; c < chunks; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[t][c], scale));
+                }
+            }
+    }
+}
 #endif
 
 /* The rows r of one request (see attend_group512) over their keys: the group path where it
- * applies, else row by row. */
+ * applies (attend_wide512 for many query vectors unless `invariant`), else row by row. */
 static void attend(const float *q, int q_stride, int r, const int *firsts, const int *lengths,
                    int heads, int per_kv, const float *k_pool, const float *v_pool,
                    const int32_t *slots, int stride, int head_dim, float scaling, float *scores,
-                   float *totals, float *out, int out_stride) {
+                   float *totals, float *out, int out_stride, int invariant) {
+    (void)invariant; /* (no other path without AVX-512) */
 #ifdef __AVX512F__
+    if ((head_dim == 64 || head_dim == 128) && !invariant && r * per_kv >= WIDE_MIN) {
+        if (head_dim == 64)
+            attend_wide512(q, q_stride, r, firsts, lengths, heads, per_kv, k_pool, v_pool,
+                           slots, stride, 4, scaling, scores, out, out_stride);
+        else
+            attend_wide512(q, q_stride, r, firsts, lengths, heads, per_kv, k_pool, v_pool,
+                           slots, stride, 8, scaling, scores, out, out_stride);
+        return;
+    }
     if (head_dim == 64 || head_dim == 128) {
         if (head_dim == 64)
             attend_group512(q, q_stride, r, firsts, lengths, heads, per_kv, k_pool, v_pool,
@@ -347,7 +496,11 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
     float *wide = malloc(sizeof(float) * (size_t)m_rows * width);
     float *attended = malloc(sizeof(float) * (size_t)m_rows * q_size);
     float *projected = malloc(sizeof(float) * (size_t)m_rows * h);
-    float *scores = malloc(sizeof(float) * (size_t)longest * heads * MAX_GROUP);
+    /* attend_group512's scores, or attend_wide512's transposed queries, scores and bounds */
+    size_t lanes = (size_t)(MAX_GROUP * per_kv + 15) / 16 * 16;
+    size_t wide_work = lanes * (size_t)(hd + longest + 3);
+    size_t group_work = (size_t)longest * heads * MAX_GROUP;
+    float *scores = malloc(sizeof(float) * (wide_work > group_work ? wide_work : group_work));
     float *totals = malloc(sizeof(float) * (size_t)heads * MAX_GROUP);
     int code = 0;
     if (!normed || !wide || !attended || !projected || !scores || !totals) code = -2;
@@ -381,7 +534,8 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
             }
             attend(wide + (size_t)m * qkv_size, qkv_size, end - m, firsts, ends, heads, per_kv,
                    l->k_pool, l->v_pool, table + rows[m] * table_stride, kv_size, hd,
-                   shape->scaling, scores, totals, attended + (size_t)m * q_size, q_size);
+                   shape->scaling, scores, totals, attended + (size_t)m * q_size, q_size,
+                   shape->invariant);
         }
         if ((code = linear(&l->o, attended, m_rows, projected))) break;
         for (size_t i = 0; i < (size_t)m_rows * h; i++) hidden[i] += projected[i];

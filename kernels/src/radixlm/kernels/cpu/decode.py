@@ -118,6 +118,7 @@ class _Shape(ctypes.Structure):
         ("layers", ctypes.c_int32),
         ("eps", ctypes.c_float),
         ("scaling", ctypes.c_float),
+        ("invariant", ctypes.c_int32),
     ]
 
 
@@ -179,7 +180,9 @@ class DecodeLayers:
     """The decoder layers of one model, described once (their tensors are held, not copied:
     they must keep their storage, which loading weights in place does)."""
 
-    def __init__(self, shape: DecoderShape, layers: list[DecoderLayerWeights]) -> None:
+    def __init__(
+        self, shape: DecoderShape, layers: list[DecoderLayerWeights], invariant: bool = False
+    ) -> None:
         if not layers:
             raise ValueError("a decoder needs at least one layer")
         if shape.heads % shape.kv_heads:
@@ -192,7 +195,19 @@ class DecodeLayers:
             for layer in layers
             for weights in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
-        self.max_rows = cpu.F32_MAX_ROWS if float_only else cpu.MAX_ROWS
+        #: Whether every projection is float32 in panels: a call then takes a whole prefill.
+        self.panels_only = all(
+            weights.kind == "float32_panels"
+            for layer in layers
+            for weights in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
+        self.max_rows = (
+            cpu.PANELS_MAX_ROWS
+            if self.panels_only
+            else cpu.F32_MAX_ROWS
+            if float_only
+            else cpu.MAX_ROWS
+        )
         h, d = shape.hidden, shape.head_dim
         q, kv, inter = shape.heads * d, shape.kv_heads * d, shape.intermediate
         self._slots = layers[0].k_pool.shape[0]
@@ -219,7 +234,7 @@ class DecodeLayers:
             )
         self._c_shape = _Shape(
             h, shape.heads, shape.kv_heads, d, inter, len(layers), shape.rms_norm_eps,
-            shape.scaling,
+            shape.scaling, int(invariant),
         )  # fmt: skip
         library = cpu._loaded()
         function = library.radixlm_decode_layers

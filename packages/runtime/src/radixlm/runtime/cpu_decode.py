@@ -259,7 +259,7 @@ class CpuDecodePath:
             count = len(positions)
             invariant = Invariant(head, head_rows, cos.reshape(count, -1), sin.reshape(count, -1))
         try:
-            layers = DecodeLayers(shape, weights)
+            layers = DecodeLayers(shape, weights, invariant=deterministic)
         except ValueError as error:
             raise NotTaken(str(error)) from None
         return cls(model, layers, head=_float_head(model, deterministic), invariant=invariant)
@@ -290,7 +290,11 @@ class CpuDecodePath:
         return (
             # Decode steps up to max_batch; other steps only in one call (past it, a GEMM
             # over the prefill rows costs less than reading the weights once per call).
-            (tokens == batch.batch_size <= self.max_batch or tokens <= kernels.cpu.MAX_ROWS)
+            (
+                tokens == batch.batch_size <= self.max_batch
+                or tokens <= kernels.cpu.MAX_ROWS
+                or self.layers.panels_only
+            )
             and batch.input_embeds is None
             and batch.mrope_positions is None
             and torch.get_num_threads() == 1
