@@ -286,3 +286,44 @@ def test_a_prefill_chunk_attends_as_the_reference(head_dim: int, window: int | N
     invariant = hidden.clone()
     DecodeLayers(shape, layers, invariant=True)(invariant, *step)
     torch.testing.assert_close(invariant, want, atol=2e-3, rtol=1e-3)
+
+
+def _shared_prefix_step(head_dim: int) -> tuple[torch.Tensor, ...]:
+    """A step whose first three requests share their first 40 keys (as the radix cache
+    shares a prefix's slots): two decodes and a request adding three tokens, then a fourth
+    request that shares nothing."""
+    gen = torch.Generator().manual_seed(7)
+    order = torch.randperm(SLOTS, generator=gen).to(torch.int32)
+    table = torch.zeros(5, 64, dtype=torch.int32)
+    shared, own = order[:40], iter(order[40:].tolist())
+    ends = {1: 45, 2: 52, 3: 46, 4: 20}
+    for row, end in ends.items():
+        first = 40 if row < 4 else 0
+        if row < 4:
+            table[row, :40] = shared
+        table[row, first:end] = torch.tensor([next(own) for _ in range(end - first)])
+    rows = torch.tensor([1, 2, 3, 3, 3, 4], dtype=torch.int64)
+    lengths = torch.tensor([45, 52, 44, 45, 46, 20], dtype=torch.int64)
+    out_slots = torch.stack([table[r, n - 1] for r, n in zip(rows, lengths, strict=True)]).long()
+    angles = torch.rand(len(rows), head_dim // 2, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), out_slots, table, rows, lengths
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 7])
+def test_requests_that_share_a_prefix_attend_as_the_reference(
+    head_dim: int, window: int | None
+) -> None:
+    """Requests whose keys begin with the same slots (on AVX-512 they attend together, the
+    shared keys read once for all: not in a layer with a window) against the torch layers,
+    by default and batch-invariant."""
+    shape, layers = _model("float32", 32, qk_norm=False, bias=True, window=window, heads=6,
+                           kv_heads=2, head_dim=head_dim, layers=2)  # fmt: skip
+    step = _shared_prefix_step(head_dim)
+    hidden = torch.randn(6, shape.hidden, generator=torch.Generator().manual_seed(8))
+    got, want, *_pools = _run_both(shape, layers, hidden, step)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+    invariant = hidden.clone()
+    DecodeLayers(shape, layers, invariant=True)(invariant, *step)
+    torch.testing.assert_close(invariant, want, atol=2e-3, rtol=1e-3)

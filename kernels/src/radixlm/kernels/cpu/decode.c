@@ -208,6 +208,9 @@ static void attend_any(const float *q, int heads, int per_kv, const float *k_poo
     }
 }
 
+/* The most rows of one request attended together. */
+#define MAX_GROUP 16
+
 #ifdef __AVX512F__
 /* The rows r of one request in this step (a decode alone, or a verify step's token and its
  * drafts) over their keys: row j's queries q + j * q_stride ([heads, head_dim]) over keys
@@ -312,34 +315,36 @@ static inline __m512 exp512(__m512 x) {
  * most of its lanes would be padding. */
 #define WIDE_MIN 8
 
-/* The rows r of one request over their keys, as attend_group512, for groups with many query
- * vectors (a prefill chunk's rows x the query heads of a KV head): the vectors go across the
- * lanes instead of the head dimension, so a key's scores for sixteen of them are one vector
- * and need no horizontal sum. Per KV head: the group's queries, scaled, transposed into
- * `work` ([blocks][head_dim][16]); scores [keys][blocks x 16] after them, each key's row
- * multiplied into every block (WIDE_KEYS keys at a time), keys outside a row's range -inf;
- * a softmax down each lane; then the values as attend_group512 sums them (per row, up to
- * 16 / chunks of its heads at once). The sums run in another order than attend_group512's
- * (a row's results depend on nothing beside it here either, but differ from that path's in
- * the last bits): batch-invariant inference keeps to the one path. `work` holds
- * 16 x blocks x (head_dim + keys + 2) floats. */
+/* Rows r (consecutive in the step: queries q + j * q_stride, [heads, head_dim]) over a list
+ * of `span` keys (`keys`: pool slots), row j attending to the keys at list positions
+ * [a_j, b_j) and [c_j, d_j), as attend_group512 computes attention, for many query vectors
+ * at once (rows x the query heads of a KV head): the vectors go across the lanes instead of
+ * the head dimension, so a key's scores for sixteen of them are one vector and need no
+ * horizontal sum. One request's rows (a prefill chunk: its keys, one range each), or the
+ * rows of several requests that share a cached prefix (their common keys first, each
+ * request's own after them: see `cluster`), which then reads the prefix once for all.
+ * Per KV head: the queries, scaled, transposed into `work` ([blocks][head_dim][16]);
+ * scores [keys][blocks x 16] after them, each key's row multiplied into every block
+ * (WIDE_KEYS keys at a time), keys outside a row's ranges -inf; a softmax down each lane;
+ * then the values as attend_group512 sums them (per row, up to 16 / chunks of its heads at
+ * once). The sums run in another order than attend_group512's (a row's results depend on
+ * nothing beside it here either, but differ from that path's in the last bits):
+ * batch-invariant inference keeps to that one. `work` holds
+ * 16 x blocks x (head_dim + span + 5) floats. */
 static inline __attribute__((always_inline)) void attend_wide512(
-    const float *q, int q_stride, int r, const int *firsts, const int *lengths, int heads,
-    int per_kv, const float *k_pool, const float *v_pool, const int32_t *slots, int stride,
-    const int chunks, float scaling, float *work, float *out, int out_stride) {
+    const float *q, int q_stride, int r, const int *a, const int *b, const int *c, const int *d,
+    int heads, int per_kv, const float *k_pool, const float *v_pool, const int32_t *keys,
+    int span, int stride, const int chunks, float scaling, float *work, float *out,
+    int out_stride) {
     const int ahead = 6, head_dim = chunks * 16, kv_heads = heads / per_kv;
     const int count = r * per_kv, blocks = (count + 15) / 16, width = blocks * 16;
-    int lo = firsts[0], hi = lengths[0];
-    for (int j = 1; j < r; j++) {
-        lo = firsts[j] < lo ? firsts[j] : lo;
-        hi = lengths[j] > hi ? lengths[j] : hi;
-    }
-    const int span = hi - lo;
     float *qt = work, *scores = qt + (size_t)width * head_dim, *inv = scores + (size_t)span * width;
-    int32_t *lane_first = (int32_t *)(inv + width), *lane_end = lane_first + width;
-    for (int v = 0; v < width; v++) {
-        lane_first[v] = v < count ? firsts[v / per_kv] : 0;
-        lane_end[v] = v < count ? lengths[v / per_kv] : 0; /* padding lanes: no key */
+    int32_t *lane_a = (int32_t *)(inv + width), *lane_b = lane_a + width;
+    int32_t *lane_c = lane_b + width, *lane_d = lane_c + width;
+    for (int v = 0; v < width; v++) { /* padding lanes: no key */
+        int j = v / per_kv;
+        lane_a[v] = v < count ? a[j] : 0, lane_b[v] = v < count ? b[j] : 0;
+        lane_c[v] = v < count ? c[j] : 0, lane_d[v] = v < count ? d[j] : 0;
     }
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     for (int g = 0; g < kv_heads; g++) {
@@ -347,52 +352,54 @@ static inline __attribute__((always_inline)) void attend_wide512(
             float *column = qt + (size_t)(v / 16) * head_dim * 16 + v % 16;
             if (v < count) {
                 const float *src = q + (size_t)(v / per_kv) * q_stride + (g * per_kv + v % per_kv) * head_dim;
-                for (int d = 0; d < head_dim; d++) column[d * 16] = src[d] * scaling;
+                for (int e = 0; e < head_dim; e++) column[e * 16] = src[e] * scaling;
             } else {
-                for (int d = 0; d < head_dim; d++) column[d * 16] = 0.0f;
+                for (int e = 0; e < head_dim; e++) column[e * 16] = 0.0f;
             }
         }
-        for (int i = lo; i < hi; i += WIDE_KEYS) {
-            const int n = hi - i < WIDE_KEYS ? hi - i : WIDE_KEYS;
+        for (int i = 0; i < span; i += WIDE_KEYS) {
+            const int n = span - i < WIDE_KEYS ? span - i : WIDE_KEYS;
             const float *key[WIDE_KEYS];
             for (int u = 0; u < WIDE_KEYS; u++)
-                key[u] = k_pool + (size_t)slots[i + (u < n ? u : n - 1)] * stride + g * head_dim;
+                key[u] = k_pool + (size_t)keys[i + (u < n ? u : n - 1)] * stride + g * head_dim;
             if (g == 0)
-                for (int u = 0; u < WIDE_KEYS && i + ahead + u < hi; u++)
-                    prefetch_row(k_pool + (size_t)slots[i + ahead + u] * stride, stride);
-            for (int b = 0; b < blocks; b++) {
-                const float *block = qt + (size_t)b * head_dim * 16;
+                for (int u = 0; u < WIDE_KEYS && i + ahead + u < span; u++)
+                    prefetch_row(k_pool + (size_t)keys[i + ahead + u] * stride, stride);
+            for (int blk = 0; blk < blocks; blk++) {
+                const float *block = qt + (size_t)blk * head_dim * 16;
                 __m512 acc[WIDE_KEYS];
                 for (int u = 0; u < WIDE_KEYS; u++) acc[u] = _mm512_setzero_ps();
-                for (int d = 0; d < head_dim; d++) {
-                    __m512 w = _mm512_loadu_ps(block + d * 16);
+                for (int e = 0; e < head_dim; e++) {
+                    __m512 w = _mm512_loadu_ps(block + e * 16);
                     for (int u = 0; u < WIDE_KEYS; u++)
-                        acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(key[u][d]), w, acc[u]);
+                        acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(key[u][e]), w, acc[u]);
                 }
-                __m512i first = _mm512_loadu_si512(lane_first + 16 * b);
-                __m512i end = _mm512_loadu_si512(lane_end + 16 * b);
+                __m512i la = _mm512_loadu_si512(lane_a + 16 * blk), lb = _mm512_loadu_si512(lane_b + 16 * blk);
+                __m512i lc = _mm512_loadu_si512(lane_c + 16 * blk), ld = _mm512_loadu_si512(lane_d + 16 * blk);
                 for (int u = 0; u < n; u++) {
                     __m512i at = _mm512_set1_epi32(i + u);
-                    __mmask16 valid = _mm512_cmp_epi32_mask(at, first, _MM_CMPINT_NLT) &
-                                      _mm512_cmp_epi32_mask(at, end, _MM_CMPINT_LT);
-                    _mm512_storeu_ps(scores + (size_t)(i + u - lo) * width + 16 * b,
+                    __mmask16 valid = (_mm512_cmp_epi32_mask(at, la, _MM_CMPINT_NLT) &
+                                       _mm512_cmp_epi32_mask(at, lb, _MM_CMPINT_LT)) |
+                                      (_mm512_cmp_epi32_mask(at, lc, _MM_CMPINT_NLT) &
+                                       _mm512_cmp_epi32_mask(at, ld, _MM_CMPINT_LT));
+                    _mm512_storeu_ps(scores + (size_t)(i + u) * width + 16 * blk,
                                      _mm512_mask_blend_ps(valid, neg_inf, acc[u]));
                 }
             }
         }
-        for (int b = 0; b < blocks; b++) {
+        for (int blk = 0; blk < blocks; blk++) {
             __m512 top = neg_inf, total = _mm512_setzero_ps();
             for (int i = 0; i < span; i++)
-                top = _mm512_max_ps(top, _mm512_loadu_ps(scores + (size_t)i * width + 16 * b));
+                top = _mm512_max_ps(top, _mm512_loadu_ps(scores + (size_t)i * width + 16 * blk));
             for (int i = 0; i < span; i++) {
-                float *at = scores + (size_t)i * width + 16 * b;
+                float *at = scores + (size_t)i * width + 16 * blk;
                 __m512 x = _mm512_loadu_ps(at);
                 __mmask16 valid = _mm512_cmp_ps_mask(x, neg_inf, _CMP_GT_OQ);
                 __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(x, top)));
                 _mm512_storeu_ps(at, e);
                 total = _mm512_add_ps(total, e);
             }
-            _mm512_storeu_ps(inv + 16 * b, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
+            _mm512_storeu_ps(inv + 16 * blk, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
         }
         const int per_pass = 16 / chunks;
         for (int j = 0; j < r; j++)
@@ -401,16 +408,20 @@ static inline __attribute__((always_inline)) void attend_wide512(
                 const int v0 = j * per_kv + t0;
                 __m512 acc[4][8];
                 for (int t = 0; t < per_pass; t++)
-                    for (int c = 0; c < chunks; c++) acc[t][c] = _mm512_setzero_ps();
-                for (int i = firsts[j]; i < lengths[j]; i++) {
-                    const float *v = v_pool + (size_t)slots[i] * stride + g * head_dim;
-                    const float *p = scores + (size_t)(i - lo) * width + v0;
-                    __m512 value[8];
-                    for (int c = 0; c < chunks; c++) value[c] = _mm512_loadu_ps(v + 16 * c);
-                    for (int t = 0; t < per_pass; t++) {
-                        if (t < these) {
-                            __m512 weight = _mm512_set1_ps(p[t]);
-                            for (int c = 0; c < chunks; c++) acc[t][c] = _mm512_fmadd_ps(weight, value[c], acc[t][c]);
+                    for (int k = 0; k < chunks; k++) acc[t][k] = _mm512_setzero_ps();
+                for (int range = 0; range < 2; range++) {
+                    const int from = range ? c[j] : a[j], to = range ? d[j] : b[j];
+                    for (int i = from; i < to; i++) {
+                        const float *v = v_pool + (size_t)keys[i] * stride + g * head_dim;
+                        const float *p = scores + (size_t)i * width + v0;
+                        __m512 value[8];
+                        for (int k = 0; k < chunks; k++) value[k] = _mm512_loadu_ps(v + 16 * k);
+                        for (int t = 0; t < per_pass; t++) {
+                            if (t < these) {
+                                __m512 weight = _mm512_set1_ps(p[t]);
+                                for (int k = 0; k < chunks; k++)
+                                    acc[t][k] = _mm512_fmadd_ps(weight, value[k], acc[t][k]);
+                            }
                         }
                     }
                 }
@@ -418,10 +429,78 @@ static inline __attribute__((always_inline)) void attend_wide512(
                     int h = g * per_kv + t0 + t;
                     __m512 scale = _mm512_set1_ps(inv[v0 + t]);
                     float *o = out + (size_t)j * out_stride + h * head_dim;
-                    for (int c = 0; c < chunks; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[t][c], scale));
+                    for (int k = 0; k < chunks; k++) _mm512_storeu_ps(o + 16 * k, _mm512_mul_ps(acc[t][k], scale));
                 }
             }
     }
+}
+
+/* attend_wide512 for head dims 64 and 128 (the chunk count a constant in each copy). */
+static void attend_wide(const float *q, int q_stride, int r, const int *a, const int *b,
+                        const int *c, const int *d, int heads, int per_kv, const float *k_pool,
+                        const float *v_pool, const int32_t *keys, int span, int stride,
+                        int head_dim, float scaling, float *work, float *out, int out_stride) {
+    if (head_dim == 64)
+        attend_wide512(q, q_stride, r, a, b, c, d, heads, per_kv, k_pool, v_pool, keys, span,
+                       stride, 4, scaling, work, out, out_stride);
+    else
+        attend_wide512(q, q_stride, r, a, b, c, d, heads, per_kv, k_pool, v_pool, keys, span,
+                       stride, 8, scaling, work, out, out_stride);
+}
+
+/* Requests that share a cached prefix attend together (attend_wide512 reading the shared
+ * keys once for all of them): consecutive requests whose table rows begin with the same
+ * slots, at least CLUSTER_MIN of them, CLUSTER_ROWS rows at most. */
+#define CLUSTER_MIN 32
+#define CLUSTER_ROWS 32
+
+/* The cluster that begins at row m (the first row of a request): the row past its last, or
+ * m when fewer than two requests share CLUSTER_MIN keys; `*shared` the keys they share (no
+ * more than any of its rows attends to). */
+static int cluster(const int32_t *table, int64_t table_stride, const int64_t *rows,
+                   const int64_t *lengths, int m, int m_rows, int *shared) {
+    const int32_t *first = table + rows[m] * table_stride;
+    int end = m, prefix = 0, requests = 0;
+    while (end < m_rows) {
+        int next = end, least = (int)lengths[end];
+        for (; next < m_rows && rows[next] == rows[end]; next++)
+            least = lengths[next] < least ? (int)lengths[next] : least;
+        if (next - m > CLUSTER_ROWS) break;
+        int common = requests ? (least < prefix ? least : prefix) : least;
+        if (requests) {
+            const int32_t *own = table + rows[end] * table_stride;
+            int p = 0;
+            while (p < common && own[p] == first[p]) p++;
+            common = p;
+        }
+        if (common < CLUSTER_MIN) break;
+        prefix = common, end = next, requests++;
+    }
+    *shared = prefix;
+    return requests >= 2 ? end : m;
+}
+
+/* A cluster's key list (its shared keys, then each request's own after them) into `keys`,
+ * and each of its rows' two ranges of the list; returns the list's length. */
+static int cluster_keys(const int32_t *table, int64_t table_stride, const int64_t *rows,
+                        const int64_t *lengths, int m, int end, int shared, int32_t *keys,
+                        int *a, int *b, int *c, int *d) {
+    if (keys) memcpy(keys, table + rows[m] * table_stride, sizeof(int32_t) * (size_t)shared);
+    int span = shared;
+    for (int start = m, next; start < end; start = next) {
+        int most = 0;
+        for (next = start; next < end && rows[next] == rows[start]; next++) {
+            int length = (int)lengths[next];
+            a[next - m] = 0, b[next - m] = shared;
+            c[next - m] = span, d[next - m] = span + length - shared;
+            most = length > most ? length : most;
+        }
+        if (keys)
+            memcpy(keys + span, table + rows[start] * table_stride + shared,
+                   sizeof(int32_t) * (size_t)(most - shared));
+        span += most - shared;
+    }
+    return span;
 }
 #endif
 
@@ -434,12 +513,14 @@ static void attend(const float *q, int q_stride, int r, const int *firsts, const
     (void)invariant; /* (no other path without AVX-512) */
 #ifdef __AVX512F__
     if ((head_dim == 64 || head_dim == 128) && !invariant && r * per_kv >= WIDE_MIN) {
-        if (head_dim == 64)
-            attend_wide512(q, q_stride, r, firsts, lengths, heads, per_kv, k_pool, v_pool,
-                           slots, stride, 4, scaling, scores, out, out_stride);
-        else
-            attend_wide512(q, q_stride, r, firsts, lengths, heads, per_kv, k_pool, v_pool,
-                           slots, stride, 8, scaling, scores, out, out_stride);
+        int lo = firsts[0], hi = lengths[0], a[MAX_GROUP], b[MAX_GROUP], none[MAX_GROUP] = {0};
+        for (int j = 1; j < r; j++) {
+            lo = firsts[j] < lo ? firsts[j] : lo;
+            hi = lengths[j] > hi ? lengths[j] : hi;
+        }
+        for (int j = 0; j < r; j++) a[j] = firsts[j] - lo, b[j] = lengths[j] - lo;
+        attend_wide(q, q_stride, r, a, b, none, none, heads, per_kv, k_pool, v_pool, slots + lo,
+                    hi - lo, stride, head_dim, scaling, scores, out, out_stride);
         return;
     }
     if (head_dim == 64 || head_dim == 128) {
@@ -458,8 +539,6 @@ static void attend(const float *q, int q_stride, int r, const int *firsts, const
                    out + (size_t)j * out_stride);
 }
 
-/* The most rows of one request attended together. */
-#define MAX_GROUP 16
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
@@ -498,12 +577,46 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
     float *projected = malloc(sizeof(float) * (size_t)m_rows * h);
     /* attend_group512's scores, or attend_wide512's transposed queries, scores and bounds */
     size_t lanes = (size_t)(MAX_GROUP * per_kv + 15) / 16 * 16;
-    size_t wide_work = lanes * (size_t)(hd + longest + 3);
+    size_t wide_work = lanes * (size_t)(hd + longest + 5);
     size_t group_work = (size_t)longest * heads * MAX_GROUP;
-    float *scores = malloc(sizeof(float) * (wide_work > group_work ? wide_work : group_work));
+    size_t work = wide_work > group_work ? wide_work : group_work;
+    /* clusters[m]: the row past the cluster that begins at row m, or 0; spans[m] its key
+     * list's length, key_at[m] where the list begins in `keys`; ra..rd each row's ranges */
+    int *index = calloc((size_t)m_rows * 7, sizeof(int)), total_keys = 0;
+    int *clusters = index, *spans = index + m_rows, *key_at = index + 2 * m_rows;
+    int *ra = index + 3 * m_rows, *rb = index + 4 * m_rows, *rc = index + 5 * m_rows;
+    int *rd = index + 6 * m_rows;
+    int32_t *keys = NULL;
+    (void)clusters, (void)spans, (void)key_at, (void)ra, (void)rb, (void)rc, (void)rd;
+#ifdef __AVX512F__
+    if (index && !shape->invariant && (hd == 64 || hd == 128)) {
+        for (int m = 0, end; m < m_rows; m = end) {
+            int shared;
+            end = cluster(table, table_stride, rows, lengths, m, m_rows, &shared);
+            if (end == m) { /* the next request */
+                while (end < m_rows && rows[end] == rows[m]) end++;
+                continue;
+            }
+            clusters[m] = end, key_at[m] = total_keys;
+            spans[m] = cluster_keys(table, table_stride, rows, lengths, m, end, shared, NULL,
+                                    ra + m, rb + m, rc + m, rd + m);
+            total_keys += spans[m];
+            size_t lanes_here = (size_t)((end - m) * per_kv + 15) / 16 * 16;
+            size_t need = lanes_here * (size_t)(hd + spans[m] + 5);
+            work = need > work ? need : work;
+        }
+        keys = malloc(sizeof(int32_t) * (size_t)(total_keys > 0 ? total_keys : 1));
+        for (int m = 0; keys && m < m_rows; m++)
+            if (clusters[m])
+                cluster_keys(table, table_stride, rows, lengths, m, clusters[m], rb[m],
+                             keys + key_at[m], ra + m, rb + m, rc + m, rd + m);
+    }
+#endif
+    float *scores = malloc(sizeof(float) * work);
     float *totals = malloc(sizeof(float) * (size_t)heads * MAX_GROUP);
     int code = 0;
-    if (!normed || !wide || !attended || !projected || !scores || !totals) code = -2;
+    if (!normed || !wide || !attended || !projected || !scores || !totals || !index) code = -2;
+    if (total_keys && !keys) code = -2;
     for (int layer = 0; layer < shape->layers && !code; layer++) {
         const RlmLayer *l = layers + layer;
         for (int m = 0; m < m_rows; m++)
@@ -523,9 +636,19 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
             memcpy(l->k_pool + (size_t)out_slots[m] * kv_size, k, sizeof(float) * kv_size);
             memcpy(l->v_pool + (size_t)out_slots[m] * kv_size, v, sizeof(float) * kv_size);
         }
-        /* rows of one request together (their new K/V all in the pool now: a row's keys end
-         * at its own token) */
+        /* rows of one request together, or of requests that share a prefix (their new K/V
+         * all in the pool now: a row's keys end at its own token) */
         for (int m = 0, end; m < m_rows; m = end) {
+#ifdef __AVX512F__
+            if (clusters[m] && !l->window) {
+                end = clusters[m];
+                attend_wide(wide + (size_t)m * qkv_size, qkv_size, end - m, ra + m, rb + m,
+                            rc + m, rd + m, heads, per_kv, l->k_pool, l->v_pool,
+                            keys + key_at[m], spans[m], kv_size, hd, shape->scaling, scores,
+                            attended + (size_t)m * q_size, q_size);
+                continue;
+            }
+#endif
             int firsts[MAX_GROUP], ends[MAX_GROUP];
             for (end = m; end < m_rows && end - m < MAX_GROUP && rows[end] == rows[m]; end++) {
                 int length = (int)lengths[end];
@@ -550,5 +673,6 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
         for (size_t i = 0; i < (size_t)m_rows * h; i++) hidden[i] += projected[i];
     }
     free(normed), free(wide), free(attended), free(projected), free(scores), free(totals);
+    free(index), free(keys);
     return code;
 }
