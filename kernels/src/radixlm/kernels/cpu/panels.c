@@ -182,10 +182,13 @@ int radixlm_f32_panels(const float *x, int m_rows, int k, const float *panels, i
             default: tile512(xm, k, tile, p0, p1, om, (size_t)n, first, width);
             }
 #elif defined(RADIXLM_PANELS_AVX2)
-            if (tile == TILE_ROWS && p1)
-                tile256(xm, k, TILE_ROWS, p0, p1, om, (size_t)n, first, width);
-            else
-                tile256(xm, k, tile, p0, p1, om, (size_t)n, first, width);
+            switch (p1 ? tile : 0) {
+            case 4: tile256(xm, k, 4, p0, p1, om, (size_t)n, first, width); break;
+            case 3: tile256(xm, k, 3, p0, p1, om, (size_t)n, first, width); break;
+            case 2: tile256(xm, k, 2, p0, p1, om, (size_t)n, first, width); break;
+            case 1: tile256(xm, k, 1, p0, p1, om, (size_t)n, first, width); break;
+            default: tile256(xm, k, tile, p0, p1, om, (size_t)n, first, width);
+            }
 #else
             tile_c(xm, k, tile, p0, p1, om, (size_t)n, first, width);
 #endif
