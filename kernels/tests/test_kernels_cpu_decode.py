@@ -271,6 +271,16 @@ def test_rows_of_one_request_attend_together_as_the_reference_and_as_alone(
         layer.v_pool.copy_(v)
 
 
+def _both_forms_match_the_reference(shape: DecoderShape, layers: list[DecoderLayerWeights],
+                                    hidden: torch.Tensor, step: tuple[torch.Tensor, ...]) -> None:  # fmt: skip
+    """The layers by default and built batch-invariant, each against the torch layers."""
+    got, want, *_pools = _run_both(shape, layers, hidden, step)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+    invariant = hidden.clone()
+    DecodeLayers(shape, layers, invariant=True)(invariant, *step)
+    torch.testing.assert_close(invariant, want, atol=2e-3, rtol=1e-3)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [None, 7])
 def test_a_prefill_chunk_attends_as_the_reference(head_dim: int, window: int | None) -> None:
@@ -281,11 +291,7 @@ def test_a_prefill_chunk_attends_as_the_reference(head_dim: int, window: int | N
                            kv_heads=2, head_dim=head_dim, layers=2)  # fmt: skip
     step = _verify_step(51, 37, 30, head_dim, width=96)
     hidden = torch.randn(38, shape.hidden, generator=torch.Generator().manual_seed(6))
-    got, want, *_pools = _run_both(shape, layers, hidden, step)
-    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
-    invariant = hidden.clone()
-    DecodeLayers(shape, layers, invariant=True)(invariant, *step)
-    torch.testing.assert_close(invariant, want, atol=2e-3, rtol=1e-3)
+    _both_forms_match_the_reference(shape, layers, hidden, step)
 
 
 def _shared_prefix_step(head_dim: int) -> tuple[torch.Tensor, ...]:
@@ -322,8 +328,4 @@ def test_requests_that_share_a_prefix_attend_as_the_reference(
                            kv_heads=2, head_dim=head_dim, layers=2)  # fmt: skip
     step = _shared_prefix_step(head_dim)
     hidden = torch.randn(6, shape.hidden, generator=torch.Generator().manual_seed(8))
-    got, want, *_pools = _run_both(shape, layers, hidden, step)
-    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
-    invariant = hidden.clone()
-    DecodeLayers(shape, layers, invariant=True)(invariant, *step)
-    torch.testing.assert_close(invariant, want, atol=2e-3, rtol=1e-3)
+    _both_forms_match_the_reference(shape, layers, hidden, step)

@@ -1,5 +1,6 @@
-/* A decode step through a Llama-like model's decoder layers in one call, for few rows on
- * one CPU thread: per layer RMSNorm, the q/k/v projection, per-head q/k RMSNorm (Qwen3),
+/* A step through a Llama-like model's decoder layers in one call, on one CPU thread: a
+ * decode's few rows, or with weights in panels a whole prefill chunk's (each new token a row
+ * with its own length): per layer RMSNorm, the q/k/v projection, per-head q/k RMSNorm (Qwen3),
  * the rotary embedding, the new token's K/V written into the pool, attention over each
  * request's cached keys (a sliding window when the layer has one), the output projection,
  * the residual, RMSNorm, gate/up, SiLU x up, the down projection and the residual.

@@ -3,10 +3,19 @@
 The model's weights are described once (`DecoderShape`, one `DecoderLayerWeights` per layer,
 their projections as `LinearWeights` in the int4 or int8 layouts of `int4_linear` and
 `int8_linear`, or float32 as `f32_linear` or, in panels, `f32_panel_linear` takes them), then
-`DecodeLayers(...)(hidden, ...)` runs a step of up to `max_rows` requests,
-each adding one token: the residual stream `hidden` is updated in place and each new token's
-K/V is written into the layers' float32 pools. The arithmetic is that of the per-layer torch
-path with these kernels' products, so the two agree to float32 rounding.
+`DecodeLayers(...)(hidden, ...)` runs a step of up to `max_rows` new tokens (a decode's
+one per request, a verify step's several, or a prefill chunk's, each a row with its own
+length): the residual stream `hidden` is updated in place and each new token's K/V is
+written into the layers' float32 pools. The arithmetic is that of the per-layer torch path
+with these kernels' products, so the two agree to float32 rounding.
+
+Attention (AVX-512, head dims 64 and 128): a request's rows attend together, each key read
+once for all of them. Many rows of one request (a prefill chunk), and the rows of
+consecutive requests whose tables begin with the same slots (a prefix the radix cache
+shares: the shared keys are then read once for all of those requests), take a wide form,
+the query vectors across the lanes so that scores need no horizontal sums; its sums run in
+another order. Built ``invariant=True`` (batch-invariant inference) the layers keep to the
+one form whose results for a row are the same bits whatever rows share its call.
 """
 
 from __future__ import annotations
@@ -183,6 +192,8 @@ class DecodeLayers:
     def __init__(
         self, shape: DecoderShape, layers: list[DecoderLayerWeights], invariant: bool = False
     ) -> None:
+        """`invariant`: a row's results the same bits whatever rows share its call (the wide
+        attention, whose sums run in another order, is then not used; see the module)."""
         if not layers:
             raise ValueError("a decoder needs at least one layer")
         if shape.heads % shape.kv_heads:

@@ -14,10 +14,16 @@ of its own), when the model and its KV pool are float32 and every projection is
   per-layer path (activations rounded to int8 per 32 columns);
 - or plain float32, when the model is built on one torch thread: those layers then hold
   their weights in panels instead of packing them for oneDNN (`PackedWeight.use_panels`: the
-  plain weight released, prefills multiply the panels too, in C).
+  plain weight released), and the path takes every step, prefills and mixed steps too, in
+  calls of up to `kernels.cpu.PANELS_MAX_ROWS` tokens: the panel products take any number of
+  rows at full speed, so a mixed step reads the weights once for its decodes and its prefill
+  chunks together, and a prefill skips the ~60 torch operations per layer as a decode does.
 
-The norms, rotary embedding, K/V writes and attention run in C too; the embedding lookup
-and the final norm stay in torch. A float32 LM head (on one thread) multiplies in C as well,
+The norms, rotary embedding, K/V writes and attention run in C too (on AVX-512 a prefill
+chunk's rows attend with the query vectors across the lanes, and requests that share a
+cached prefix, as the radix cache shares its slots, read the shared keys once for all of
+them: see `radixlm.kernels.cpu.decode`); the embedding lookup and the final norm stay in
+torch. A float32 LM head (on one thread) multiplies in C as well,
 every step's rows (`logits`), from its weight in panels (`kernels.cpu.pack_f32_panels`, laid
 out when the path is built, so again after weights are loaded; the head's packing holds them,
 so `compute_logits` reads them too): memory-bound at a few rows, the product then streams the
@@ -282,14 +288,16 @@ class CpuDecodePath:
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether this step is one the path takes: a decode step of at most `max_batch`
         requests, or any step of at most `kernels.cpu.MAX_ROWS` new tokens in all (decodes
-        beside a short prefill chunk or a jump-forward extend); no given embeddings or M-RoPE
-        positions; one torch thread."""
+        beside a short prefill chunk or a jump-forward extend), or, when every projection is
+        float32 in panels, any step; no given embeddings or M-RoPE positions; one torch
+        thread."""
         if self.invariant is not None:  # every step (M-RoPE models the build refuses)
             return batch.mrope_positions is None
         tokens = batch.num_tokens
         return (
             # Decode steps up to max_batch; other steps only in one call (past it, a GEMM
-            # over the prefill rows costs less than reading the weights once per call).
+            # over the prefill rows costs less than reading the weights once per call),
+            # unless the products are the panels', which take a whole chunk in one call.
             (
                 tokens == batch.batch_size <= self.max_batch
                 or tokens <= kernels.cpu.MAX_ROWS
