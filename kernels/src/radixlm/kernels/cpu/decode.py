@@ -200,25 +200,21 @@ class DecodeLayers:
             raise ValueError(f"{shape.heads} heads do not split over {shape.kv_heads} KV heads")
         self.shape = shape
         self._layers = layers  # keeps every tensor the structures point to alive
-        #: The most rows a call takes: F32_MAX_ROWS when every product is float32.
-        float_only = all(
-            weights.kind in ("float32", "float32_panels")
+        kinds = {
+            weights.kind
             for layer in layers
             for weights in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        )
+        }
         #: Whether every projection is float32 in panels: a call then takes a whole prefill.
-        self.panels_only = all(
-            weights.kind == "float32_panels"
-            for layer in layers
-            for weights in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        )
-        self.max_rows = (
-            cpu.PANELS_MAX_ROWS
-            if self.panels_only
-            else cpu.F32_MAX_ROWS
-            if float_only
-            else cpu.MAX_ROWS
-        )
+        self.panels_only = kinds == {"float32_panels"}
+        # max_rows, the most rows a call takes: all of a chunk in panels, F32_MAX_ROWS when
+        # every product is float32, else MAX_ROWS.
+        if self.panels_only:
+            self.max_rows = cpu.PANELS_MAX_ROWS
+        elif kinds <= {"float32", "float32_panels"}:
+            self.max_rows = cpu.F32_MAX_ROWS
+        else:
+            self.max_rows = cpu.MAX_ROWS
         h, d = shape.hidden, shape.head_dim
         q, kv, inter = shape.heads * d, shape.kv_heads * d, shape.intermediate
         self._slots = layers[0].k_pool.shape[0]
