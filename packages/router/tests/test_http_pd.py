@@ -49,6 +49,8 @@ def test_both_workers_get_the_same_body_with_the_bootstrap_fields(
     answer = httpx.post(front.url + "/generate", json=body)
     assert answer.status_code == 200
     assert answer.content == decode.sent[0]  # the decode worker's answer, not the prefill's
+    # The prefill half runs beside the decode half, so it may land after the answer.
+    _wait(lambda: len(prefill.raw) == len(decode.raw))
     assert prefill.raw == decode.raw  # the same bytes
     (sent,) = decode.bodies
     assert sent["text"] == "hello" and sent["sampling_params"] == {"max_new_tokens": 4}
@@ -75,6 +77,7 @@ def test_openai_routes_carry_the_fields_at_the_top_level(workers: Workers, route
     completion = {"model": "fake", "prompt": "once upon", "max_tokens": 3}
     assert httpx.post(front.url + "/v1/chat/completions", json=chat).status_code == 200
     assert httpx.post(front.url + "/v1/completions", json=completion).status_code == 200
+    _wait(lambda: len(prefill.routes) == 2)  # the prefill half may land after the answer
     assert prefill.routes == decode.routes == ["/v1/chat/completions", "/v1/completions"]
     assert prefill.raw == decode.raw
     for body, sent in zip((chat, completion), decode.bodies, strict=True):
@@ -194,6 +197,7 @@ def test_the_prefill_side_keeps_shared_prefixes_together(workers: Workers, route
     for body in decode.bodies:
         where.setdefault(body["text"][:9], set()).add(body["bootstrap_port"])
     assert len(where) == 4 and all(len(ports) == 1 for ports in where.values()), where
+    _wait(lambda: sum(len(w.bodies) for w in prefill) == 12)  # the last may land late
     assert all(w.bodies for w in prefill)
     for worker, port in zip(prefill, (9000, 9001), strict=True):
         assert {b["bootstrap_port"] for b in worker.bodies} == {port}
