@@ -246,3 +246,50 @@ def test_f32_panel_linear_refuses_what_it_does_not_take() -> None:
         cpu.unpack_f32_panels(panels, 33)
     with pytest.raises(RuntimeError, match="float32"):
         cpu.pack_f32_panels(torch.randn(4, 4, dtype=torch.float64))
+
+
+@pytest.fixture
+def torch_threads():
+    """Sets torch's intra-op thread count (which the kernels follow) for a test, and puts the
+    count back after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("n", "k"), [(517, 512), (1000, 256)])
+def test_every_product_gives_the_same_bits_on_one_thread_and_on_several(
+    torch_threads, n: int, k: int
+) -> None:
+    """Weights large enough to split their output columns over threads (N not a multiple of
+    the split): each product on three threads equals itself on one, bit for bit, and the
+    torch reference."""
+    torch.manual_seed(8)
+    qweight, scales, zeros = _weights(n, k, 64)
+    w8, s8 = rk.quantize_int8_grouped(torch.randn(n, k) / k**0.5, 32)
+    w32 = torch.randn(n, k) / k**0.5
+    panels = cpu.pack_f32_panels(w32)
+    x = torch.randn(70, k)
+    products = {
+        "int4": (16, lambda rows: cpu.int4_linear(rows, qweight, scales, zeros, 64)),
+        "int8": (16, lambda rows: cpu.int8_linear(rows, w8, s8)),
+        "float32": (64, lambda rows: cpu.f32_linear(rows, w32)),
+        "panels": (70, lambda rows: cpu.f32_panel_linear(rows, panels, n)),
+    }
+    for name, (most, product) in products.items():
+        for rows in {1, 5, most}:
+            part = x[:rows].contiguous()
+            torch_threads(1)
+            one = product(part)
+            torch_threads(3)
+            several = product(part)
+            assert torch.equal(one, several), (name, rows)
+    torch.testing.assert_close(several, (x.double() @ w32.double().T).float(), rtol=1e-5, atol=1e-5)
+    torch_threads(3)
+    torch.testing.assert_close(
+        cpu.int4_linear(x[:4].contiguous(), qweight, scales, zeros, 64),
+        _kernel_arithmetic(x[:4], qweight, scales, zeros, 64),
+        rtol=1e-4,
+        atol=1e-4,
+    )

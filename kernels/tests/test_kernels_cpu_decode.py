@@ -329,3 +329,32 @@ def test_requests_that_share_a_prefix_attend_as_the_reference(
     step = _shared_prefix_step(head_dim)
     hidden = torch.randn(6, shape.hidden, generator=torch.Generator().manual_seed(8))
     _both_forms_match_the_reference(shape, layers, hidden, step)
+
+
+@pytest.mark.parametrize("step_of", ["verify", "shared"])
+def test_the_layers_give_the_same_bits_on_one_thread_and_on_several(step_of: str) -> None:
+    """The attention groups split over threads (and the products, when large): the layers on
+    three threads equal themselves on one, bit for bit, K/V written included."""
+    shape, layers = _model("float32", 32, qk_norm=False, bias=False, window=None, heads=6,
+                           kv_heads=2, head_dim=64, layers=2)  # fmt: skip
+    if step_of == "verify":
+        step, rows = _verify_step(51, 37, 30, 64, width=96), 38
+    else:
+        step, rows = _shared_prefix_step(64), 6
+    hidden = torch.randn(rows, shape.hidden, generator=torch.Generator().manual_seed(9))
+    pools = [(layer.k_pool.clone(), layer.v_pool.clone()) for layer in layers]
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            for layer, (k, v) in zip(layers, pools, strict=True):
+                layer.k_pool.copy_(k)
+                layer.v_pool.copy_(v)
+            got = hidden.clone()
+            DecodeLayers(shape, layers)(got, *step)
+            results.append([got] + [t.clone() for lay in layers for t in (lay.k_pool, lay.v_pool)])
+    finally:
+        torch.set_num_threads(before)
+    for one, several in zip(*results, strict=True):
+        assert torch.equal(one, several)

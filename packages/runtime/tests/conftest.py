@@ -184,14 +184,13 @@ class Driver:
 
 
 @pytest.fixture
-def torch_path_threads() -> Any:
-    """Two torch threads for the test: the CPU's one-thread C paths (activations rounded to
-    int8, other float32 kernels) stay out of what it compares, whatever OMP_NUM_THREADS the
-    run has (the test command's lanes run pytest with one thread)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+def torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """radixlm's C CPU kernels off for the test (as `RADIXLM_CPU_KERNELS=0`): runners built in
+    it take torch's kernels, so the C paths (activations rounded to int8, other float32
+    kernels) stay out of what it compares."""
+    from radixlm import kernels
+
+    monkeypatch.setattr(kernels.cpu, "available", lambda: False)
 
 
 @pytest.fixture

@@ -158,7 +158,7 @@ def test_bad_embeddings_are_refused_naming_the_field(
     assert error.value.field == field and words in str(error.value)
 
 
-@pytest.mark.usefixtures("torch_path_threads")  # both runs on the same (torch) kernels
+@pytest.mark.usefixtures("torch_kernels")  # both runs on the same (torch) kernels
 def test_the_runner_takes_embeddings_rows_and_returns_only_the_hidden_states_asked(
     model_dir: Path,
 ) -> None:

@@ -28,7 +28,7 @@ FAMILIES = {
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
-    """The path runs on one intra-op thread (as the per-layer C kernels do)."""
+    """One intra-op thread unless a test says otherwise (the kernels follow torch's count)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -248,7 +248,7 @@ def test_steps_past_one_call_of_tokens_take_the_model_forward(
         decode = ForwardBatch.build([driver.entry(old, [3])], table)
         assert runner.cpu_decode.can_run(decode)
         torch.set_num_threads(2)
-        assert not runner.cpu_decode.can_run(decode)  # several threads: torch's kernels
+        assert runner.cpu_decode.can_run(decode)  # several threads: the products split
     finally:
         for seq in (old, new, long):
             driver.release(seq)
@@ -375,7 +375,7 @@ def test_quantized_heads_stay_with_the_model(hf_checkpoints: Any, runner_config_
 
 
 def test_a_packed_tied_head_is_packed_again_after_new_weights(
-    hf_checkpoints: Any, runner_config_for: Any
+    hf_checkpoints: Any, runner_config_for: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """load_weights drops the packed copy of a tied head (it would keep the old logits)."""
     from radixlm.runtime.models.linear import cpu_packing_available
@@ -383,7 +383,7 @@ def test_a_packed_tied_head_is_packed_again_after_new_weights(
     if not cpu_packing_available():
         pytest.skip("no oneDNN packing in this torch")
     path, hf_model = hf_checkpoints["llama3"]
-    torch.set_num_threads(2)  # several threads: the head keeps its packed product
+    monkeypatch.setattr(kernels.cpu, "available", lambda: False)  # no path: oneDNN packs it
     runner = ModelRunner(runner_config_for(path))
     model = runner.model
     hidden = torch.randn(3, model.arch.hidden_size)
@@ -395,17 +395,23 @@ def test_a_packed_tied_head_is_packed_again_after_new_weights(
     torch.testing.assert_close(after, 2 * before, rtol=1e-4, atol=1e-4)
 
 
-def test_float32_models_on_several_threads_keep_their_packed_products(
-    hf_checkpoints: Any, runner_config_for: Any
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_several_threads_take_the_path_and_give_the_model_forward(
+    hf_checkpoints: Any, runner_config_for: Any, driver_for: Any, quantization: str
 ) -> None:
-    from radixlm.runtime.models.linear import cpu_packing_available
-
+    """On two torch threads the path splits its products and attention over them (the
+    kernels' own threads): float32 layers hold panels there too, and the steps give the
+    model's forward."""
     path, _ = hf_checkpoints["qwen2"]
     torch.set_num_threads(2)
-    runner = ModelRunner(runner_config_for(path))
-    assert runner.cpu_decode is None
-    packing = getattr(runner.model.model.layers[0].self_attn.qkv_proj, "packing", None)
-    assert (packing is not None and packing.enabled) == cpu_packing_available()
+    fields = {} if quantization == "none" else {"quantization": quantization}
+    runner = ModelRunner(runner_config_for(path, **fields))
+    assert runner.cpu_decode is not None
+    if quantization == "none":
+        packing = getattr(runner.model.model.layers[0].self_attn.qkv_proj, "packing", None)
+        assert packing is not None and packing.panels is not None
+    tolerance = 1e-5 if quantization == "none" else 0.02
+    assert _decode_steps(runner, driver_for(runner), PROMPTS, steps=3, tolerance=tolerance) == 3
 
 
 def test_bfloat16_models_are_not_taken(hf_checkpoints: Any, runner_config_for: Any) -> None:

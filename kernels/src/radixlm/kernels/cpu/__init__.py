@@ -9,8 +9,11 @@ where the CPU has it; `int8_linear` int8 weights with a scale per row or per gro
 (llama.cpp's Q8_0 at 32) the same way; `f32_linear` float32 weights with fused multiply-adds
 (for the decode step of `decode`); see `gemv.c`.
 
-It runs on one thread (no OpenMP runtime beside torch's): callers use it where torch itself
-runs one intra-op thread (a replica per core, as the CPU benchmarks run every server).
+The products split their output columns, and the decode step its attention, over as many
+threads as torch has intra-op threads (`torch.set_num_threads`): the caller's and workers of
+the library's own (`pool.c`: pthreads that spin briefly between tasks, then sleep; no OpenMP
+runtime beside torch's). Each output is computed the same way whatever the thread count, so
+results are the same bits on one thread or many.
 
 The library is built once per source, compiler and CPU (`-O3 -march=native`) into
 radixlm's cache (`$RADIXLM_CACHE_DIR`, default `~/.cache/radixlm`, under `kernels/`), which
@@ -37,7 +40,9 @@ logger = logging.getLogger("radixlm.kernels.cpu")
 
 #: The sources of the one library: the products (gemv.c: row-major weights; panels.c:
 #: float32 weights in panels) and the decode step (decode.c).
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemv.c", "panels.c", "decode.c"))
+_SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("gemv.c", "panels.c", "decode.c", "pool.c")
+)
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 #: The most activation rows one call takes (decode batches); more run elsewhere.
 MAX_ROWS = 16
@@ -84,7 +89,9 @@ def _build() -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as work:
             built = Path(work) / target.name
-            command = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built), "-lm"]
+            command = [
+                compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built), "-lm", "-pthread"
+            ]  # fmt: skip
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 logger.warning(
@@ -127,6 +134,10 @@ def _build() -> ctypes.CDLL | None:
     panels = library.radixlm_f32_panels
     panels.restype = ctypes.c_int
     panels.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, ctypes.c_int, pointer]
+    library.radixlm_set_threads.restype = None
+    library.radixlm_set_threads.argtypes = [ctypes.c_int]
+    library.radixlm_threads.restype = ctypes.c_int
+    library.radixlm_threads.argtypes = []
     return library
 
 
@@ -146,10 +157,19 @@ def _load() -> ctypes.CDLL | None:
     return _library
 
 
+_threads = 1  # what the library was last told (its own default)
+
+
 def _loaded() -> ctypes.CDLL:
+    """The library, its thread count brought in line with torch's intra-op threads."""
+    global _threads
     library = _load()
     if library is None:
         raise RuntimeError("radixlm's CPU kernels are not available (see available())")
+    threads = torch.get_num_threads()
+    if threads != _threads:
+        library.radixlm_set_threads(threads)
+        _threads = threads
     return library
 
 

@@ -1,4 +1,5 @@
-/* A step through a Llama-like model's decoder layers in one call, on one CPU thread: a
+/* A step through a Llama-like model's decoder layers in one call (the products and the
+ * attention groups split over pool.c's threads, the rest on the caller's): a
  * decode's few rows, or with weights in panels a whole prefill chunk's (each new token a row
  * with its own length): per layer RMSNorm, the q/k/v projection, per-head q/k RMSNorm (Qwen3),
  * the rotary embedding, the new token's K/V written into the pool, attention over each
@@ -17,6 +18,7 @@
  * table); the new token's K/V go to `out_slots[m]`.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -559,6 +561,62 @@ static void silu_times(const float *gate, const float *up, float *out, int n) {
     for (; j < n; j++) out[j] = silu(gate[j]) * up[j];
 }
 
+typedef void (*RlmTask)(void *ctx, int ith, int nth);
+void radixlm_parallel(RlmTask task, void *ctx, int most);
+int radixlm_threads(void);
+
+/* One layer's attention: units[u] .. units[u + 1] the rows of unit u, taken in turn by the
+ * threads, each with its own scratch (`work` floats of scores, heads x MAX_GROUP totals). */
+typedef struct {
+    const RlmShape *shape;
+    const RlmLayer *l;
+    int m_rows, units;
+    const int *starts;
+    const float *wide;
+    float *attended;
+    const int32_t *table;
+    int64_t table_stride;
+    const int64_t *rows, *lengths;
+    const int *clusters, *spans, *key_at, *ra, *rb, *rc, *rd;
+    const int32_t *keys;
+    float *scores, *totals;
+    size_t work;
+    atomic_int next;
+} Attention;
+
+static void attention_task(void *arg, int ith, int nth) {
+    (void)nth;
+    Attention *a = arg;
+    const RlmShape *shape = a->shape;
+    const RlmLayer *l = a->l;
+    const int hd = shape->head_dim, heads = shape->heads, per_kv = heads / shape->kv_heads;
+    const int q_size = heads * hd, kv_size = shape->kv_heads * hd, qkv_size = q_size + 2 * kv_size;
+    float *scores = a->scores + a->work * ith;
+    float *totals = a->totals + (size_t)heads * MAX_GROUP * ith;
+    for (int u; (u = atomic_fetch_add(&a->next, 1)) < a->units;) {
+        int m = a->starts[u], end = a->starts[u + 1];
+#ifdef __AVX512F__
+        if (a->clusters[m] && !l->window) {
+            attend_wide(a->wide + (size_t)m * qkv_size, qkv_size, end - m, a->ra + m, a->rb + m,
+                        a->rc + m, a->rd + m, heads, per_kv, l->k_pool, l->v_pool,
+                        a->keys + a->key_at[m], a->spans[m], kv_size, hd, shape->scaling, scores,
+                        a->attended + (size_t)m * q_size, q_size);
+            continue;
+        }
+#endif
+        int firsts[MAX_GROUP], ends[MAX_GROUP];
+        for (int j = m; j < end; j++) {
+            int length = (int)a->lengths[j];
+            ends[j - m] = length;
+            firsts[j - m] = l->window > 0 && length > l->window ? length - l->window : 0;
+        }
+        attend(a->wide + (size_t)m * qkv_size, qkv_size, end - m, firsts, ends, heads, per_kv,
+               l->k_pool, l->v_pool, a->table + a->rows[m] * a->table_stride, kv_size, hd,
+               shape->scaling, scores, totals, a->attended + (size_t)m * q_size, q_size,
+               shape->invariant);
+    }
+}
+
 /* hidden [M, hidden] in place through every layer; cos/sin [M, head_dim]. Returns 0, -1 for
  * shapes a product does not take, -2 when memory runs out. */
 int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_rows, float *hidden,
@@ -613,10 +671,14 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
                              keys + key_at[m], ra + m, rb + m, rc + m, rd + m);
     }
 #endif
-    float *scores = malloc(sizeof(float) * work);
-    float *totals = malloc(sizeof(float) * (size_t)heads * MAX_GROUP);
+    /* each thread's scratch */
+    const int threads = radixlm_threads();
+    float *scores = malloc(sizeof(float) * work * threads);
+    float *totals = malloc(sizeof(float) * (size_t)heads * MAX_GROUP * threads);
+    int *starts = malloc(sizeof(int) * ((size_t)m_rows + 1));
     int code = 0;
-    if (!normed || !wide || !attended || !projected || !scores || !totals || !index) code = -2;
+    if (!normed || !wide || !attended || !projected || !scores || !totals || !index || !starts)
+        code = -2;
     if (total_keys && !keys) code = -2;
     for (int layer = 0; layer < shape->layers && !code; layer++) {
         const RlmLayer *l = layers + layer;
@@ -638,29 +700,26 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
             memcpy(l->v_pool + (size_t)out_slots[m] * kv_size, v, sizeof(float) * kv_size);
         }
         /* rows of one request together, or of requests that share a prefix (their new K/V
-         * all in the pool now: a row's keys end at its own token) */
-        for (int m = 0, end; m < m_rows; m = end) {
+         * all in the pool now: a row's keys end at its own token), a unit each, the units
+         * over the threads */
+        int units = 0;
+        for (int m = 0, end; m < m_rows; m = end, units++) {
+            starts[units] = m;
 #ifdef __AVX512F__
             if (clusters[m] && !l->window) {
                 end = clusters[m];
-                attend_wide(wide + (size_t)m * qkv_size, qkv_size, end - m, ra + m, rb + m,
-                            rc + m, rd + m, heads, per_kv, l->k_pool, l->v_pool,
-                            keys + key_at[m], spans[m], kv_size, hd, shape->scaling, scores,
-                            attended + (size_t)m * q_size, q_size);
                 continue;
             }
 #endif
-            int firsts[MAX_GROUP], ends[MAX_GROUP];
-            for (end = m; end < m_rows && end - m < MAX_GROUP && rows[end] == rows[m]; end++) {
-                int length = (int)lengths[end];
-                ends[end - m] = length;
-                firsts[end - m] = l->window > 0 && length > l->window ? length - l->window : 0;
-            }
-            attend(wide + (size_t)m * qkv_size, qkv_size, end - m, firsts, ends, heads, per_kv,
-                   l->k_pool, l->v_pool, table + rows[m] * table_stride, kv_size, hd,
-                   shape->scaling, scores, totals, attended + (size_t)m * q_size, q_size,
-                   shape->invariant);
+            end = m;
+            while (end < m_rows && end - m < MAX_GROUP && rows[end] == rows[m]) end++;
         }
+        starts[units] = m_rows;
+        Attention job = {shape, l, m_rows, units, starts, wide, attended, table, table_stride,
+                         rows, lengths, clusters, spans, key_at, ra, rb, rc, rd, keys, scores,
+                         totals, work};
+        atomic_init(&job.next, 0);
+        radixlm_parallel(attention_task, &job, units < threads ? units : threads);
         if ((code = linear(&l->o, attended, m_rows, projected))) break;
         for (size_t i = 0; i < (size_t)m_rows * h; i++) hidden[i] += projected[i];
         for (int m = 0; m < m_rows; m++)
@@ -674,6 +733,6 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
         for (size_t i = 0; i < (size_t)m_rows * h; i++) hidden[i] += projected[i];
     }
     free(normed), free(wide), free(attended), free(projected), free(scores), free(totals);
-    free(index), free(keys);
+    free(index), free(keys), free(starts);
     return code;
 }

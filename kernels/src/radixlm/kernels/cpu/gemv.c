@@ -10,12 +10,14 @@
  *   y[m, n] = sum_b s[n, b] * xs[m, b] * (dot(q[n, b], xq[m, b]) - z[n, b] sum(xq[m, b]))
  *
  * (the zero points' part over the same rounded activations). One thread: no OpenMP runtime of its own
- * beside torch's (two would spin against each other). Built by radixlm.kernels.cpu (compiled
- * on first use).
+ * beside torch's (two would spin against each other): the public products at the end split
+ * their output columns over pool.c's threads. Built by radixlm.kernels.cpu (compiled on first
+ * use).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -314,10 +316,12 @@ static inline __attribute__((always_inline)) void tile_dot8_vnni(
  * weight rows while it is in cache (a prefill chunk reads the weights once per call). */
 #define F32_MAX_ROWS 64
 
-/* out[M, N] = x[M, K] @ dequant(qweight)^T; M <= MAX_ROWS, K a multiple of `group`, `group`
- * a multiple of 32. Returns 0, or -1 for shapes it does not take. */
-int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
-                      const float *scales, const float *zeros, int n, int group, float *out) {
+/* out[M, N] = x[M, K] @ dequant(qweight)^T for N weight rows (one thread's slice of the
+ * product: out's rows `ldo` apart); M <= MAX_ROWS, K a multiple of `group`, `group` a
+ * multiple of 32. Returns 0, or -1 when memory runs out. */
+static int int4_cols(const float *x, int m_rows, int k, const uint8_t *qweight,
+                     const float *scales, const float *zeros, int n, int group, float *out,
+                     int ldo) {
     if (m_rows < 1 || m_rows > MAX_ROWS || group % BLOCK || k % group) return -1;
     int blocks = k / BLOCK, per_group = group / BLOCK, groups = k / group;
     Activations a;
@@ -349,7 +353,7 @@ int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
             case 7: tile_dot_vnni(q, bs, bz, &a, blocks, m0, 7, got); break;
             default: tile_dot_vnni(q, bs, bz, &a, blocks, m0, 8, got);
             }
-            for (int m = 0; m < tile; m++) out[(size_t)(m0 + m) * n + row] = got[m];
+            for (int m = 0; m < tile; m++) out[(size_t)(m0 + m) * ldo + row] = got[m];
         }
     }
     free(expanded);
@@ -369,7 +373,7 @@ int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
             int tile = m_rows - m0 < TILE ? m_rows - m0 : TILE;
             float got[TILE];
             tile_dot(q, s, z, xq, xs, xsum, blocks, per_group, m0, tile, got);
-            for (int m = 0; m < tile; m++) out[(size_t)(m0 + m) * n + row] = got[m];
+            for (int m = 0; m < tile; m++) out[(size_t)(m0 + m) * ldo + row] = got[m];
         }
 #else
         float acc[MAX_ROWS] = {0}, offset[MAX_ROWS] = {0};
@@ -387,7 +391,7 @@ int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
                 offset[m] += s[g] * z[g] * xsum[at];
             }
         }
-        for (int m = 0; m < m_rows; m++) out[(size_t)m * n + row] = acc[m] - offset[m];
+        for (int m = 0; m < m_rows; m++) out[(size_t)m * ldo + row] = acc[m] - offset[m];
 #endif
     }
     release(&a);
@@ -428,10 +432,10 @@ static inline void tile_dot8(const int8_t *w, const float *ws, const int8_t *xq,
 
 /* out[M, N] = x[M, K] @ (w * scale)^T for int8 weights w [N, K] with a float scale per group
  * of `group` columns (scales [N, K / group]; group = K: one per row). Activations rounded to
- * int8 per block of 32 (llama.cpp's Q8_0 x Q8_0). Returns 0, or -1 for shapes it does not
- * take. */
-int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
-                      const float *scales, int n, int group, float *out) {
+ * int8 per block of 32 (llama.cpp's Q8_0 x Q8_0). One thread's slice: out's rows `ldo`
+ * apart. Returns 0, or -1 when memory runs out. */
+static int int8_cols(const float *x, int m_rows, int k, const int8_t *weight,
+                     const float *scales, int n, int group, float *out, int ldo) {
     if (m_rows < 1 || m_rows > MAX_ROWS || group % BLOCK || k % group) return -1;
     int blocks = k / BLOCK, per_group = group / BLOCK, groups = k / group;
     Activations a;
@@ -463,7 +467,7 @@ int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
             case 7: tile_dot8_vnni(w, bs, &a, blocks, m0, 7, got); break;
             default: tile_dot8_vnni(w, bs, &a, blocks, m0, 8, got);
             }
-            for (int m = 0; m < tile; m++) out[(size_t)(m0 + m) * n + row] = got[m];
+            for (int m = 0; m < tile; m++) out[(size_t)(m0 + m) * ldo + row] = got[m];
         }
     }
     free(expanded);
@@ -480,7 +484,7 @@ int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
             int tile = m_rows - m0 < TILE ? m_rows - m0 : TILE;
             float got[TILE];
             tile_dot8(w, ws, xq, xs, blocks, per_group, m0, tile, got);
-            for (int m = 0; m < tile; m++) out[(size_t)(m0 + m) * n + row] = got[m];
+            for (int m = 0; m < tile; m++) out[(size_t)(m0 + m) * ldo + row] = got[m];
         }
 #else
         for (int m = 0; m < m_rows; m++) {
@@ -491,7 +495,7 @@ int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
                 for (int i = 0; i < BLOCK; i++) dot += w[b * BLOCK + i] * xq[(at + b) * BLOCK + i];
                 acc += ws[b / per_group] * xs[at + b] * (float)dot;
             }
-            out[(size_t)m * n + row] = acc;
+            out[(size_t)m * ldo + row] = acc;
         }
 #endif
     }
@@ -633,7 +637,7 @@ static inline __attribute__((always_inline)) void f32_tile2x8(const float *x, in
  * tiles of 4 x 4 below eight rows, of 2 weight rows x 8 from eight on (measured on an
  * AVX-512 EPYC: 2 x 8 is 5-20% faster at 8-16 rows, 4 x 4 faster below). */
 static void f32_gemv_avx512(const float *x, int m_rows, int k, const float *weight, int n,
-                            float *out) {
+                            float *out, int ldo) {
     const int wide = m_rows >= 8; /* tiles of eight rows: one pass over a block at batch 8 */
     const int rows_per_tile = wide ? 8 : 4, weights_per_tile = wide ? 2 : 4;
     for (int first = 0; first < n; first += F32_BLOCK_ROWS) {
@@ -646,16 +650,16 @@ static void f32_gemv_avx512(const float *x, int m_rows, int k, const float *weig
                 /* the first tile meets each group from memory: fetch the next one early */
                 const float *next = w + (size_t)weights_per_tile * k;
                 const float *ahead = m0 == 0 && row + 2 * weights_per_tile <= n ? next : NULL;
-                float *o = out + (size_t)m0 * n + row;
+                float *o = out + (size_t)m0 * ldo + row;
                 /* full tiles with constant sizes (unrolled), the last one as it comes */
                 if (wide && tile == 8)
-                    f32_tile2x8(xm, k, w, ahead, 8, o, n);
+                    f32_tile2x8(xm, k, w, ahead, 8, o, ldo);
                 else if (wide)
-                    f32_tile2x8(xm, k, w, ahead, tile, o, n);
+                    f32_tile2x8(xm, k, w, ahead, tile, o, ldo);
                 else if (tile == 4)
-                    f32_tile4x4(xm, k, w, ahead, 4, o, n);
+                    f32_tile4x4(xm, k, w, ahead, 4, o, ldo);
                 else
-                    f32_tile4x4(xm, k, w, ahead, tile, o, n);
+                    f32_tile4x4(xm, k, w, ahead, tile, o, ldo);
             }
         }
     }
@@ -663,16 +667,18 @@ static void f32_gemv_avx512(const float *x, int m_rows, int k, const float *weig
 #endif
 
 /* out[M, N] = x[M, K] @ w^T for float32 weights w [N, K] (any K), in float32 with fused
- * multiply-adds: a product for few rows without a library's dispatch. Returns 0, or -1 for
- * row counts it does not take. */
-int radixlm_f32_gemv(const float *x, int m_rows, int k, const float *weight, int n, float *out) {
+ * multiply-adds: a product for few rows without a library's dispatch. One thread's slice of
+ * a product of `whole_n` weight rows (which picks the vector path: every slice takes the
+ * same one), out's rows `ldo` apart. Returns 0. */
+static int f32_cols(const float *x, int m_rows, int k, const float *weight, int n, float *out,
+                    int ldo, int whole_n) {
     if (m_rows < 1 || m_rows > F32_MAX_ROWS || k < 1) return -1;
     int k8 = 0, row = 0;
 #ifdef RADIXLM_F32_AVX512
     /* Every row count (one too) takes the same tiles: a row's output does not depend on
      * the call's other rows. */
-    if (k % 16 == 0 && n % 4 == 0) {
-        f32_gemv_avx512(x, m_rows, k, weight, n, out);
+    if (k % 16 == 0 && whole_n % 4 == 0) { /* (the whole product's N: one path for every slice) */
+        f32_gemv_avx512(x, m_rows, k, weight, n, out, ldo);
         return 0;
     }
 #endif
@@ -699,8 +705,8 @@ int radixlm_f32_gemv(const float *x, int m_rows, int k, const float *weight, int
                     else
                         f32_tile(xm, k, k8, w0, w1, ahead, tile, got);
                     for (int m = 0; m < tile; m++) {
-                        out[(size_t)(m0 + m) * n + row] = got[m][0];
-                        out[(size_t)(m0 + m) * n + row + 1] = got[m][1];
+                        out[(size_t)(m0 + m) * ldo + row] = got[m][0];
+                        out[(size_t)(m0 + m) * ldo + row + 1] = got[m][1];
                     }
                 }
             }
@@ -713,7 +719,7 @@ int radixlm_f32_gemv(const float *x, int m_rows, int k, const float *weight, int
             for (int m = 0; m < m_rows; m++) {
                 float tail = 0.0f;
                 for (int i = k8; i < k; i++) tail += x[(size_t)m * k + i] * weight[(size_t)r * k + i];
-                out[(size_t)m * n + r] += tail;
+                out[(size_t)m * ldo + r] += tail;
             }
 #endif
     /* the rows no vector loop took (all of them without AVX2) */
@@ -721,7 +727,89 @@ int radixlm_f32_gemv(const float *x, int m_rows, int k, const float *weight, int
         for (int m = 0; m < m_rows; m++) {
             float acc = 0.0f;
             for (int i = 0; i < k; i++) acc += x[(size_t)m * k + i] * weight[(size_t)row * k + i];
-            out[(size_t)m * n + row] = acc;
+            out[(size_t)m * ldo + row] = acc;
         }
     return 0;
+}
+
+/* ---- the public products: output columns split over the threads of pool.c ---- */
+
+typedef void (*RlmTask)(void *ctx, int ith, int nth);
+void radixlm_parallel(RlmTask task, void *ctx, int most);
+void radixlm_split(int n, int align, int ith, int nth, int *lo, int *hi);
+
+/* Weights per thread below which a product stays on fewer threads (waking one costs more). */
+#define WEIGHTS_PER_THREAD (1 << 16)
+/* Output columns per unit of a split: whole tiles, and the same vector paths per column. */
+#define SPLIT 64
+
+static int threads_for(int n, int k) {
+    long most = (long)n * k / WEIGHTS_PER_THREAD;
+    return most < 1 ? 1 : most > 1024 ? 1024 : (int)most;
+}
+
+typedef struct {
+    int kind; /* 4, 8 or 32 */
+    const float *x;
+    int m_rows, k, n, group;
+    const void *weight;
+    const float *scales, *zeros;
+    float *out;
+    atomic_int code;
+} Product;
+
+static void product_task(void *arg, int ith, int nth) {
+    Product *p = arg;
+    int lo, hi, code = 0;
+    radixlm_split(p->n, SPLIT, ith, nth, &lo, &hi);
+    if (lo >= hi) return;
+    if (p->kind == 4) {
+        int groups = p->k / p->group;
+        code = int4_cols(p->x, p->m_rows, p->k, (const uint8_t *)p->weight + (size_t)lo * (p->k / 2),
+                         p->scales + (size_t)lo * groups, p->zeros + (size_t)lo * groups, hi - lo,
+                         p->group, p->out + lo, p->n);
+    } else if (p->kind == 8) {
+        int groups = p->k / p->group;
+        code = int8_cols(p->x, p->m_rows, p->k, (const int8_t *)p->weight + (size_t)lo * p->k,
+                         p->scales + (size_t)lo * groups, hi - lo, p->group, p->out + lo, p->n);
+    } else {
+        code = f32_cols(p->x, p->m_rows, p->k, (const float *)p->weight + (size_t)lo * p->k,
+                        hi - lo, p->out + lo, p->n, p->n);
+    }
+    if (code) atomic_store(&p->code, code);
+}
+
+static int product(Product *p) {
+    atomic_init(&p->code, 0);
+    radixlm_parallel(product_task, p, threads_for(p->n, p->k));
+    return atomic_load(&p->code);
+}
+
+/* out[M, N] = x[M, K] @ dequant(qweight)^T; M <= MAX_ROWS, K a multiple of `group`, `group`
+ * a multiple of 32. Returns 0, or -1 for shapes it does not take. */
+int radixlm_int4_gemv(const float *x, int m_rows, int k, const uint8_t *qweight,
+                      const float *scales, const float *zeros, int n, int group, float *out) {
+    if (m_rows < 1 || m_rows > MAX_ROWS || group < BLOCK || group % BLOCK || k % group) return -1;
+    Product p = {.kind = 4, .x = x, .m_rows = m_rows, .k = k, .n = n, .group = group,
+                 .weight = qweight, .scales = scales, .zeros = zeros, .out = out};
+    return product(&p);
+}
+
+/* out[M, N] = x[M, K] @ (w * scale)^T for int8 weights w [N, K] with a float scale per group
+ * of `group` columns (see int8_cols). Returns 0, or -1 for shapes it does not take. */
+int radixlm_int8_gemv(const float *x, int m_rows, int k, const int8_t *weight,
+                      const float *scales, int n, int group, float *out) {
+    if (m_rows < 1 || m_rows > MAX_ROWS || group < BLOCK || group % BLOCK || k % group) return -1;
+    Product p = {.kind = 8, .x = x, .m_rows = m_rows, .k = k, .n = n, .group = group,
+                 .weight = weight, .scales = scales, .out = out};
+    return product(&p);
+}
+
+/* out[M, N] = x[M, K] @ w^T for float32 weights w [N, K] (see f32_cols). Returns 0, or -1 for
+ * row counts it does not take. */
+int radixlm_f32_gemv(const float *x, int m_rows, int k, const float *weight, int n, float *out) {
+    if (m_rows < 1 || m_rows > F32_MAX_ROWS || k < 1) return -1;
+    Product p = {.kind = 32, .x = x, .m_rows = m_rows, .k = k, .n = n, .weight = weight,
+                 .out = out};
+    return product(&p);
 }

@@ -1,5 +1,5 @@
-/* Float32 products over weights laid out in panels, for any number of activation rows on one
- * CPU thread.
+/* Float32 products over weights laid out in panels, for any number of activation rows (the
+ * pairs of panels split over pool.c's threads).
  *
  * A weight W [N, K] in panels (`radixlm.kernels.cpu.pack_f32_panels`): N is padded with zero
  * rows to a multiple of PANEL, and panel p holds rows PANEL*p .. PANEL*p + PANEL-1 column by
@@ -151,12 +151,10 @@ static void tile_c(const float *x, int k, int tile, const float *p0, const float
 }
 #endif
 
-/* out[M, N] = x[M, K] @ W^T for W [N, K] in panels (`panels`: ceil(N / 16) panels of K x 16
- * floats, 64-byte aligned; rows past N zero). Any M >= 1. Returns 0, or -1 for shapes or an
- * alignment it does not take. */
-int radixlm_f32_panels(const float *x, int m_rows, int k, const float *panels, int n,
-                       float *out) {
-    if (m_rows < 1 || k < 1 || n < 1 || ((size_t)panels & 63)) return -1;
+/* out[M, N] = x[M, K] @ W^T for W [N, K] in panels, one thread's slice (whole pairs of
+ * panels; out's rows `ldo` apart). */
+static void panels_cols(const float *x, int m_rows, int k, const float *panels, int n,
+                        float *out, int ldo) {
     int count = (n + PANEL - 1) / PANEL;
     size_t stride = (size_t)k * PANEL;
     for (int p = 0; p < count; p += 2) {
@@ -167,32 +165,64 @@ int radixlm_f32_panels(const float *x, int m_rows, int k, const float *panels, i
         for (int m0 = 0; m0 < m_rows; m0 += TILE_ROWS) {
             int tile = m_rows - m0 < TILE_ROWS ? m_rows - m0 : TILE_ROWS;
             const float *xm = x + (size_t)m0 * k;
-            float *om = out + (size_t)m0 * n;
+            float *om = out + (size_t)m0 * ldo;
 #ifdef RADIXLM_PANELS_AVX512
             /* each row count its own copy (no test per row in the inner loop) */
             switch (p1 ? tile : 0) {
-            case 8: tile512(xm, k, 8, p0, p1, om, (size_t)n, first, width); break;
-            case 7: tile512(xm, k, 7, p0, p1, om, (size_t)n, first, width); break;
-            case 6: tile512(xm, k, 6, p0, p1, om, (size_t)n, first, width); break;
-            case 5: tile512(xm, k, 5, p0, p1, om, (size_t)n, first, width); break;
-            case 4: tile512(xm, k, 4, p0, p1, om, (size_t)n, first, width); break;
-            case 3: tile512(xm, k, 3, p0, p1, om, (size_t)n, first, width); break;
-            case 2: tile512(xm, k, 2, p0, p1, om, (size_t)n, first, width); break;
-            case 1: tile512(xm, k, 1, p0, p1, om, (size_t)n, first, width); break;
-            default: tile512(xm, k, tile, p0, p1, om, (size_t)n, first, width);
+            case 8: tile512(xm, k, 8, p0, p1, om, (size_t)ldo, first, width); break;
+            case 7: tile512(xm, k, 7, p0, p1, om, (size_t)ldo, first, width); break;
+            case 6: tile512(xm, k, 6, p0, p1, om, (size_t)ldo, first, width); break;
+            case 5: tile512(xm, k, 5, p0, p1, om, (size_t)ldo, first, width); break;
+            case 4: tile512(xm, k, 4, p0, p1, om, (size_t)ldo, first, width); break;
+            case 3: tile512(xm, k, 3, p0, p1, om, (size_t)ldo, first, width); break;
+            case 2: tile512(xm, k, 2, p0, p1, om, (size_t)ldo, first, width); break;
+            case 1: tile512(xm, k, 1, p0, p1, om, (size_t)ldo, first, width); break;
+            default: tile512(xm, k, tile, p0, p1, om, (size_t)ldo, first, width);
             }
 #elif defined(RADIXLM_PANELS_AVX2)
             switch (p1 ? tile : 0) {
-            case 4: tile256(xm, k, 4, p0, p1, om, (size_t)n, first, width); break;
-            case 3: tile256(xm, k, 3, p0, p1, om, (size_t)n, first, width); break;
-            case 2: tile256(xm, k, 2, p0, p1, om, (size_t)n, first, width); break;
-            case 1: tile256(xm, k, 1, p0, p1, om, (size_t)n, first, width); break;
-            default: tile256(xm, k, tile, p0, p1, om, (size_t)n, first, width);
+            case 4: tile256(xm, k, 4, p0, p1, om, (size_t)ldo, first, width); break;
+            case 3: tile256(xm, k, 3, p0, p1, om, (size_t)ldo, first, width); break;
+            case 2: tile256(xm, k, 2, p0, p1, om, (size_t)ldo, first, width); break;
+            case 1: tile256(xm, k, 1, p0, p1, om, (size_t)ldo, first, width); break;
+            default: tile256(xm, k, tile, p0, p1, om, (size_t)ldo, first, width);
             }
 #else
-            tile_c(xm, k, tile, p0, p1, om, (size_t)n, first, width);
+            tile_c(xm, k, tile, p0, p1, om, (size_t)ldo, first, width);
 #endif
         }
     }
+}
+
+/* ---- the public product: pairs of panels split over the threads of pool.c ---- */
+
+typedef void (*RlmTask)(void *ctx, int ith, int nth);
+void radixlm_parallel(RlmTask task, void *ctx, int most);
+void radixlm_split(int n, int align, int ith, int nth, int *lo, int *hi);
+
+typedef struct {
+    const float *x, *panels;
+    int m_rows, k, n;
+    float *out;
+} PanelProduct;
+
+static void panels_task(void *arg, int ith, int nth) {
+    PanelProduct *p = arg;
+    int lo, hi;
+    radixlm_split(p->n, 2 * PANEL, ith, nth, &lo, &hi); /* whole pairs: the same tiles */
+    if (lo < hi)
+        panels_cols(p->x, p->m_rows, p->k, p->panels + (size_t)lo * p->k, hi - lo, p->out + lo,
+                    p->n);
+}
+
+/* out[M, N] = x[M, K] @ W^T for W [N, K] in panels (`panels`: ceil(N / 16) panels of K x 16
+ * floats, 64-byte aligned; rows past N zero). Any M >= 1. Returns 0, or -1 for shapes or an
+ * alignment it does not take. */
+int radixlm_f32_panels(const float *x, int m_rows, int k, const float *panels, int n,
+                       float *out) {
+    if (m_rows < 1 || k < 1 || n < 1 || ((size_t)panels & 63)) return -1;
+    PanelProduct p = {x, panels, m_rows, k, n, out};
+    long most = (long)n * k / (1 << 16);
+    radixlm_parallel(panels_task, &p, most < 1 ? 1 : most > 1024 ? 1024 : (int)most);
     return 0;
 }

@@ -1,6 +1,6 @@
 """The CPU decode path: a decode step of a Llama-like model in one C call.
 
-On one intra-op CPU thread a small model's decode step costs more in Python and operator
+A small model's decode step on the CPU costs more in Python and operator
 dispatch (about 60 torch operations per decoder layer around the four projections) than in
 the projections themselves. A step of at most `MAX_BATCH` requests that each add one token
 runs every decoder layer through `radixlm.kernels.cpu.decode.DecodeLayers` (one call per
@@ -12,7 +12,7 @@ of its own), when the model and its KV pool are float32 and every projection is
 - int4 or int8 in the layouts of `radixlm.kernels.cpu` (load-time `int8`/`int4`
   quantization, or a GGUF file's Q4_0/Q4_1/Q4_K and Q8_0 tensors): the same products as the
   per-layer path (activations rounded to int8 per 32 columns);
-- or plain float32, when the model is built on one torch thread: those layers then hold
+- or plain float32: those layers then hold
   their weights in panels instead of packing them for oneDNN (`PackedWeight.use_panels`: the
   plain weight released), and the path takes every step, prefills and mixed steps too, in
   calls of up to `kernels.cpu.PANELS_MAX_ROWS` tokens: the panel products take any number of
@@ -23,7 +23,7 @@ The norms, rotary embedding, K/V writes and attention run in C too (on AVX-512 a
 chunk's rows attend with the query vectors across the lanes, and requests that share a
 cached prefix, as the radix cache shares its slots, read the shared keys once for all of
 them: see `radixlm.kernels.cpu.decode`); the embedding lookup and the final norm stay in
-torch. A float32 LM head (on one thread) multiplies in C as well,
+torch. A float32 LM head multiplies in C as well,
 every step's rows (`logits`), from its weight in panels (`kernels.cpu.pack_f32_panels`, laid
 out when the path is built, so again after weights are loaded; the head's packing holds them,
 so `compute_logits` reads them too): memory-bound at a few rows, the product then streams the
@@ -86,14 +86,9 @@ def _bias(module: object) -> torch.Tensor | None:
     return tensor
 
 
-def _float_projection(
-    module: MergedColumnLinear | RowLinear, what: str, deterministic: bool
-) -> LinearWeights:
+def _float_projection(module: MergedColumnLinear | RowLinear, what: str) -> LinearWeights:
     """A float32 projection's weight as the C product reads it (a layer that would pack it
     for oneDNN at its first call multiplies the plain weight from now on)."""
-    if torch.get_num_threads() != 1 and not deterministic:
-        # Then steps take the model's forward, whose packed products are faster: keep them.
-        raise NotTaken("float32 weights and several torch threads (the path runs on one)")
     if module.weight.dtype != torch.float32:
         raise NotTaken(f"{what} is {module.weight.dtype}, not float32")
     packing = getattr(module, "packing", None)
@@ -107,10 +102,10 @@ def _float_projection(
     return LinearWeights("float32", module.weight.data.contiguous(), bias=_bias(module))
 
 
-def _projection(module: object, what: str, deterministic: bool) -> LinearWeights:
+def _projection(module: object, what: str) -> LinearWeights:
     """The C layout of one projection, or NotTaken."""
     if isinstance(module, (MergedColumnLinear, RowLinear)):
-        return _float_projection(module, what, deterministic)
+        return _float_projection(module, what)
     if isinstance(module, GGUFLinear):
         operands = module.cpu_int8_operands()
         if operands is not None:
@@ -136,13 +131,12 @@ def _projection(module: object, what: str, deterministic: bool) -> LinearWeights
     raise NotTaken(f"{what} is {quant.format} in a layout the C kernels do not take")
 
 
-def _float_head(model: DecoderForCausalLM, deterministic: bool) -> torch.Tensor | None:
+def _float_head(model: DecoderForCausalLM) -> torch.Tensor | None:
     """The LM head's float32 weight in panels for the C product, or None: a quantized head,
-    a bf16 one, several torch threads (unless `deterministic`), or a weight oneDNN packed
-    (and released) already. The head's packing holds the panels when it has one (an untied
+    a bf16 one, or a weight oneDNN packed (and released) already. The head's packing holds the panels when it has one (an untied
     head's plain weight is released; a tied one's is the embedding table, which stays), so
     that `compute_logits` reads them too; else they are a copy of the weight."""
-    if model.quantized_head is not None or (torch.get_num_threads() != 1 and not deterministic):
+    if model.quantized_head is not None:
         return None
     weight = model.lm_head_weight.data
     packing = model.head_packing
@@ -162,7 +156,7 @@ def _invariant_head(
     (deterministic inference), and the most rows a call takes; or NotTaken."""
     head = model.quantized_head
     if head is None:
-        panels = _float_head(model, deterministic=True)
+        panels = _float_head(model)
         if panels is None:
             raise NotTaken("the LM head is neither float32 nor int8 in groups of 32 columns")
         vocab = model.head.per_rank
@@ -174,7 +168,7 @@ def _invariant_head(
     return (lambda rows: kernels.cpu.int8_linear(rows, values, scales)), kernels.cpu.MAX_ROWS
 
 
-def _layer(layer: nn.Module, index: int, pool: KVPool, deterministic: bool) -> DecoderLayerWeights:
+def _layer(layer: nn.Module, index: int, pool: KVPool) -> DecoderLayerWeights:
     if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, DecoderMLP):
         raise NotTaken(f"layer {index} is not a dense decoder layer (mixture of experts?)")
     attention = layer.self_attn
@@ -184,10 +178,10 @@ def _layer(layer: nn.Module, index: int, pool: KVPool, deterministic: bool) -> D
     return DecoderLayerWeights(
         input_norm=layer.input_layernorm.weight.data,
         post_norm=layer.post_attention_layernorm.weight.data,
-        qkv=_projection(attention.qkv_proj, f"{what}'s q/k/v projection", deterministic),
-        o=_projection(attention.o_proj, f"{what}'s output projection", deterministic),
-        gate_up=_projection(layer.mlp.gate_up_proj, f"{what}'s gate/up projection", deterministic),
-        down=_projection(layer.mlp.down_proj, f"{what}'s down projection", deterministic),
+        qkv=_projection(attention.qkv_proj, f"{what}'s q/k/v projection"),
+        o=_projection(attention.o_proj, f"{what}'s output projection"),
+        gate_up=_projection(layer.mlp.gate_up_proj, f"{what}'s gate/up projection"),
+        down=_projection(layer.mlp.down_proj, f"{what}'s down projection"),
         k_pool=pool.k_buffers[index],
         v_pool=pool.v_buffers[index],
         q_norm=q_norm,
@@ -239,9 +233,7 @@ class CpuDecodePath:
         if model.dtype != torch.float32 or pool.dtype != torch.float32:
             raise NotTaken("the model or its KV cache is not float32")
         arch = model.arch
-        weights = [
-            _layer(layer, i, pool, deterministic) for i, layer in enumerate(model.model.layers)
-        ]
+        weights = [_layer(layer, i, pool) for i, layer in enumerate(model.model.layers)]
         first = model.model.layers[0]
         assert isinstance(first, DecoderLayer)  # (_layer checked every layer)
         spec = first.self_attn.spec
@@ -268,7 +260,7 @@ class CpuDecodePath:
             layers = DecodeLayers(shape, weights, invariant=deterministic)
         except ValueError as error:
             raise NotTaken(str(error)) from None
-        return cls(model, layers, head=_float_head(model, deterministic), invariant=invariant)
+        return cls(model, layers, head=_float_head(model), invariant=invariant)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's `compute_logits` of these rows: in C from the head's panels for a
@@ -281,7 +273,7 @@ class CpuDecodePath:
             return torch.cat(
                 [self.invariant.head(hidden[i : i + step]) for i in range(0, rows, step)]
             )
-        if self.head is None or torch.get_num_threads() != 1:
+        if self.head is None:
             return self.model.compute_logits(hidden)
         return kernels.cpu.f32_panel_linear(hidden.contiguous(), self.head, self.vocab)
 
@@ -289,8 +281,7 @@ class CpuDecodePath:
         """Whether this step is one the path takes: a decode step of at most `max_batch`
         requests, or any step of at most `kernels.cpu.MAX_ROWS` new tokens in all (decodes
         beside a short prefill chunk or a jump-forward extend), or, when every projection is
-        float32 in panels, any step; no given embeddings or M-RoPE positions; one torch
-        thread."""
+        float32 in panels, any step; no given embeddings or M-RoPE positions."""
         if self.invariant is not None:  # every step (M-RoPE models the build refuses)
             return batch.mrope_positions is None
         tokens = batch.num_tokens
@@ -305,13 +296,12 @@ class CpuDecodePath:
             )
             and batch.input_embeds is None
             and batch.mrope_positions is None
-            and torch.get_num_threads() == 1
         )
 
     def split(self, batch: ForwardBatch) -> MixedStep | None:
         """A mixed step (prefill chunks beside decodes) as the path's part and the rest, or
         None when it is not one to split: no decode (or nothing else, or more than
-        `max_batch` of them), several torch threads, given embeddings, M-RoPE positions, or
+        `max_batch` of them), given embeddings, M-RoPE positions, or
         rows asked for their prompt logprobs or hidden states. A decode is a request adding
         one token, or one whose every new token wants its logits (it verifies drafts:
         speculative decoding), up to `kernels.cpu.MAX_ROWS` tokens of them in all."""
@@ -332,7 +322,6 @@ class CpuDecodePath:
             or batch.mrope_positions is not None
             or batch.input_logprobs
             or batch.hidden_state_requests
-            or torch.get_num_threads() != 1
         ):
             return None
         starts, total = [], 0

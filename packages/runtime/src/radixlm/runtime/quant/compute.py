@@ -51,7 +51,7 @@ def int8_weight_only(qweight: torch.Tensor, scale: torch.Tensor) -> Matmul:
         return general
 
     def c_or_torch(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= kernels.cpu.MAX_ROWS and torch.get_num_threads() == 1:
+        if x.shape[0] <= kernels.cpu.MAX_ROWS:
             return few_rows(x)
         return general(x)
 
@@ -83,7 +83,7 @@ _C_CHUNKED_ROWS = 64
 
 def int8_grouped(values: torch.Tensor, scales: torch.Tensor, group_size: int) -> Matmul:
     """x @ (values * scales per group of columns).T (a GGUF file's Q8_0, the int8 LM head):
-    Triton's `int8_grouped_linear` on CUDA. On the CPU decode rows on one intra-op thread run
+    Triton's `int8_grouped_linear` on CUDA. On the CPU decode rows run
     radixlm's C kernel (Q8_0 x Q8_0, llama.cpp's arithmetic; up to `_C_CHUNKED_ROWS` rows in
     calls of MAX_ROWS); other inputs the weight dequantized into their dtype at the call (for
     a prefill that is one more pass over the weight, which keeps it 8-bit in memory)."""
@@ -108,7 +108,7 @@ def int8_grouped(values: torch.Tensor, scales: torch.Tensor, group_size: int) ->
 
     def c_or_dense(x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows > _C_CHUNKED_ROWS or torch.get_num_threads() != 1:
+        if rows > _C_CHUNKED_ROWS:
             return dense(x)
         if rows <= kernels.cpu.MAX_ROWS:
             return few_rows(x)
@@ -306,10 +306,10 @@ def int4_grouped(
         return fallback
 
     def c_or_torch(x: torch.Tensor) -> torch.Tensor:
-        # Decode-sized inputs on one intra-op thread: radixlm's C kernel (int8 activations
-        # per 32 columns, as llama.cpp's 4-bit blocks; one thread, 1.2-1.9x torch's kernel
-        # at 1-16 rows); prefill-sized ones, or several threads: torch's kernel.
-        if x.shape[0] <= kernels.cpu.MAX_ROWS and torch.get_num_threads() == 1:
+        # Decode-sized inputs: radixlm's C kernel (int8 activations per 32 columns, as
+        # llama.cpp's 4-bit blocks; on one thread 1.2-1.9x torch's kernel at 1-16 rows);
+        # prefill-sized ones: torch's kernel.
+        if x.shape[0] <= kernels.cpu.MAX_ROWS:
             return few_rows(x)
         return fallback(x)
 
