@@ -290,6 +290,7 @@ class DecodeLayers:
             raise RuntimeError(f"decode_layers: cos and sin need {count} x {d} values")
         if out_slots.numel() != count or rows.numel() != count or lengths.numel() != count:
             raise RuntimeError(f"decode_layers: out_slots, rows and lengths need {count} values")
+        cpu._loaded()  # the kernels' thread count in line with torch's now
         code = self._function(
             ctypes.byref(self._c_shape),
             self._c_layers,
