@@ -43,6 +43,8 @@ logger = logging.getLogger("radixlm.kernels.cpu")
 _SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("gemv.c", "panels.c", "decode.c", "pool.c")
 )
+#: pool.c's interface, which the other sources include (part of the library's key).
+_POOL_HEADER = Path(__file__).with_name("pool.h")
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 #: The most activation rows one call takes (decode batches); more run elsewhere.
 MAX_ROWS = 16
@@ -80,7 +82,7 @@ def _build() -> ctypes.CDLL | None:
     if shutil.which(compiler) is None:
         logger.info("no C compiler (%s): radixlm's CPU kernels are not built", compiler)
         return None
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, _POOL_HEADER))
     key = hashlib.sha256(
         source + compiler.encode() + " ".join(_FLAGS).encode() + _cpu_model().encode()
     ).hexdigest()[:16]

@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define RADIXLM_AVX2 1
@@ -561,16 +563,12 @@ static void silu_times(const float *gate, const float *up, float *out, int n) {
     for (; j < n; j++) out[j] = silu(gate[j]) * up[j];
 }
 
-typedef void (*RlmTask)(void *ctx, int ith, int nth);
-void radixlm_parallel(RlmTask task, void *ctx, int most);
-int radixlm_threads(void);
-
 /* One layer's attention: units[u] .. units[u + 1] the rows of unit u, taken in turn by the
  * threads, each with its own scratch (`work` floats of scores, heads x MAX_GROUP totals). */
 typedef struct {
     const RlmShape *shape;
     const RlmLayer *l;
-    int m_rows, units;
+    int units;
     const int *starts;
     const float *wide;
     float *attended;
@@ -715,7 +713,7 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
             while (end < m_rows && end - m < MAX_GROUP && rows[end] == rows[m]) end++;
         }
         starts[units] = m_rows;
-        Attention job = {shape, l, m_rows, units, starts, wide, attended, table, table_stride,
+        Attention job = {shape, l, units, starts, wide, attended, table, table_stride,
                          rows, lengths, clusters, spans, key_at, ra, rb, rc, rd, keys, scores,
                          totals, work};
         atomic_init(&job.next, 0);

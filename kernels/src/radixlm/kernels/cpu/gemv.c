@@ -20,6 +20,8 @@
 #include <stdatomic.h>
 #include <string.h>
 
+#include "pool.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define RADIXLM_AVX2 1
@@ -734,19 +736,8 @@ static int f32_cols(const float *x, int m_rows, int k, const float *weight, int 
 
 /* ---- the public products: output columns split over the threads of pool.c ---- */
 
-typedef void (*RlmTask)(void *ctx, int ith, int nth);
-void radixlm_parallel(RlmTask task, void *ctx, int most);
-void radixlm_split(int n, int align, int ith, int nth, int *lo, int *hi);
-
-/* Weights per thread below which a product stays on fewer threads (waking one costs more). */
-#define WEIGHTS_PER_THREAD (1 << 16)
 /* Output columns per unit of a split: whole tiles, and the same vector paths per column. */
 #define SPLIT 64
-
-static int threads_for(int n, int k) {
-    long most = (long)n * k / WEIGHTS_PER_THREAD;
-    return most < 1 ? 1 : most > 1024 ? 1024 : (int)most;
-}
 
 typedef struct {
     int kind; /* 4, 8 or 32 */
@@ -781,7 +772,7 @@ static void product_task(void *arg, int ith, int nth) {
 
 static int product(Product *p) {
     atomic_init(&p->code, 0);
-    radixlm_parallel(product_task, p, threads_for(p->n, p->k));
+    radixlm_parallel(product_task, p, radixlm_threads_for((long)p->n * p->k));
     return atomic_load(&p->code);
 }
 

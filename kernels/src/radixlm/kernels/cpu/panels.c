@@ -24,6 +24,8 @@
 #include <math.h>
 #include <stddef.h>
 
+#include "pool.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define RADIXLM_PANELS_AVX2 1
@@ -196,10 +198,6 @@ static void panels_cols(const float *x, int m_rows, int k, const float *panels, 
 
 /* ---- the public product: pairs of panels split over the threads of pool.c ---- */
 
-typedef void (*RlmTask)(void *ctx, int ith, int nth);
-void radixlm_parallel(RlmTask task, void *ctx, int most);
-void radixlm_split(int n, int align, int ith, int nth, int *lo, int *hi);
-
 typedef struct {
     const float *x, *panels;
     int m_rows, k, n;
@@ -222,7 +220,6 @@ int radixlm_f32_panels(const float *x, int m_rows, int k, const float *panels, i
                        float *out) {
     if (m_rows < 1 || k < 1 || n < 1 || ((size_t)panels & 63)) return -1;
     PanelProduct p = {x, panels, m_rows, k, n, out};
-    long most = (long)n * k / (1 << 16);
-    radixlm_parallel(panels_task, &p, most < 1 ? 1 : most > 1024 ? 1024 : (int)most);
+    radixlm_parallel(panels_task, &p, radixlm_threads_for((long)n * k));
     return 0;
 }

@@ -14,6 +14,8 @@
 #include <stdatomic.h>
 #include <time.h>
 
+#include "pool.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define PAUSE() _mm_pause()
@@ -23,8 +25,8 @@
 
 #define MAX_THREADS 64
 #define SPIN_NS 300000L
-
-typedef void (*RlmTask)(void *ctx, int ith, int nth);
+/* Weights per thread below which a product stays on fewer threads (waking one costs more). */
+#define WEIGHTS_PER_THREAD (1L << 16)
 
 static struct {
     pthread_mutex_t busy; /* held by the caller of the task that runs */
@@ -92,8 +94,7 @@ void radixlm_set_threads(int n) {
 
 int radixlm_threads(void) { return atomic_load(&wanted); }
 
-/* task(ctx, i, nth) for i < nth on nth threads (at most `most`, at most the wanted count),
- * the caller taking i = 0; returns once all have. */
+/* (see pool.h; at most the wanted count of threads, and returns once all have run) */
 void radixlm_parallel(RlmTask task, void *ctx, int most) {
     int nth = atomic_load(&wanted);
     nth = most < nth ? most : nth;
@@ -128,10 +129,14 @@ void radixlm_parallel(RlmTask task, void *ctx, int most) {
     pthread_mutex_unlock(&pool.busy);
 }
 
-/* [lo, hi) of n items for thread ith of nth, in whole units of `align` items. */
 void radixlm_split(int n, int align, int ith, int nth, int *lo, int *hi) {
     long units = (n + align - 1) / align;
     long first = units * ith / nth, last = units * (ith + 1) / nth;
     *lo = (int)(first * align < n ? first * align : n);
     *hi = (int)(last * align < n ? last * align : n);
+}
+
+int radixlm_threads_for(long weights) {
+    long most = weights / WEIGHTS_PER_THREAD;
+    return most < 1 ? 1 : most > MAX_THREADS ? MAX_THREADS : (int)most;
 }
