@@ -14,6 +14,7 @@ import torch
 
 from radixlm import kernels
 from radixlm.runtime import ForwardBatch, ModelRunner
+from radixlm.runtime.cpu_decode import MAX_BATCH
 from radixlm.runtime.fixtures import build_tiny_gguf, build_tiny_model
 
 pytestmark = pytest.mark.skipif(not kernels.cpu.available(), reason="no C compiler here")
@@ -176,7 +177,7 @@ def test_mixed_steps_run_their_one_token_requests_on_the_path(
     driver = driver_for(runner)
     table = runner.req_to_token_pool.req_to_token
     old = [driver.start(p) for p in PROMPTS]
-    chunk = [4, 8, 15, 16, 23, 42, 7, 9] * 2  # with the rest, past one call's 16 rows
+    chunk = [4, 8, 15, 16, 23, 42, 7, 9] * 9  # with the rest, past MAX_BATCH rows
     new = [driver.start(p) for p in (chunk, [3, 5])]
     try:
         driver.forward([driver.entry(s, p) for s, p in zip(old, PROMPTS, strict=True)])
@@ -217,24 +218,24 @@ def test_mixed_steps_run_their_one_token_requests_on_the_path(
         # Not split: no one-token request, or a row that asks for its prompt logprobs.
         assert cpu_path.split(ForwardBatch.build(again[1:2] + again[4:], table)) is None
         asks = BatchEntry(again[1].req_pool_index, again[1].input_ids, again[1].prefix_len,
-                          again[1].out_slots, input_logprob_targets=[1] * 15)  # fmt: skip
+                          again[1].out_slots, input_logprob_targets=[1] * (len(chunk) - 1))  # fmt: skip
         assert cpu_path.split(ForwardBatch.build([again[0], asks], table)) is None
     finally:
         for seq in old + new:
             driver.release(seq)
 
 
-def test_steps_past_one_call_of_tokens_take_the_model_forward(
+def test_steps_past_max_batch_tokens_take_the_model_forward(
     hf_checkpoints: Any, runner_config_for: Any, driver_for: Any
 ) -> None:
-    """Short prefills and mixed steps of at most MAX_ROWS tokens take the path; longer
-    prefills, and any step on several threads, the model's forward."""
+    """Short prefills and mixed steps of at most MAX_BATCH tokens take the path (on any
+    number of threads); longer prefills the model's forward."""
     path, _ = hf_checkpoints["llama3"]
     runner = ModelRunner(runner_config_for(path, quantization="int4"))
     assert runner.cpu_decode is not None
     driver = driver_for(runner)
     table = runner.req_to_token_pool.req_to_token
-    rows = kernels.cpu.MAX_ROWS
+    rows = MAX_BATCH
     old, new, long = driver.start([5, 6, 7]), driver.start([8, 9]), driver.start([3] * (rows + 1))
     try:
         prefill = ForwardBatch.build([driver.entry(old, [5, 6, 7])], table)
@@ -251,6 +252,53 @@ def test_steps_past_one_call_of_tokens_take_the_model_forward(
         assert runner.cpu_decode.can_run(decode)  # several threads: the products split
     finally:
         for seq in (old, new, long):
+            driver.release(seq)
+
+
+def test_verify_steps_past_one_call_take_the_path(
+    hf_checkpoints: Any, runner_config_for: Any, driver_for: Any
+) -> None:
+    """A step of drafts to verify (speculative decoding) with more tokens than one call
+    takes runs on the path in calls of MAX_ROWS rows, a request's rows split between calls,
+    whatever else the step holds: every row's logits and K/V as the model's forward gives
+    them. (Until the path took such steps, a verify step past MAX_ROWS tokens ran through
+    the model's forward, and a near tie could then fall the other way than when the same
+    token was decoded alone.)"""
+    path, _ = hf_checkpoints["qwen3"]
+    runner = ModelRunner(runner_config_for(path, quantization="int4"))
+    cpu_path = runner.cpu_decode
+    assert cpu_path is not None
+    driver = driver_for(runner)
+    table = runner.req_to_token_pool.req_to_token
+    prompts = [*PROMPTS, [9, 4, 6]]
+    seqs = [driver.start(p) for p in prompts]
+    try:
+        driver.forward([driver.entry(s, p) for s, p in zip(seqs, prompts, strict=True)])
+        drafts = [[3, 7, 2, 9, 5], [8, 1, 6, 4, 2], [5, 5, 9, 3, 1], [7, 2, 8, 6, 4]]
+        entries = [driver.entry(s, d, num_logits=len(d)) for s, d in zip(seqs, drafts, strict=True)]
+        seqs.append(driver.start([4, 2]))
+        entries.append(driver.entry(seqs[-1], [4, 2]))  # a short prefill beside them
+        batch = ForwardBatch.build(entries, table)
+        assert kernels.cpu.MAX_ROWS < batch.num_tokens <= MAX_BATCH
+        assert cpu_path.can_run(batch)
+        fast = runner.forward(batch).next_token_logits.clone()
+        assert fast.shape[0] == sum(map(len, drafts)) + 1
+        slots = batch.out_cache_loc
+        written = [(k[slots].clone(), v[slots].clone())
+                   for k, v in zip(runner.kv_pool.k_buffers, runner.kv_pool.v_buffers, strict=True)]  # fmt: skip
+        runner.cpu_decode = None
+        try:
+            plain = runner.forward(batch).next_token_logits
+        finally:
+            runner.cpu_decode = cpu_path
+        _assert_near(fast, plain, 5e-2)
+        for (k_fast, v_fast), k, v in zip(
+            written, runner.kv_pool.k_buffers, runner.kv_pool.v_buffers, strict=True
+        ):
+            _assert_near(k_fast, k[slots], 5e-2)
+            _assert_near(v_fast, v[slots], 5e-2)
+    finally:
+        for seq in seqs:
             driver.release(seq)
 
 

@@ -5,9 +5,9 @@ dispatch (about 60 torch operations per decoder layer around the four projection
 the projections themselves. A step of at most `MAX_BATCH` requests that each add one token
 runs every decoder layer through `radixlm.kernels.cpu.decode.DecodeLayers` (one call per
 `DecodeLayers.max_rows` requests: 64 when every projection is float32, else
-`kernels.cpu.MAX_ROWS`), and so does any step of at most `kernels.cpu.MAX_ROWS` new
-tokens (a short prefill chunk or a jump-forward extend beside the decodes: each token a row
-of its own), when the model and its KV pool are float32 and every projection is
+`kernels.cpu.MAX_ROWS`), and so does any step of at most `MAX_BATCH` new tokens (drafts
+to verify, a short prefill chunk or a jump-forward extend beside the decodes: each token a
+row of its own), when the model and its KV pool are float32 and every projection is
 
 - int4 or int8 in the layouts of `radixlm.kernels.cpu` (load-time `int8`/`int4`
   quantization, or a GGUF file's Q4_0/Q4_1/Q4_K and Q8_0 tensors): the same products as the
@@ -279,21 +279,19 @@ class CpuDecodePath:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether this step is one the path takes: a decode step of at most `max_batch`
-        requests, or any step of at most `kernels.cpu.MAX_ROWS` new tokens in all (decodes
-        beside a short prefill chunk or a jump-forward extend), or, when every projection is
-        float32 in panels, any step; no given embeddings or M-RoPE positions."""
+        requests, or any step of at most `max_batch` new tokens in all (drafts to verify,
+        decodes beside a short prefill chunk or a jump-forward extend), or, when every
+        projection is float32 in panels, any step; no given embeddings or M-RoPE positions."""
         if self.invariant is not None:  # every step (M-RoPE models the build refuses)
             return batch.mrope_positions is None
         tokens = batch.num_tokens
         return (
-            # Decode steps up to max_batch; other steps only in one call (past it, a GEMM
-            # over the prefill rows costs less than reading the weights once per call),
-            # unless the products are the panels', which take a whole chunk in one call.
-            (
-                tokens == batch.batch_size <= self.max_batch
-                or tokens <= kernels.cpu.MAX_ROWS
-                or self.layers.panels_only
-            )
+            # Up to max_batch new tokens, as many as a decode step may have (a few calls;
+            # past that a GEMM over a prefill's rows costs less than reading the weights once
+            # per call), unless the products are the panels', which take a whole chunk at once.
+            # A step of drafts or a jump-forward then takes the path whatever its company, so
+            # a token's logits do not follow how the scheduler grouped it.
+            (tokens <= self.max_batch or self.layers.panels_only)
             and batch.input_embeds is None
             and batch.mrope_positions is None
         )
@@ -304,7 +302,7 @@ class CpuDecodePath:
         `max_batch` of them), given embeddings, M-RoPE positions, or
         rows asked for their prompt logprobs or hidden states. A decode is a request adding
         one token, or one whose every new token wants its logits (it verifies drafts:
-        speculative decoding), up to `kernels.cpu.MAX_ROWS` tokens of them in all."""
+        speculative decoding), up to `max_batch` tokens of them in all."""
         lengths = batch.extend_lens_cpu
         counts = batch.logit_counts or (1,) * len(lengths)
         singles = [
@@ -317,7 +315,7 @@ class CpuDecodePath:
             not singles
             or len(singles) == len(lengths)
             or len(singles) > self.max_batch
-            or (path_tokens > len(singles) and path_tokens > kernels.cpu.MAX_ROWS)
+            or path_tokens > self.max_batch
             or batch.input_embeds is not None
             or batch.mrope_positions is not None
             or batch.input_logprobs
