@@ -17,7 +17,10 @@ tokens, never from an earlier run's answers), first with max_new_tokens 1 (the p
 alone) and then with the full budget; decode tok/s is the tokens after the first over the
 sum of the differences of the two times (one prompt's answer alone would make batch 1 a
 matter of what that one answer happens to repeat). The greedy outputs of the two engines are
-compared token by token (they must be equal).
+compared token by token (they must be equal). `--deterministic` runs both engines with
+`enable_deterministic_inference`, where equal is guaranteed; without it a verify step's rows
+attend in another order than a decode's row (on AVX-512), and the int4 model's int8
+activations can turn that last-bit difference into a tipped near tie.
 
     .venv/bin/python tools/bench/spec_bench.py                         # ~35 min on one core
     .venv/bin/python tools/bench/spec_bench.py --batches 1 --new-tokens 64 --workloads code
@@ -144,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=2, help="alternated runs, best kept")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="both engines with enable_deterministic_inference (outputs equal by construction)",
+    )
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     workloads = args.workloads.split(",")
@@ -152,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 
     path = smollm2_gguf_path()
     common: dict[str, Any] = {"cpu_threads": 1, "show_progress": False}
+    if args.deterministic:
+        common["enable_deterministic_inference"] = True
     spec: dict[str, Any] = {"speculative_num_draft_tokens": args.num_draft_tokens}
     if args.disable_by_batch_size is not None:
         spec["speculative_disable_by_batch_size"] = args.disable_by_batch_size
@@ -169,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     print(f"SmolLM2-135M-Instruct, one thread, {cpu_flags()}; greedy, {args.new_tokens} new "
-          f"tokens per request, {args.num_draft_tokens} tokens per verify step")  # fmt: skip
+          f"tokens per request, {args.num_draft_tokens} tokens per verify step"
+          f"{', deterministic' if args.deterministic else ''}")  # fmt: skip
     print("ngram: int4 (Q4_1 GGUF) with and without NGRAM drafts; standalone: float32 with "
           "and without drafts of its int4 copy")  # fmt: skip
     print(f"{'algorithm':10} {'workload':9} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} "

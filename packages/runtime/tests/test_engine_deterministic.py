@@ -1,6 +1,7 @@
 """Deterministic (batch-invariant) inference: with `enable_deterministic_inference` a
 request's tokens and logprobs are the same bits alone, among 1-31 random companions, after a
-cache hit, and under any prefill chunk size; requests without a seed sample from the engine's;
+cache hit, under any prefill chunk size and with speculative drafts; requests without a seed
+sample from the engine's;
 what the mode does not cover is refused with a message."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from radixlm import kernels
 from radixlm.runtime import Engine
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.fixtures import build_tiny_model
+from radixlm.runtime.fixtures import CorruptedOracle, build_tiny_model
 
 pytestmark = pytest.mark.skipif(
     not kernels.cpu.available(), reason="radixlm's CPU kernels are not built here"
@@ -158,12 +159,41 @@ def test_requests_without_a_seed_sample_from_the_engines_and_siblings_differ(
     assert pair[0]["output_ids"] != pair[1]["output_ids"]  # seeds seed + 0 and seed + 1
 
 
+def test_drafts_change_no_token_and_no_logprob(
+    model: tuple[Path, dict[str, Any]], engine: Engine, target: list[int]
+) -> None:
+    """Speculative decoding (NGRAM) in the mode: a draft is accepted when it is the token the
+    request draws at its position, and the verify step's rows are computed as a decode's, so
+    greedy and sampled requests give the same tokens and logprob bits with drafts as
+    without, alone and batched."""
+    prompts = [[*target[:12]] * 4, target, [7, 8, 9, 7, 8, 9, 7, 8]]
+    params = [{**SAMPLED, "temperature": 0.0}, SAMPLED, {**SAMPLED, "temperature": 0.0}]
+    engine.flush_cache()
+    outs = engine.generate(input_ids=prompts, sampling_params=params, **ASKS)
+    plain = [_result(out) for out in outs]
+    # Drafts of the answers without drafts, every third one wrong (a tiny random model
+    # rarely repeats itself for NGRAM's own).
+    oracle = CorruptedOracle(
+        {tuple(p): out["output_ids"] for p, out in zip(prompts, outs, strict=True)}
+    )
+    with _engine(model, speculative_algorithm="NGRAM", cpu_threads=1) as spec:
+        spec.run_in_loop(lambda core: setattr(core.scheduler, "drafter", oracle))
+        batched = spec.generate(input_ids=prompts, sampling_params=params, **ASKS)
+        assert [_result(out) for out in batched] == plain
+        for prompt, param, expected in zip(prompts, params, plain, strict=True):
+            spec.flush_cache()
+            alone = spec.generate(input_ids=[prompt], sampling_params=param, **ASKS)[0]
+            assert _result(alone) == expected
+        info = spec.get_server_info()
+        assert 0 < info["spec_accepted_tokens"] < info["spec_draft_tokens"]
+        spec.check_invariants()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"tp_size": 2}, "tp_size"),
         ({"enable_lora": True, "max_lora_rank": 8}, "LoRA"),
-        ({"speculative_algorithm": "NGRAM"}, "speculative"),
     ],
 )
 def test_what_the_mode_does_not_cover_is_refused_in_the_config(

@@ -13,15 +13,14 @@ import dataclasses
 import json
 import math
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from radixlm.runtime import Engine
-from radixlm.runtime.fixtures import build_tiny_model
-from radixlm.runtime.scheduler import Req
+from radixlm.runtime.fixtures import CorruptedOracle, build_tiny_model
 from radixlm.runtime.speculative.costs import StepCost
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -51,34 +50,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         arch: build_tiny_model(root / arch, architecture=arch, init_std=0.3)
         for arch in ARCHITECTURES
     }
-
-
-class CorruptedOracle:
-    """Proposes what the reference run generated after the request's tokens, every third
-    draft position (by output index) replaced by a wrong token."""
-
-    def __init__(self, references: dict[tuple[int, ...], list[int]], max_draft: int = 4) -> None:
-        self.references = references
-        self.max_draft = max_draft
-        self.disable_by_batch_size = None
-        self.step_tokens = None
-
-    def threshold(self, size: int) -> float:
-        return 0.0  # drafts always worth it: every path is exercised
-
-    def propose(self, asks: Sequence[tuple[Req, int]]) -> list[list[int]]:
-        return [self._one(req, count) for req, count in asks]
-
-    def accepted(self, req: Req, slots: Sequence[int]) -> None:
-        pass
-
-    def _one(self, req: Req, count: int) -> list[int]:
-        reference = self.references.get(tuple(req.prompt_ids))
-        if reference is None:
-            return []
-        done = len(req.output_ids)
-        draft = list(reference[done : done + count])
-        return [t if (done + i) % 3 != 2 else (t + 1) % 500 for i, t in enumerate(draft)]
 
 
 def _engine(path: Path, spec: bool, **kwargs: Any) -> Engine:

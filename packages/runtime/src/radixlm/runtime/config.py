@@ -365,8 +365,9 @@ class RunnerConfig:
     products, attention and norms give a token's row the same bits whatever else is in the
     step, and every request samples from its own seed (the engine's `random_seed` when it
     gives none): a request's tokens and logprobs do not depend on what it was batched with, on
-    chunk sizes or on cache hits. CPU only, float32 models with float32, int8 or int4
-    projections, no tensor parallelism, LoRA or speculative decoding (refused with a message).
+    chunk sizes or on cache hits, nor on speculative decoding's drafts (a draft is accepted
+    when it is the token the request draws at its position). CPU only, float32 models with
+    float32, int8 or int4 projections, no tensor parallelism or LoRA (refused with a message).
     """
 
     model: ModelConfig
@@ -822,12 +823,6 @@ class EngineConfig:
             )
         if self.engine_restarts < 0:
             raise ValueError(f"engine_restarts must be >= 0; got {self.engine_restarts}")
-        if self.runner.deterministic and self.speculative.enabled:
-            raise ValueError(
-                "enable_deterministic_inference does not cover speculative decoding yet (its "
-                "sampled acceptance draws from a shared generator): drop speculative_algorithm "
-                "or the deterministic mode"
-            )
         if self.disaggregation.enabled:
             self._check_disaggregation()
         if self.cpu_threads is not None and self.cpu_threads < 1:

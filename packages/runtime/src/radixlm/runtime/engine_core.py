@@ -1125,7 +1125,7 @@ def create_core(
             registry.add(adapter)
     drafter: NgramDrafter | DraftModelDrafter | EagleDrafter | None = None
     # On the CPU decode path a step of up to MAX_ROWS tokens is one C call that reads the
-    # weights once; past it the step takes the model's forward: drafts stop there.
+    # weights once; past it a second call reads them again: drafts stop there.
     step_tokens = kernels.cpu.MAX_ROWS if runner.cpu_decode is not None else None
     # A CPU step's cost is measured: the C kernels' int4 rows cost nearly a step each, float32
     # ones next to nothing (see `speculative.costs`).

@@ -286,7 +286,14 @@ class ModelExecutor:
             )
             self._last_sampling = None
             with torch.inference_mode():
-                found = verify(runner.sampler, logits, sampling_batch, drafts, self.generator)
+                found = verify(
+                    runner.sampler,
+                    logits,
+                    sampling_batch,
+                    drafts,
+                    self.generator,
+                    exact=runner.config.deterministic,
+                )
             sampled = [i for i, s in enumerate(sampling) if s is not None]
             for k, index in enumerate(sampled):
                 tokens[index] = found.tokens[k]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -499,3 +499,33 @@ def build_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return gguf_file
+
+
+class CorruptedOracle:
+    """A drafter for speculative decoding's tests (set it as the scheduler's `drafter`):
+    proposes what a reference run generated after the request's prompt, every third draft
+    position (by output index) replaced by a wrong token, so that drafts are accepted in
+    full, in part and not at all, step after step."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], max_draft: int = 4) -> None:
+        self.references = references
+        self.max_draft = max_draft
+        self.disable_by_batch_size = None
+        self.step_tokens = None
+
+    def threshold(self, size: int) -> float:
+        return 0.0  # drafts always worth it: every path is exercised
+
+    def propose(self, asks: Sequence[tuple[Any, int]]) -> list[list[int]]:
+        return [self._one(req, count) for req, count in asks]
+
+    def accepted(self, req: Any, slots: Sequence[int]) -> None:
+        pass
+
+    def _one(self, req: Any, count: int) -> list[int]:
+        reference = self.references.get(tuple(req.prompt_ids))
+        if reference is None:
+            return []
+        done = len(req.output_ids)
+        draft = list(reference[done : done + count])
+        return [t if (done + i) % 3 != 2 else (t + 1) % 500 for i, t in enumerate(draft)]

@@ -117,14 +117,7 @@ class Sampler:
             scaled = processed
         else:
             scaled = processed / batch.temperatures[:, None]
-            probs = torch.softmax(scaled, dim=-1).nan_to_num_(0.0)
-            if batch.needs_filter:
-                drawn = sample_from_probs(
-                    probs, batch.top_ks, batch.top_ps, batch.min_ps, batch.uniforms
-                )
-            else:
-                drawn = inverse_cdf(probs, batch.uniforms)
-            next_ids = torch.where(batch.greedy, greedy_ids, drawn)
+            next_ids = self.draw(scaled, batch, greedy_ids)
         logprobs = None
         if batch.return_logprob:
             source = raw if self.config.logprobs_mode == "raw" else scaled
@@ -139,6 +132,19 @@ class Sampler:
                 for lp, wanted in zip(all_rows, batch.logprob_rows, strict=True)
             ]
         return SampleOutput(next_ids, next_ids.tolist(), logprobs)
+
+    @staticmethod
+    def draw(scaled: torch.Tensor, batch: SamplingBatch, greedy_ids: torch.Tensor) -> torch.Tensor:
+        """Each row's token from its temperature-scaled logits: its argmax (`greedy_ids`) on a
+        greedy row, else a draw with the row's uniform after top-k / top-p / min-p."""
+        probs = torch.softmax(scaled, dim=-1).nan_to_num_(0.0)
+        if batch.needs_filter:
+            drawn = sample_from_probs(
+                probs, batch.top_ks, batch.top_ps, batch.min_ps, batch.uniforms
+            )
+        else:
+            drawn = inverse_cdf(probs, batch.uniforms)
+        return torch.where(batch.greedy, greedy_ids, drawn)
 
     def _apply_custom(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
         if not batch.custom_processors:

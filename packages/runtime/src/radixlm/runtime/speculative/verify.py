@@ -9,6 +9,12 @@ and the first rejected row draws its token from p_i with d(i+1) removed (the res
 max(p - q, 0) normalised); when every draft is accepted the last row draws a bonus token from
 p_k. Every output token is then distributed exactly as without drafts. Greedy rows accept a
 draft when it is the row's argmax and end with the argmax: the same tokens as without.
+
+`exact` (deterministic inference): each row draws its token as the sampler draws a step's,
+with the row's own uniform (a seeded row's from its seed and its position), and a draft is
+accepted when it is that token. Each output token is then the one decoding without drafts
+draws at its position (the batch-invariant kernels give the row the same logits), and a
+draft is accepted with the same chance, p_i(d(i+1)).
 """
 
 from __future__ import annotations
@@ -43,10 +49,12 @@ def verify(
     batch: SamplingBatch,
     drafts: Sequence[Sequence[int]],
     generator: torch.Generator | None = None,
+    exact: bool = False,
 ) -> Verified:
     """Accept or reject each request's drafts. `logits` has `len(draft) + 1` rows per request,
     request after request; `batch` has one sampling row per logits row (row i of a request
-    built with its drafts before i as output)."""
+    built with its drafts before i as output). `exact`: every row's token is the sampler's
+    own draw, and a draft is accepted when it is that token (see the module docstring)."""
     counts = [len(d) + 1 for d in drafts]
     rows = sum(counts)
     if logits.shape[0] != rows or batch.size != rows:
@@ -66,10 +74,16 @@ def verify(
     raw = logits.float()
     processed = sampler.process_logits(raw, batch)
     greedy_ids = processed.argmax(dim=-1)
+    row_tokens = greedy_ids  # each row's token when its draft is refused or it is the last
     if batch.all_greedy:
         scaled = processed
         weights = None
         ok = greedy_ids == proposed_t
+    elif exact:
+        scaled = processed / batch.temperatures[:, None]
+        weights = None
+        row_tokens = sampler.draw(scaled, batch, greedy_ids)
+        ok = row_tokens == proposed_t
     else:
         scaled = processed / batch.temperatures[:, None]
         probs = torch.softmax(scaled, dim=-1).nan_to_num_(0.0)
@@ -94,7 +108,7 @@ def verify(
         accepted.append(count)
         final_rows.append(start + count)
     final = torch.tensor(final_rows, dtype=torch.int64, device=device)
-    tokens_t = greedy_ids.index_select(0, final)
+    tokens_t = row_tokens.index_select(0, final)
     if weights is not None:
         residual = weights.index_select(0, final)
         rejected = verifies.index_select(0, final)  # the row's draft was refused
