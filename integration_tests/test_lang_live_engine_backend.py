@@ -84,8 +84,9 @@ def test_streaming_runs_on_the_engine(in_process):
     @sgl.function
     def prog(s):
         # Long enough that the reader below starts long before the generation ends (with 12
-        # tokens a loaded machine sometimes read the whole text as one piece).
-        s += "Tell me" + sgl.gen("rest", max_tokens=64, ignore_eos=True)
+        # tokens a loaded machine sometimes read the whole text as one piece; the tiny model
+        # decodes a token in a fraction of a millisecond on the C kernels).
+        s += "Tell me" + sgl.gen("rest", max_tokens=160, ignore_eos=True)
 
     state = prog.run(backend=in_process, stream=True, temperature=0)
     pieces = list(state.text_iter("rest"))
