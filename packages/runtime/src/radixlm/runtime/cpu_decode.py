@@ -133,9 +133,10 @@ def _projection(module: object, what: str) -> LinearWeights:
 
 def _float_head(model: DecoderForCausalLM) -> torch.Tensor | None:
     """The LM head's float32 weight in panels for the C product, or None: a quantized head,
-    a bf16 one, or a weight oneDNN packed (and released) already. The head's packing holds the panels when it has one (an untied
-    head's plain weight is released; a tied one's is the embedding table, which stays), so
-    that `compute_logits` reads them too; else they are a copy of the weight."""
+    a bf16 one, or a weight oneDNN packed (and released) already. The head's packing holds
+    the panels when it has one (an untied head's plain weight is released; a tied one's is
+    the embedding table, which stays), so that `compute_logits` reads them too; else they
+    are a copy of the weight."""
     if model.quantized_head is not None:
         return None
     weight = model.lm_head_weight.data
@@ -289,8 +290,8 @@ class CpuDecodePath:
             # Up to max_batch new tokens, as many as a decode step may have (a few calls;
             # past that a GEMM over a prefill's rows costs less than reading the weights once
             # per call), unless the products are the panels', which take a whole chunk at once.
-            # A step of drafts or a jump-forward then takes the path whatever its company, so
-            # a token's logits do not follow how the scheduler grouped it.
+            # A step of drafts or a jump-forward then takes the path whatever its company: which
+            # kernels compute a token does not follow how the scheduler grouped it.
             (tokens <= self.max_batch or self.layers.panels_only)
             and batch.input_embeds is None
             and batch.mrope_positions is None
@@ -314,8 +315,7 @@ class CpuDecodePath:
         if (
             not singles
             or len(singles) == len(lengths)
-            or len(singles) > self.max_batch
-            or path_tokens > self.max_batch
+            or path_tokens > self.max_batch  # (at least one token per decode)
             or batch.input_embeds is not None
             or batch.mrope_positions is not None
             or batch.input_logprobs
