@@ -177,6 +177,51 @@ def test_a_rows_output_does_not_depend_on_the_other_rows_of_the_call(group: int)
 
 
 @needs_kernels
+@pytest.mark.parametrize("group", [0, 32])
+@pytest.mark.parametrize(("n", "k"), [(7, 64), (38, 544), (65, 576), (9, 1536)])
+def test_an_int8_row_alone_is_its_row_among_others(group: int, n: int, k: int) -> None:
+    """A call of one activation row has a loop of its own (several weight rows in flight):
+    per-row and per-group scales, odd and even block counts, N past a multiple of 4; each
+    row's output the same bits as in a call of several rows."""
+    torch.manual_seed(6)
+    w = torch.randn(n, k) / k**0.5
+    weight, scales = rk.quantize_int8_grouped(w, group) if group else rk.quantize_int8(w)
+    x = torch.randn(11, k)
+    many = cpu.int8_linear(x, weight, scales)
+    for row in range(11):
+        assert torch.equal(many[row], cpu.int8_linear(x[row : row + 1], weight, scales)[0])
+
+
+def test_huge_pages_move_the_data_and_keep_the_values() -> None:
+    """`move_to_huge_pages` repoints each tensor object at one new allocation (64-byte
+    aligned, values and shapes kept, each storage once), leaves a tensor that views part of
+    its storage where it is, and moves nothing with RADIXLM_HUGE_PAGES=0."""
+    torch.manual_seed(7)
+    a, b = torch.randn(300, 77), torch.randint(-128, 128, (1000, 576), dtype=torch.int8)
+    part = torch.randn(10, 8)[2:5]
+    want = (a.clone(), b.clone(), part.clone())
+    before = (a.data_ptr(), b.data_ptr(), part.data_ptr())
+    moved = cpu.move_to_huge_pages([a, b, a, part])
+    assert torch.equal(a, want[0]) and torch.equal(b, want[1]) and torch.equal(part, want[2])
+    assert part.data_ptr() == before[2]
+    if moved == 0:  # not Linux, or transparent huge pages off here: nothing moved
+        assert (a.data_ptr(), b.data_ptr()) == before[:2]
+        return
+    assert moved == a.numel() * 4 + b.numel()
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert a.data_ptr() != before[0] and a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0
+    a.add_(1)  # the tensors are still tensors of their own
+    assert torch.equal(a, want[0] + 1) and torch.equal(b, want[1])
+    code = (
+        "import torch; from radixlm.kernels import cpu; "
+        "print(cpu.move_to_huge_pages([torch.randn(1000, 1000)]))"
+    )
+    env = {**os.environ, "RADIXLM_HUGE_PAGES": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "0"
+
+
+@needs_kernels
 @pytest.mark.parametrize(("n", "k"), [(38, 72), (258, 203), (7, 48), (64, 576)])
 def test_a_float_rows_output_does_not_depend_on_the_other_rows_at_any_shape(n: int, k: int) -> None:
     """The float32 product's remainders (N not a multiple of 4, K not of 16: AVX2's loops on

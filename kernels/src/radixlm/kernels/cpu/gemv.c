@@ -204,6 +204,8 @@ static inline void tile_dot(const uint8_t *q, const float *s, const float *z, co
 
 #ifdef RADIXLM_VNNI
 #define VNNI_TILE 8
+/* Weight rows ahead that an int8 product fetches while it multiplies one */
+#define PF_ROWS 4
 
 /* Lanes 0-7 p[0], lanes 8-15 p[1] (the scales of a block pair; with `one`, p[0] and zeros:
  * an odd last block, nothing read past it). */
@@ -280,36 +282,74 @@ static inline __attribute__((always_inline)) void tile_dot_vnni(
     for (int m = 0; m < tile; m++) got[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
-/* As tile_dot_vnni for one int8 weight row (signed x signed): the activations are stored
- * offset by 128 (unsigned), and each pair's sums start at -128 x the sum of the weights of
- * each group of four (one `vpdpbusd` of 128s per pair, shared by the tile). */
+/* As tile_dot_vnni for one int8 weight row (signed x signed): the weights are offset by 128
+ * as they are loaded (w ^ 0x80: unsigned), and each pair's sums start at -128 x the sum of
+ * the activations of each group of four (`neg`, computed once per call for every activation
+ * row, not per weight row), so a lane's int32 is the exact sum of w x value. `bs` the
+ * blocks' scales, or NULL with one scale for the whole row (`row_scale`): the same
+ * products either way. */
 static inline __attribute__((always_inline)) void tile_dot8_vnni(
-    const int8_t *w, const float *bs, const Activations *a, int blocks, int m0, int tile,
-    float *got) {
-    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    const int8_t *w, const float *bs, float row_scale, const Activations *a, const int32_t *neg,
+    int blocks, int m0, int tile, float *got, const int8_t *ahead) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512 rs = _mm512_set1_ps(row_scale);
     __m512 acc[VNNI_TILE];
     for (int m = 0; m < VNNI_TILE; m++) acc[m] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b += 2) {
         int one = b + 1 == blocks;
         const int8_t *wb = w + (size_t)b * BLOCK;
-        __m512i wv = one ? widen(_mm256_loadu_si256((const __m256i *)wb))
-                         : _mm512_loadu_si512((const void *)wb);
-        __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, wv));
-        __m512 ws = pair_scale(bs + b, one);
+        if (ahead) _mm_prefetch((const char *)(ahead + (size_t)b * BLOCK), _MM_HINT_T0);
+        __m512i wv = one ? widen(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)wb),
+                                                  _mm512_castsi512_si256(flip)))
+                         : _mm512_xor_si512(_mm512_loadu_si512((const void *)wb), flip);
+        __m512 ws = bs ? pair_scale(bs + b, one) : rs;
         for (int m = 0; m < VNNI_TILE; m++) {
             if (m < tile) {
                 size_t at = (size_t)(m0 + m) * blocks + b;
                 const int8_t *xq = a->q + at * BLOCK;
                 __m512i xv = one ? widen(_mm256_loadu_si256((const __m256i *)xq))
                                  : _mm512_loadu_si512((const void *)xq);
-                __m512i dot = _mm512_dpbusd_epi32(start, xv, wv);
+                __m512i start = _mm512_maskz_loadu_epi32(one ? 0xFF : 0xFFFF, neg + at * 8);
+                __m512i dot = _mm512_dpbusd_epi32(start, wv, xv);
                 __m512 sc = _mm512_mul_ps(ws, _mm512_maskz_loadu_ps(one ? 0xFF : 0xFFFF, a->wide + at * 8));
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[m]);
             }
         }
     }
     for (int m = 0; m < tile; m++) got[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+/* tile_dot8_vnni's operations for every weight row of a call of one activation row (a
+ * decode of one request), so the same bits, in a loop of their own without the tile's
+ * bookkeeping, the rows PF_ROWS ahead fetched early; `per_row`: one scale per weight row. */
+static inline __attribute__((always_inline)) void row_dot8_vnni(
+    const int8_t *weight, const float *scales, int groups, int per_row, const Activations *a,
+    const int32_t *neg, int blocks, int k, int n, float *out) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int row = 0; row < n; row++) {
+        const int8_t *w = weight + (size_t)row * k;
+        const float *bs = scales + (size_t)row * groups;
+        const __m512 rs = _mm512_set1_ps(bs[0]);
+        const int8_t *ahead = row + PF_ROWS < n ? w + (size_t)PF_ROWS * k : w;
+        __m512 acc = _mm512_setzero_ps();
+        for (int b = 0; b < blocks; b += 2) {
+            int one = b + 1 == blocks;
+            const int8_t *wb = w + (size_t)b * BLOCK;
+            _mm_prefetch((const char *)(ahead + (size_t)b * BLOCK), _MM_HINT_T0);
+            __m512i wv = one ? widen(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)wb),
+                                                      _mm512_castsi512_si256(flip)))
+                             : _mm512_xor_si512(_mm512_loadu_si512((const void *)wb), flip);
+            __m512 ws = per_row ? rs : pair_scale(bs + b, one);
+            const int8_t *xq = a->q + (size_t)b * BLOCK;
+            __m512i xv = one ? widen(_mm256_loadu_si256((const __m256i *)xq))
+                             : _mm512_loadu_si512((const void *)xq);
+            __m512i start = _mm512_maskz_loadu_epi32(one ? 0xFF : 0xFFFF, neg + (size_t)b * 8);
+            __m512i dot = _mm512_dpbusd_epi32(start, wv, xv);
+            __m512 sc = _mm512_mul_ps(ws, _mm512_maskz_loadu_ps(one ? 0xFF : 0xFFFF, a->wide + (size_t)b * 8));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc);
+        }
+        out[row] = _mm512_reduce_add_ps(acc);
+    }
 }
 #endif
 
@@ -443,36 +483,53 @@ static int int8_cols(const float *x, int m_rows, int k, const int8_t *weight,
     Activations a;
     if (prepare(x, m_rows, k, 0, &a)) return -1;
 #ifdef RADIXLM_VNNI
-    float *expanded = per_group > 1 ? malloc(sizeof(float) * (size_t)blocks) : NULL;
-    if (per_group > 1 && !expanded) {
+    /* one scale per row: broadcast; else per block (a copy when groups span blocks) */
+    int per_row = groups == 1;
+    float *expanded = per_group > 1 && !per_row ? malloc(sizeof(float) * (size_t)blocks) : NULL;
+    int32_t *neg = malloc(sizeof(int32_t) * (size_t)m_rows * k / 4);
+    if ((per_group > 1 && !per_row && !expanded) || !neg) {
+        free(expanded), free(neg);
         release(&a);
         return -1;
     }
-    for (size_t i = 0; i < (size_t)m_rows * k; i++) a.q[i] ^= (int8_t)0x80; /* +128: unsigned */
+    for (size_t i = 0; i < (size_t)m_rows * k / 4; i++)
+        neg[i] = -128 * (a.q[4 * i] + a.q[4 * i + 1] + a.q[4 * i + 2] + a.q[4 * i + 3]);
+    if (m_rows == 1 && !expanded) {
+        if (per_row)
+            row_dot8_vnni(weight, scales, groups, 1, &a, neg, blocks, k, n, out);
+        else
+            row_dot8_vnni(weight, scales, groups, 0, &a, neg, blocks, k, n, out);
+        n = 0; /* done */
+    }
     for (int row = 0; row < n; row++) {
         const int8_t *w = weight + (size_t)row * k;
         const float *bs = scales + (size_t)row * groups;
-        if (expanded) {
+        float row_scale = bs[0];
+        if (per_row) {
+            bs = NULL;
+        } else if (expanded) {
             block_scales(bs, NULL, groups, per_group, expanded, NULL);
             bs = expanded;
         }
         for (int m0 = 0, tile; m0 < m_rows; m0 += tile) {
             float got[VNNI_TILE];
+            /* the first tile meets each row from memory: fetch a later one early */
+            const int8_t *ahead = m0 == 0 && row + PF_ROWS < n ? w + (size_t)PF_ROWS * k : NULL;
             tile = m_rows - m0 < VNNI_TILE ? m_rows - m0 : VNNI_TILE;
             switch (tile) { /* constant tiles: their loops unroll */
-            case 1: tile_dot8_vnni(w, bs, &a, blocks, m0, 1, got); break;
-            case 2: tile_dot8_vnni(w, bs, &a, blocks, m0, 2, got); break;
-            case 3: tile_dot8_vnni(w, bs, &a, blocks, m0, 3, got); break;
-            case 4: tile_dot8_vnni(w, bs, &a, blocks, m0, 4, got); break;
-            case 5: tile_dot8_vnni(w, bs, &a, blocks, m0, 5, got); break;
-            case 6: tile_dot8_vnni(w, bs, &a, blocks, m0, 6, got); break;
-            case 7: tile_dot8_vnni(w, bs, &a, blocks, m0, 7, got); break;
-            default: tile_dot8_vnni(w, bs, &a, blocks, m0, 8, got);
+            case 1: tile_dot8_vnni(w, bs, row_scale, &a, neg, blocks, m0, 1, got, ahead); break;
+            case 2: tile_dot8_vnni(w, bs, row_scale, &a, neg, blocks, m0, 2, got, ahead); break;
+            case 3: tile_dot8_vnni(w, bs, row_scale, &a, neg, blocks, m0, 3, got, ahead); break;
+            case 4: tile_dot8_vnni(w, bs, row_scale, &a, neg, blocks, m0, 4, got, ahead); break;
+            case 5: tile_dot8_vnni(w, bs, row_scale, &a, neg, blocks, m0, 5, got, ahead); break;
+            case 6: tile_dot8_vnni(w, bs, row_scale, &a, neg, blocks, m0, 6, got, ahead); break;
+            case 7: tile_dot8_vnni(w, bs, row_scale, &a, neg, blocks, m0, 7, got, ahead); break;
+            default: tile_dot8_vnni(w, bs, row_scale, &a, neg, blocks, m0, 8, got, ahead);
             }
             for (int m = 0; m < tile; m++) out[(size_t)(m0 + m) * ldo + row] = got[m];
         }
     }
-    free(expanded);
+    free(expanded), free(neg);
     release(&a);
     return 0;
 #endif

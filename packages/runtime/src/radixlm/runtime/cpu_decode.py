@@ -48,6 +48,7 @@ chunk of a prefill, computed now or taken from the cache.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,6 +68,8 @@ from radixlm.runtime.models.decoder import DecoderForCausalLM, DecoderLayer, Dec
 from radixlm.runtime.models.linear import MergedColumnLinear, PackedWeight, RowLinear
 from radixlm.runtime.quant.gguf_linear import GGUFLinear
 from radixlm.runtime.quant.linear import Int8GroupedHead, QuantizedLinear
+
+logger = logging.getLogger(__name__)
 
 #: Decode steps of up to this many requests take the path (in calls of DecodeLayers.max_rows).
 MAX_BATCH = 64
@@ -169,6 +172,23 @@ def _invariant_head(
     return (lambda rows: kernels.cpu.int8_linear(rows, values, scales)), kernels.cpu.MAX_ROWS
 
 
+def _streamed(weights: list[DecoderLayerWeights], head: nn.Module | None) -> list[torch.Tensor]:
+    """The tensors a decode step reads whole, every step: the projections' quantized weights
+    and scales or float32 panels, and a quantized LM head's (the module's own tensor
+    objects, so that moving them moves what the per-layer forward reads too). A plain
+    float32 weight is a `.data` alias of its parameter, which stays where it is."""
+    tensors = []
+    for layer in weights:
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if linear.kind != "float32":
+                tensors += [
+                    t for t in (linear.weight, linear.scales, linear.zeros) if t is not None
+                ]
+    if isinstance(head, Int8GroupedHead):
+        tensors += [head.qweight, head.scales]
+    return tensors
+
+
 def _layer(layer: nn.Module, index: int, pool: KVPool) -> DecoderLayerWeights:
     if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, DecoderMLP):
         raise NotTaken(f"layer {index} is not a dense decoder layer (mixture of experts?)")
@@ -257,11 +277,18 @@ class CpuDecodePath:
             head, head_rows = _invariant_head(model)
             count = len(positions)
             invariant = Invariant(head, head_rows, cos.reshape(count, -1), sin.reshape(count, -1))
+        # Before DecodeLayers records their addresses: what each step streams from memory.
+        moved = kernels.cpu.move_to_huge_pages(_streamed(weights, model.quantized_head))
         try:
             layers = DecodeLayers(shape, weights, invariant=deterministic)
         except ValueError as error:
             raise NotTaken(str(error)) from None
-        return cls(model, layers, head=_float_head(model), invariant=invariant)
+        head = _float_head(model)
+        if head is not None:
+            moved += kernels.cpu.move_to_huge_pages([head])
+        if moved:
+            logger.info("CPU decode path: %.1f MB of weights on huge pages", moved / 2**20)
+        return cls(model, layers, head=head, invariant=invariant)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's `compute_logits` of these rows: in C from the head's panels for a
