@@ -192,6 +192,24 @@ def test_an_int8_row_alone_is_its_row_among_others(group: int, n: int, k: int) -
         assert torch.equal(many[row], cpu.int8_linear(x[row : row + 1], weight, scales)[0])
 
 
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((5, 3), torch.float32), ((3000, 3, 64), torch.float32), ((700, 8, 128), torch.bfloat16)],
+)
+def test_zeros_on_huge_pages_are_zeros_of_the_shape(
+    shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    """A K/V buffer's allocation: zeros of the shape and dtype, contiguous; past a huge page
+    of bytes, 2 MB aligned where the system gives huge pages."""
+    got = cpu.zeros_on_huge_pages(shape, dtype)
+    assert got.shape == shape and got.dtype == dtype and got.is_contiguous()
+    assert not got.any()
+    got.fill_(1)
+    assert bool((got == 1).all())
+    if got.storage_offset() or got.untyped_storage().nbytes() != got.numel() * got.element_size():
+        assert got.data_ptr() % cpu.HUGE_PAGE == 0  # the aligned view of a longer block
+
+
 def test_huge_pages_move_the_data_and_keep_the_values() -> None:
     """`move_to_huge_pages` repoints each tensor object at one new allocation (64-byte
     aligned, values and shapes kept, each storage once), leaves a tensor that views part of

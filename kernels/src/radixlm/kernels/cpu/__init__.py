@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -270,6 +271,21 @@ def _advise_huge_pages(address: int, length: int) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return bool(libc.madvise(address, length, _MADV_HUGEPAGE) == 0)
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor whose memory lies on transparent huge pages where the system
+    gives them (see `move_to_huge_pages`), else a plain ``torch.zeros``: a view, 2 MB aligned,
+    into an allocation 2 MB longer (never touched past the view, so not resident)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    block = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = block.data_ptr()
+    offset = -start % HUGE_PAGE
+    if not _advise_huge_pages(start + offset, nbytes // HUGE_PAGE * HUGE_PAGE):
+        return torch.zeros(shape, dtype=dtype)
+    return block[offset : offset + nbytes].view(dtype).view(shape).zero_()
 
 
 def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:

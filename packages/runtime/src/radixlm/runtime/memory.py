@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from radixlm import kernels
 from radixlm.cache import TokenSlotAllocator
 from radixlm.runtime.config import MemoryConfig
 
@@ -49,14 +50,17 @@ class KVPool:
         self.page_size = page_size
         self.padding_slot = num_slots
         shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k_buffers = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
-        self.v_buffers = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
+        self.k_buffers = [self._zeros(shape) for _ in range(num_layers)]
+        self.v_buffers = [self._zeros(shape) for _ in range(num_layers)]
         # With pages, the allocator hands out page ids; slots are page * page_size + offset.
         self.allocator = TokenSlotAllocator(num_slots // page_size)
+
+    def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        """One layer's K or V buffer; on the CPU on huge pages (attention streams a long
+        context's keys and values from memory, as a decode step does its weights)."""
+        if self.device.type == "cpu":
+            return kernels.cpu.zeros_on_huge_pages(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @property
     def bytes_per_token(self) -> int:
