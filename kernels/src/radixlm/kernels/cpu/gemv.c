@@ -204,7 +204,7 @@ static inline void tile_dot(const uint8_t *q, const float *s, const float *z, co
 
 #ifdef RADIXLM_VNNI
 #define VNNI_TILE 8
-/* Weight rows ahead that an int8 product fetches while it multiplies one */
+/* Weight rows ahead that an int8 product's first tile fetches while it multiplies one */
 #define PF_ROWS 4
 
 /* Lanes 0-7 p[0], lanes 8-15 p[1] (the scales of a block pair; with `one`, p[0] and zeros:
@@ -321,7 +321,9 @@ static inline __attribute__((always_inline)) void tile_dot8_vnni(
 
 /* tile_dot8_vnni's operations for every weight row of a call of one activation row (a
  * decode of one request), so the same bits, in a loop of their own without the tile's
- * bookkeeping, the rows PF_ROWS ahead fetched early; `per_row`: one scale per weight row. */
+ * bookkeeping; `per_row`: one scale per weight row. (No prefetches: they made this loop
+ * slower on weights on huge pages, where the hardware's prefetchers keep up; a tile, with
+ * more work per row, gains from them.) */
 static inline __attribute__((always_inline)) void row_dot8_vnni(
     const int8_t *weight, const float *scales, int groups, int per_row, const Activations *a,
     const int32_t *neg, int blocks, int k, int n, float *out) {
@@ -330,12 +332,10 @@ static inline __attribute__((always_inline)) void row_dot8_vnni(
         const int8_t *w = weight + (size_t)row * k;
         const float *bs = scales + (size_t)row * groups;
         const __m512 rs = _mm512_set1_ps(bs[0]);
-        const int8_t *ahead = row + PF_ROWS < n ? w + (size_t)PF_ROWS * k : w;
         __m512 acc = _mm512_setzero_ps();
         for (int b = 0; b < blocks; b += 2) {
             int one = b + 1 == blocks;
             const int8_t *wb = w + (size_t)b * BLOCK;
-            _mm_prefetch((const char *)(ahead + (size_t)b * BLOCK), _MM_HINT_T0);
             __m512i wv = one ? widen(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)wb),
                                                       _mm512_castsi512_si256(flip)))
                              : _mm512_xor_si512(_mm512_loadu_si512((const void *)wb), flip);
