@@ -328,7 +328,7 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
             place = arena[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
             place.copy_(tensor)
             elements = offset // tensor.element_size()
-            tensor.set_(storage, elements, tensor.shape, tensor.stride())  # type: ignore[call-overload]
+            tensor.set_(storage, elements, tensor.shape, tensor.stride())
             offset += size
             moved += nbytes
     return moved

@@ -283,12 +283,12 @@ class CpuDecodePath:
             layers = DecodeLayers(shape, weights, invariant=deterministic)
         except ValueError as error:
             raise NotTaken(str(error)) from None
-        head = _float_head(model)
-        if head is not None:
-            moved += kernels.cpu.move_to_huge_pages([head])
+        head_panels = _float_head(model)
+        if head_panels is not None:
+            moved += kernels.cpu.move_to_huge_pages([head_panels])
         if moved:
             logger.info("CPU decode path: %.1f MB of weights on huge pages", moved / 2**20)
-        return cls(model, layers, head=head, invariant=invariant)
+        return cls(model, layers, head=head_panels, invariant=invariant)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's `compute_logits` of these rows: in C from the head's panels for a
