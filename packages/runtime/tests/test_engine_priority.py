@@ -77,8 +77,11 @@ def test_the_queue_runs_higher_priorities_first(model_dir: Path, low_first: bool
     ) as eng:
         release = _hold(eng)
         finished: list[str] = []
+        # Long enough that one request's run outlasts a reader thread's wake-up on a busy
+        # machine: with 6 tokens (~2 ms) a reader that woke late swapped two names (CI).
+        queued = {**SHORT, "max_new_tokens": 96}
         threads = [
-            _drain(eng.generate(input_ids=LOW, sampling_params=SHORT, stream=True, priority=p),
+            _drain(eng.generate(input_ids=LOW, sampling_params=queued, stream=True, priority=p),
                    finished, str(p))
             for p in (0, 5, 10)
         ]  # fmt: skip
