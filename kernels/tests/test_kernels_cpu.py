@@ -219,7 +219,8 @@ def test_huge_pages_move_the_data_and_keep_the_values() -> None:
     part = torch.randn(10, 8)[2:5]
     want = (a.clone(), b.clone(), part.clone())
     before = (a.data_ptr(), b.data_ptr(), part.data_ptr())
-    moved = cpu.move_to_huge_pages([a, b, a, part])
+    alias = b.view(torch.uint8)  # another object over b's whole storage: it moves with b
+    moved = cpu.move_to_huge_pages([a, b, a, part, alias])
     assert torch.equal(a, want[0]) and torch.equal(b, want[1]) and torch.equal(part, want[2])
     assert part.data_ptr() == before[2]
     if moved == 0:  # not Linux, or transparent huge pages off here: nothing moved
@@ -228,6 +229,7 @@ def test_huge_pages_move_the_data_and_keep_the_values() -> None:
     assert moved == a.numel() * 4 + b.numel()
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     assert a.data_ptr() != before[0] and a.data_ptr() % 64 == 0 and b.data_ptr() % 64 == 0
+    assert alias.data_ptr() == b.data_ptr()
     a.add_(1)  # the tensors are still tensors of their own
     assert torch.equal(a, want[0] + 1) and torch.equal(b, want[1])
     code = (

@@ -25,6 +25,7 @@ kernels off.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import math
@@ -34,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -257,20 +258,30 @@ HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
 
-def _advise_huge_pages(address: int, length: int) -> bool:
-    """madvise(MADV_HUGEPAGE) on a range not touched yet (its first writes then fault in
-    2 MB pages); False where the system does not give them (not Linux, THP off)."""
-    if os.environ.get("RADIXLM_HUGE_PAGES", "1") == "0" or not sys.platform.startswith("linux"):
-        return False
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise where transparent huge pages are given on request (Linux, THP
+    `madvise` or `always`), else None; looked up once."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
-        return False
+        return None
     if "[never]" in mode:
-        return False
+        return None
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return bool(libc.madvise(address, length, _MADV_HUGEPAGE) == 0)
+    return libc.madvise
+
+
+def _advise_huge_pages(address: int, length: int) -> bool:
+    """madvise(MADV_HUGEPAGE) on a range not touched yet (its first writes then fault in
+    2 MB pages); False where the system does not give them or RADIXLM_HUGE_PAGES=0."""
+    madvise = _madvise()
+    if os.environ.get("RADIXLM_HUGE_PAGES", "1") == "0" or madvise is None:
+        return False
+    return madvise(address, length, _MADV_HUGEPAGE) == 0
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -303,7 +314,7 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     is freed once nothing else holds it. Only tensors that cover their whole storage move
     (another tensor object viewing part of a storage would keep reading the old copy), each
     storage once. Call it before anything records the tensors' addresses."""
-    moving: dict[int, torch.Tensor] = {}
+    moving: dict[int, list[torch.Tensor]] = {}  # by storage: every object covering it
     for tensor in tensors:
         storage = tensor.untyped_storage()
         if (
@@ -312,23 +323,26 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
             and tensor.storage_offset() == 0
             and tensor.numel() * tensor.element_size() == storage.nbytes() > 0
         ):
-            moving.setdefault(id(tensor), tensor)
+            objects = moving.setdefault(storage.data_ptr(), [])
+            if all(t is not tensor for t in objects):
+                objects.append(tensor)
     if not moving:
         return 0
-    sizes = [-(-t.untyped_storage().nbytes() // 64) * 64 for t in moving.values()]
+    sizes = [-(-group[0].untyped_storage().nbytes() // 64) * 64 for group in moving.values()]
     arena = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)
     start = arena.data_ptr()
     aligned = -(-start // HUGE_PAGE) * HUGE_PAGE
     if not _advise_huge_pages(aligned, (start + arena.numel() - aligned) // HUGE_PAGE * HUGE_PAGE):
         return 0
-    storage, offset, moved = arena.untyped_storage(), aligned - start, 0
+    new, offset, moved = arena.untyped_storage(), aligned - start, 0
     with torch.no_grad():
-        for tensor, size in zip(moving.values(), sizes, strict=True):
-            nbytes = tensor.numel() * tensor.element_size()
-            place = arena[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-            place.copy_(tensor)
-            elements = offset // tensor.element_size()
-            tensor.set_(storage, elements, tensor.shape, tensor.stride())
+        for group, size in zip(moving.values(), sizes, strict=True):
+            first = group[0]
+            nbytes = first.numel() * first.element_size()
+            arena[offset : offset + nbytes].view(first.dtype).view(first.shape).copy_(first)
+            for tensor in group:  # (objects that shared a storage share the new one)
+                elements = offset // tensor.element_size()
+                tensor.set_(new, elements, tensor.shape, tensor.stride())
             offset += size
             moved += nbytes
     return moved
