@@ -785,17 +785,18 @@ class EngineCore:
         drafts: list[Sequence[int]] = []
         inputs: list[EntryInputs | None] = []
         started = time.monotonic()
+        seqs = self._seqs
         for entry in batch.entries:
-            seq = self._seqs[entry.req.rid]
+            seq = seqs[entry.req.rid]
             if seq.scheduled_at is None:
                 seq.scheduled_at = started
-            options = seq.handle.logprobs
-            inputs.append(_entry_inputs(seq.handle))
-            asks.append(
-                None
-                if entry.logprob_targets is None
-                else InputLogprobAsk(options.top, options.token_ids)
-            )
+                seq.inputs = _entry_inputs(seq.handle)  # fixed for the request's life
+            inputs.append(seq.inputs)
+            if entry.logprob_targets is None:
+                asks.append(None)
+            else:
+                options = seq.handle.logprobs
+                asks.append(InputLogprobAsk(options.top, options.token_ids))
             if entry.draft:
                 sampling.append(self._verify_requests(seq, entry.draft))
                 grammars.append(seq.grammar)
@@ -837,16 +838,18 @@ class EngineCore:
             self.disagg.after_update()
         done = time.monotonic()
         for update in updated:
-            seq = self._seqs[update.req.rid]
-            if update.req.output_ids:
+            req = update.req
+            seq = seqs[req.rid]
+            if req.output_ids:
                 if seq.first_token_at is None:
                     seq.first_token_at = done
                 seq.last_token_at = done
             # Logprobs of tokens taken back (or of a token the grammar refused) go too.
-            if len(seq.output_logprobs) > len(update.req.output_ids):
-                seq.truncate_logprobs(len(update.req.output_ids))
+            if len(seq.output_logprobs) > len(req.output_ids):
+                seq.truncate_logprobs(len(req.output_ids))
             seq.dirty = True
-            touched[seq.handle.rid] = seq.handle
+            handle = seq.handle
+            touched[handle.request.rid] = handle
 
     def _record(self, batch: ScheduledBatch, result: StepResult) -> None:
         """What the forward computed besides tokens (hidden states, logprobs), recorded while
@@ -970,11 +973,14 @@ class EngineCore:
         sequence finished."""
         if handle.closed or (self.disagg is not None and self.disagg.holds(handle)):
             return  # (a prefill engine's request ends once the decode engine has its K/V)
+        stream = handle.request.stream
+        finished = True
         for seq in handle.seqs:
-            due = handle.stream or seq.watch_text or seq.finish is not None
-            if seq.dirty and not seq.quiet and due:
+            ended = seq.stops.finish is not None
+            finished = finished and ended
+            if seq.dirty and not seq.quiet and (stream or seq.watch_text or ended):
                 self._out.append(seq.delta(self.weight_version))
-        if handle.finished:
+        if finished:
             handle.closed = True
             self._out.append(RequestClosed(handle.rid))
             self.finished_requests += 1
