@@ -1,6 +1,7 @@
 """radixlm on Ray Serve (a local Ray instance, `ray.init(num_cpus=2)`): two engine replicas of
 the tiny model routed by radixlm's policies through Ray Serve's request-router API, behind the
-same HTTP routes as `radixlm serve`.
+same HTTP routes as `radixlm serve`; and prefill/decode disaggregation on it (a prefill and a
+decode replica, `build_pd_app`) against one colocated engine.
 
 Heavy (Ray starts in ~20 s) and needs the `ray` extra, which the dev venv leaves out: it skips
 without Ray. Run it with `pip install -e "packages/router[ray]"` first."""
@@ -8,6 +9,7 @@ without Ray. Run it with `pip install -e "packages/router[ray]"` first."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import socket
@@ -160,3 +162,125 @@ def test_a_killed_replica_leaves_the_other_serving(cluster: str, tiny_llama: Pat
     while len(_engine_replica_pids() - {victim}) < 2:
         assert time.monotonic() < deadline, "Ray Serve did not restart the replica"
         time.sleep(1)
+
+
+# ------------------------------------------------------- prefill/decode disaggregation
+
+
+def _deploy_pd(model: Path) -> None:
+    from radixlm.router.ray import build_pd_app
+    from radixlm.runtime import Engine
+    from radixlm.server import ServerConfig, create_app
+
+    app = build_pd_app(
+        str(model),
+        Engine,
+        functools.partial(create_app, config=ServerConfig(served_model_name="tiny")),
+        ENGINE,
+        num_prefill_replicas=1,
+        num_decode_replicas=1,
+        ray_actor_options={"num_cpus": 0.5},
+        transfer_backend="tcp",
+    )
+    serve.run(app, name="radixlm", route_prefix="/")
+
+
+PD_PROMPTS = ["The capital of France is", "one two three four", "a b c d e f g"]
+
+
+def test_pd_on_ray_answers_as_one_colocated_engine(cluster: str, tiny_llama: Path) -> None:
+    from radixlm.runtime import Engine
+
+    params = {"max_new_tokens": 6, "temperature": 0}
+    with Engine(str(tiny_llama), **ENGINE) as engine:
+        expected = [
+            engine.generate(t, params, return_logprob=True, top_logprobs_num=2) for t in PD_PROMPTS
+        ]
+    _deploy_pd(tiny_llama)
+    with httpx.Client(base_url=cluster, timeout=120) as http:
+        for text, want in zip(PD_PROMPTS, expected, strict=True):
+            body = {
+                "text": text,
+                "sampling_params": params,
+                "return_logprob": True,
+                "top_logprobs_num": 2,
+            }
+            answer = http.post("/generate", json=body)
+            assert answer.status_code == 200, answer.text
+            got = answer.json()
+            assert got["output_ids"] == want["output_ids"]
+            got_lp = [e[0] for e in got["meta_info"]["output_token_logprobs"]]
+            want_lp = [e[0] for e in want["meta_info"]["output_token_logprobs"]]
+            assert got_lp == pytest.approx(want_lp, abs=1e-5)
+        # A batch: one room per prompt, each answer its prompt's.
+        batch = http.post("/generate", json={"text": PD_PROMPTS, "sampling_params": params})
+        assert batch.status_code == 200, batch.text
+        assert [a["output_ids"] for a in batch.json()] == [w["output_ids"] for w in expected]
+        # Streamed, and over the OpenAI routes.
+        body = {"text": PD_PROMPTS[0], "stream": True, "sampling_params": params}
+        with http.stream("POST", "/generate", json=body) as stream:
+            lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]", lines
+        final = json.loads(lines[-2].removeprefix("data: "))  # cumulative ids, as colocated
+        assert final["output_ids"] == expected[0]["output_ids"]
+        assert final["meta_info"]["finish_reason"]["type"] == "length"
+        chat = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+            },
+        )
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_pd_on_ray_refuses_what_disaggregation_does_not_cover(
+    cluster: str, tiny_llama: Path
+) -> None:
+    _deploy_pd(tiny_llama)
+    with httpx.Client(base_url=cluster, timeout=60) as http:
+        started = time.monotonic()
+        answer = http.post(
+            "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2, "n": 2}}
+        )
+        assert answer.status_code == 400, answer.text
+        assert "n" in answer.json()["error"]["param"], answer.json()
+        # Refused at once, not after the other half's transfer timeout.
+        assert time.monotonic() - started < 30
+        ok = http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}})
+        assert ok.status_code == 200, ok.text
+
+
+def _pd_replica_pid(deployment: str) -> int:
+    handle = serve.get_deployment_handle(deployment, app_name="radixlm")
+    return int(handle.pid.remote().result(timeout_s=30))
+
+
+def test_pd_on_ray_a_killed_decode_replica_ends_its_stream_clearly(
+    cluster: str, tiny_llama: Path
+) -> None:
+    _deploy_pd(tiny_llama)
+    victim = _pd_replica_pid("radixlm-decode")
+    body = {
+        "text": "long",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+    }
+    lines: list[str] = []
+    with (
+        httpx.Client(base_url=cluster, timeout=120) as http,
+        http.stream("POST", "/generate", json=body) as stream,
+    ):
+        for line in stream.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            lines.append(line)
+            if len(lines) == 3:
+                os.kill(victim, signal.SIGKILL)
+    # The stream ended (no hang) with an error event naming the dead replica before [DONE].
+    assert len(lines) < 100, len(lines)
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "engine_unavailable", error
+    assert "decode replica" in error["message"] and "died" in error["message"], error

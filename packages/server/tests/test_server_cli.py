@@ -482,3 +482,44 @@ def test_disaggregation_combines_with_replicas(
     assert asked["dp_size"] == 2
     assert asked["kwargs"]["disaggregation_mode"] == "prefill"
     assert asked["kwargs"]["disaggregation_bootstrap_port"] == 9000
+
+
+def test_ray_serve_pd_flags_reach_the_launcher(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    called: dict[str, Any] = {}
+
+    def ray_serve(model_path: str, config: Any, kwargs: dict[str, Any], **options: Any) -> int:
+        called.update(kwargs=kwargs, **options)
+        return 0
+
+    monkeypatch.setattr(launcher, "ray_serve", ray_serve)
+    argv = ["--model-path", str(tmp_path), "--pd-disaggregation", "--num-prefill-replicas", "2"]
+    argv += ["--num-decode-replicas", "3", "--disaggregation-transfer-backend", "shm"]
+    assert cli_module.ray_serve_main(argv) == 0
+    assert called["pd_replicas"] == (2, 3)
+    assert called["transfer_backend"] == "shm"
+    assert not any(k.startswith("disaggregation_") for k in called["kwargs"])
+    called.clear()
+    assert cli_module.ray_serve_main(["--model-path", str(tmp_path)]) == 0
+    assert called["pd_replicas"] is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--pd-disaggregation", "--disaggregation-mode", "prefill"], "drop --disaggregation-mode"),
+        (["--pd-disaggregation", "--disaggregation-bootstrap-port", "9000"], "bootstrap-port"),
+        (["--disaggregation-mode", "decode"], "use --pd-disaggregation"),
+    ],
+)
+def test_ray_serve_refuses_a_disaggregation_mode_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Any,
+    extra: list[str],
+    says: str,
+) -> None:
+    monkeypatch.setattr(launcher, "ray_serve", lambda *a, **k: pytest.fail("launched"))
+    assert cli_module.ray_serve_main(["--model-path", str(tmp_path), *extra]) == 2
+    assert says in capsys.readouterr().err

@@ -728,6 +728,21 @@ def build_ray_parser(prog: str = "radixlm ray-serve") -> argparse.ArgumentParser
         "--replica-num-gpus", type=_positive_float, default=0.0, metavar="F",
         help="GPUs Ray gives each replica (default 0; 1 for a replica per GPU)",
     )  # fmt: skip
+    pd = parser.add_argument_group("prefill/decode disaggregation on Ray Serve")
+    pd.add_argument(
+        "--pd-disaggregation", action="store_true",
+        help="two pools of replicas: prefill engines (routed by --router-policy) and decode "
+        "engines (the shortest queue), the K/V going over --disaggregation-transfer-backend; "
+        "the ingress pairs one of each per request",
+    )  # fmt: skip
+    pd.add_argument(
+        "--num-prefill-replicas", type=_replica_count, default=1, metavar="N",
+        help="with --pd-disaggregation: prefill engine replicas (default 1)",
+    )  # fmt: skip
+    pd.add_argument(
+        "--num-decode-replicas", type=_replica_count, default=1, metavar="N",
+        help="with --pd-disaggregation: decode engine replicas (default 1)",
+    )  # fmt: skip
     return parser
 
 
@@ -739,20 +754,42 @@ def ray_serve_main(argv: Sequence[str] | None = None, prog: str = "radixlm ray-s
     if args.dp_size != 1:
         print("radixlm ray-serve: use --num-replicas, not --dp-size", file=sys.stderr)
         return 2
+    pd: tuple[int, int] | None = None
+    if args.pd_disaggregation:
+        if args.disaggregation_mode is not None or args.disaggregation_bootstrap_port is not None:
+            print(
+                "radixlm ray-serve: with --pd-disaggregation each pool's mode and bootstrap "
+                "port are set for it: drop --disaggregation-mode and "
+                "--disaggregation-bootstrap-port",
+                file=sys.stderr,
+            )
+            return 2
+        pd = (args.num_prefill_replicas, args.num_decode_replicas)
+    elif args.disaggregation_mode is not None:
+        print(
+            "radixlm ray-serve: for prefill/decode disaggregation on Ray Serve use "
+            "--pd-disaggregation (both pools in one application), not --disaggregation-mode",
+            file=sys.stderr,
+        )
+        return 2
     chosen = _model_and_config(args, prog)
     if chosen is None:
         return 2
     model_path, config = chosen
+    kwargs = engine_kwargs(args)
+    transfer = kwargs.pop("disaggregation_transfer_backend", "tcp")
     try:
         return ray_serve(
             model_path,
             config,
-            engine_kwargs(args),
+            kwargs,
             num_replicas=args.num_replicas,
             address=args.address,
             replica_cpus=args.replica_num_cpus,
             replica_gpus=args.replica_num_gpus,
             router_policy=args.router_policy,
+            pd_replicas=pd,
+            transfer_backend=transfer,
         )
     except LaunchError as error:
         print(f"radixlm ray-serve: {error}", file=sys.stderr)

@@ -134,11 +134,15 @@ def ray_serve(
     replica_cpus: float = 1.0,
     replica_gpus: float = 0.0,
     router_policy: str = "cache_aware",
+    pd_replicas: tuple[int, int] | None = None,
+    transfer_backend: str = "tcp",
 ) -> int:
     """`radixlm ray-serve`: the engine as a Ray Serve deployment of `num_replicas` replicas,
     routed by `radixlm.router.ray.RadixlmRequestRouter` with `router_policy`, behind this
     server's routes (the ingress deployment), on a local Ray instance or the cluster at
-    `address`. Blocks until interrupted; returns the exit status."""
+    `address`. With `pd_replicas = (P, D)`: prefill/decode disaggregation, P prefill replicas
+    (routed with `router_policy`) and D decode replicas, the K/V over `transfer_backend`.
+    Blocks until interrupted; returns the exit status."""
     import functools
 
     try:
@@ -159,20 +163,39 @@ def ray_serve(
     actor_options: dict[str, Any] = {"num_cpus": replica_cpus}
     if replica_gpus:
         actor_options["num_gpus"] = replica_gpus
+    app_factory = functools.partial(create_app, config=config)
     try:
-        app = on_ray.build_app(
-            model_path,
-            runtime.Engine,
-            functools.partial(create_app, config=config),
-            engine_kwargs,
-            num_replicas=num_replicas,
-            ray_actor_options=actor_options,
-            policy=router_policy,
-        )
+        if pd_replicas is None:
+            app = on_ray.build_app(
+                model_path,
+                runtime.Engine,
+                app_factory,
+                engine_kwargs,
+                num_replicas=num_replicas,
+                ray_actor_options=actor_options,
+                policy=router_policy,
+            )
+            pools = f"{num_replicas} replica(s)"
+        else:
+            app = on_ray.build_pd_app(
+                model_path,
+                runtime.Engine,
+                app_factory,
+                engine_kwargs,
+                num_prefill_replicas=pd_replicas[0],
+                num_decode_replicas=pd_replicas[1],
+                ray_actor_options=actor_options,
+                policy=router_policy,
+                transfer_backend=transfer_backend,
+            )
+            pools = (
+                f"{pd_replicas[0]} prefill and {pd_replicas[1]} decode replica(s), K/V over "
+                f"{transfer_backend},"
+            )
     except ValueError as error:
         raise LaunchError(str(error)) from None
     print(
-        f"radixlm on Ray Serve: {num_replicas} replica(s) of {model_path!r} at "
+        f"radixlm on Ray Serve: {pools} of {model_path!r} at "
         f"http://{config.host}:{config.port} ({router_policy} routing)",
         flush=True,
     )
