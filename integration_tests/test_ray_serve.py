@@ -120,7 +120,10 @@ def test_the_routes_are_radixlm_serves(cluster: str, tiny_llama: Path) -> None:
         body = {"text": "stream", "stream": True, "sampling_params": {"max_new_tokens": 4}}
         with http.stream("POST", "/generate", json=body) as stream:
             lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
-        assert lines[-1] == "data: [DONE]" and len(lines) == 5
+        # Chunks may be coalesced when the reader lags: the last one holds all four ids.
+        assert lines[-1] == "data: [DONE]" and 3 <= len(lines) <= 5, lines
+        final = json.loads(lines[-2].removeprefix("data: "))
+        assert len(final["output_ids"]) == 4 and final["meta_info"]["finish_reason"] is not None
         bad = http.post(
             "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 10**7}}
         )

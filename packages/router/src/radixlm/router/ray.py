@@ -225,9 +225,8 @@ class RayEngineClient:
             except RequestCancelledError:
                 if rid not in self._aborted:
                     raise
-                for chunk in last.values():  # aborted: each unfinished sequence ends here
-                    if chunk.finish_reason is None:
-                        yield chunk._replace(finish_reason=FinishReason(type="abort"))
+                for chunk in _ended_by_abort(last):
+                    yield chunk
                 return
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
                 # Nothing sent yet: the request can go to another replica, once.
@@ -278,6 +277,16 @@ class RayEngineClient:
             self._info = dict(await self.handle.server_info.remote())
         except Exception as error:  # a replica restarting: keep the last figures
             logger.debug("server_info from a replica failed: %s", error)
+
+
+def _ended_by_abort(last: dict[int, GenerateChunk]) -> list[GenerateChunk]:
+    """After an abort: the last chunk of each sequence that had not finished, ended with
+    finish reason abort."""
+    return [
+        chunk._replace(finish_reason=FinishReason(type="abort"))
+        for chunk in last.values()
+        if chunk.finish_reason is None
+    ]
 
 
 def with_endpoint(request: GenerateRequest, host: str, port: int) -> GenerateRequest:
@@ -363,9 +372,8 @@ class RayPDEngineClient(RayEngineClient):
         except RequestCancelledError:
             if rid not in self._aborted:
                 raise
-            for chunk in last.values():  # aborted: each unfinished sequence ends here
-                if chunk.finish_reason is None:
-                    yield chunk._replace(finish_reason=FinishReason(type="abort"))
+            for chunk in _ended_by_abort(last):
+                yield chunk
         except died as error:
             raise EngineUnavailable(
                 f"the decode replica serving this request died ({type(error).__name__}); retry: "
