@@ -138,3 +138,17 @@ def test_a_decode_half_that_ends_first_ends_the_prefill_half() -> None:
     out, _ = _run(prefill, decode, GenerateRequest(input_ids=[1, 2, 3], rid="r1"))
     assert [c.output_ids for c in out] == [(5,)]
     assert prefill.cancelled
+
+
+def test_a_client_that_leaves_mid_stream_ends_both_halves() -> None:
+    prefill = FakeStream([("h", 7001)], hold=True)
+    decode = FakeStream([_chunk((5,)), _chunk((5, 6))], hold=True)
+    client = RayPDEngineClient(FakeHandle(prefill), FakeHandle(decode), None, {})
+
+    async def leave_after_one() -> None:
+        stream = client.generate(GenerateRequest(input_ids=[1, 2, 3], rid="r1"))
+        assert (await stream.__anext__()).output_ids == (5,)
+        await stream.aclose()  # what the server does when its client disconnects
+
+    asyncio.run(leave_after_one())
+    assert decode.cancelled and prefill.cancelled

@@ -351,6 +351,7 @@ class RayPDEngineClient(RayEngineClient):
         self._streams[rid] = decode
         last: dict[int, GenerateChunk] = {}
         chunks = decode.__aiter__()
+        ended = False  # the decode half's stream ran to its end
         try:
             while True:
                 following = asyncio.ensure_future(chunks.__anext__())
@@ -366,6 +367,7 @@ class RayPDEngineClient(RayEngineClient):
                 try:
                     chunk = await following
                 except StopAsyncIteration:
+                    ended = True
                     return
                 last[chunk.index] = chunk
                 yield chunk
@@ -382,6 +384,8 @@ class RayPDEngineClient(RayEngineClient):
         finally:
             self._streams.pop(rid, None)
             self._aborted.discard(rid)
+            if not ended:  # the client left, or an error: the decode replica stops too
+                decode.cancel()
             if not failed.done():  # the prefill half has nothing left to do for the client
                 prefill.cancel()
                 failed.cancel()
