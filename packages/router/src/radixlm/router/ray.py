@@ -341,9 +341,7 @@ class RayPDEngineClient(RayEngineClient):
         try:
             host, port = await prefill.__anext__()
         except died as error:
-            raise EngineUnavailable(
-                f"the prefill replica of this request died ({type(error).__name__}); retry"
-            ) from None
+            raise _prefill_died(error) from None
         failed = asyncio.ensure_future(_failure_of(prefill))
         decode = self.handle.options(stream=True).generate.remote(
             with_endpoint(request, host, port), routing_key=key, namespace=request.lora_path
@@ -403,12 +401,16 @@ async def _failure_of(prefill: Any) -> BaseException | None:
     except RequestCancelledError:
         return None
     except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
-        return EngineUnavailable(
-            f"the prefill replica of this request died ({type(error).__name__}); retry"
-        )
+        return _prefill_died(error)
     except Exception as error:  # its own error: a refused request, a failed transfer
         return error
     return None
+
+
+def _prefill_died(error: BaseException) -> EngineUnavailable:
+    return EngineUnavailable(
+        f"the prefill replica of this request died ({type(error).__name__}); retry"
+    )
 
 
 def _node_address() -> str:

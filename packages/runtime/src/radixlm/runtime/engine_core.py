@@ -601,6 +601,9 @@ class EngineCore:
             lora=lora,
             default_seed=self.default_seed,
         )
+        inputs = _entry_inputs(handle)  # fixed for the request's life
+        for seq in handle.seqs:
+            seq.inputs = inputs
         if self._weights_epoch:
             # K/V cached under earlier weights is never reused: a namespace per update.
             for seq in handle.seqs:
@@ -654,7 +657,7 @@ class EngineCore:
         return (
             handle.custom_logit_processor is None
             and seq.thinking is None
-            and _entry_inputs(handle) is None
+            and seq.inputs is None
             and seq.routed is None
             and self.executor.routed_store is None
         )
@@ -790,7 +793,6 @@ class EngineCore:
             seq = seqs[entry.req.rid]
             if seq.scheduled_at is None:
                 seq.scheduled_at = started
-                seq.inputs = _entry_inputs(seq.handle)  # fixed for the request's life
             inputs.append(seq.inputs)
             if entry.logprob_targets is None:
                 asks.append(None)

@@ -178,7 +178,7 @@ class SequenceState:
     #: first and (so far) last output token (the front end's timestamps and trace spans).
     scheduled_at: float | None = None
     #: What the executor needs besides its ids (prompt embeddings, hidden states, images,
-    #: pooling; None for a plain token request), set when it is first scheduled.
+    #: pooling; None for a plain token request), set when the request is opened.
     inputs: Any = None
     first_token_at: float | None = None
     last_token_at: float | None = None
