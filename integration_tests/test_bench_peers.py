@@ -178,7 +178,8 @@ def _model_args(**given: Any) -> Any:
         ({"real_format": "int4"}, ["radixlm", "vllm-cpu"], "cannot be served by vllm-cpu"),
         ({"dtype": "bfloat16"}, ["radixlm"], "--dtype"),
         ({"llamacpp_quant": "Q8_0"}, ["llama-server"], "--llamacpp-quant"),
-        ({"limit": True}, ["radixlm"], "--limit"),
+        ({"limit": True}, ["radixlm", "vllm-cpu"], None),
+        ({"limit": True, "real_format": "int4"}, ["radixlm"], "--limit"),
         ({"peers": "vllm"}, ["radixlm"], "--peers"),
     ],
 )

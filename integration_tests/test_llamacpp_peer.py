@@ -260,6 +260,19 @@ def test_the_limit_adds_prefill_and_decode_time(limit_probe: Any) -> None:
         rates.step_time(4)
 
 
+def test_the_floor_counts_every_flop_at_the_prefill_rate(limit_probe: Any) -> None:
+    shape = limit_probe.ModelShape.from_config(QWEN)
+    per_token = shape.flops_per_prompt_token
+    assert shape.flops_per_decode_token == per_token + 2 * 151936 * 896
+    rates = limit_probe.Rates(shape, "float32", 1, "cpu", per_token * 100 / 1e9, {8: 9.0})
+    demand = limit_probe.Demand(1000, ((8, 40), (2, 10)))
+    assert demand.decode_tokens == 8 * 40 + 2 * 10
+    expected = 10 + 340 * shape.flops_per_decode_token / (per_token * 100)
+    assert rates.floor_seconds(demand) == pytest.approx(expected)
+    # Decode steps measured slower than prefill per token leave the floor under the limit.
+    assert rates.floor_seconds(demand) < rates.limit_seconds(limit_probe.Demand(1000, ((8, 40),)))
+
+
 def test_the_probe_measures_positive_rates_at_the_asked_batches(limit_probe: Any) -> None:
     tiny = {**QWEN, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
     tiny.update(num_attention_heads=4, num_key_value_heads=2, vocab_size=300)

