@@ -1,5 +1,6 @@
 """The Ray Serve PD client (`radixlm.router.ray.RayPDEngineClient`) over fake deployment
-handles: how it pairs the two halves, and what each half's end does to the other. Needs the
+handles: how it pairs the two halves, and what each half's end does to the other; and the
+plain client (`RayEngineClient`) when its client leaves. Needs the
 `ray` extra (imports only; no Ray instance starts); skips without it. The live application is
 tested in integration_tests/test_ray_serve.py."""
 
@@ -14,7 +15,7 @@ pytest.importorskip("ray.serve", reason="needs the ray extra: pip install 'radix
 
 from ray.serve.exceptions import RequestCancelledError
 
-from radixlm.router.ray import RayPDEngineClient
+from radixlm.router.ray import RayEngineClient, RayPDEngineClient
 from radixlm.sampling import FinishReason, GenerateChunk, GenerateRequest, InvalidRequest
 
 
@@ -152,3 +153,27 @@ def test_a_client_that_leaves_mid_stream_ends_both_halves() -> None:
 
     asyncio.run(leave_after_one())
     assert decode.cancelled and prefill.cancelled
+
+
+def test_the_plain_client_cancels_its_replica_stream_when_the_client_leaves() -> None:
+    replica = FakeStream([_chunk((5,)), _chunk((5, 6))], hold=True)
+    client = RayEngineClient(FakeHandle(replica), None, {})
+
+    async def leave_after_one() -> None:
+        stream = client.generate(GenerateRequest(input_ids=[1, 2, 3], rid="r1"))
+        assert (await stream.__anext__()).output_ids == (5,)
+        await stream.aclose()
+
+    asyncio.run(leave_after_one())
+    assert replica.cancelled
+
+
+def test_the_plain_client_leaves_a_finished_stream_alone() -> None:
+    replica = FakeStream([_chunk((5,)), _chunk((5, 6), finish=True)])
+    client = RayEngineClient(FakeHandle(replica), None, {})
+
+    async def read_all() -> list[GenerateChunk]:
+        return [c async for c in client.generate(GenerateRequest(input_ids=[1, 2], rid="r1"))]
+
+    assert [c.output_ids for c in asyncio.run(read_all())] == [(5,), (5, 6)]
+    assert not replica.cancelled

@@ -217,18 +217,22 @@ class RayEngineClient:
                 request, routing_key=key, namespace=request.lora_path
             )
             self._streams[rid] = stream
+            ended = False  # the replica's stream ran to its end (or was cancelled already)
             try:
                 async for chunk in stream:
                     last[chunk.index] = chunk
                     yield chunk
+                ended = True
                 return
             except RequestCancelledError:
+                ended = True
                 if rid not in self._aborted:
                     raise
                 for chunk in _ended_by_abort(last):
                     yield chunk
                 return
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
+                ended = True  # its replica is gone: nothing left to cancel
                 # Nothing sent yet: the request can go to another replica, once.
                 if not last and attempts < _ATTEMPTS:
                     logger.warning("a replica died before answering %s; retrying", rid)
@@ -240,6 +244,8 @@ class RayEngineClient:
             finally:
                 self._streams.pop(rid, None)
                 self._aborted.discard(rid)
+                if not ended:  # the client left mid-stream: the replica stops the request
+                    stream.cancel()
 
     async def _routing_key(self, request: GenerateRequest) -> list[int]:
         """The request's token ids for the routing policy (its text tokenized off the loop)."""
