@@ -269,16 +269,27 @@ def test_the_floor_counts_every_flop_at_the_prefill_rate(limit_probe: Any) -> No
     assert demand.decode_tokens == 8 * 40 + 2 * 10
     expected = 10 + 340 * shape.flops_per_decode_token / (per_token * 100)
     assert rates.floor_seconds(demand) == pytest.approx(expected)
-    # Decode steps measured slower than prefill per token leave the floor under the limit.
-    assert rates.floor_seconds(demand) < rates.limit_seconds(limit_probe.Demand(1000, ((8, 40),)))
+    # With the read bandwidth: no step is shorter than one read of the weights.
+    weights = (shape.projection_params + 151936 * 896) * 4
+    assert shape.weight_bytes("float32") == weights == 2 * shape.weight_bytes("bfloat16")
+    step_compute = (expected - 10) / 340  # seconds per decoded token at the rate
+    slow = limit_probe.Rates(shape, "float32", 1, "cpu", rates.prefill_gflops, {}, 1.0)
+    read = weights / 1e9  # seconds at 1 GB/s
+    assert read > 8 * step_compute
+    assert slow.floor_seconds(demand) == pytest.approx(10 + 50 * read)
+    fast = limit_probe.Rates(shape, "float32", 1, "cpu", rates.prefill_gflops, {}, 1e6)
+    assert fast.floor_seconds(demand) == pytest.approx(expected)
 
 
 def test_the_probe_measures_positive_rates_at_the_asked_batches(limit_probe: Any) -> None:
     tiny = {**QWEN, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
     tiny.update(num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
     shape = limit_probe.ModelShape.from_config(tiny)
-    rates = limit_probe.probe(shape, "float32", 0, [1, 4], prefill_tokens=32, repeats=1)
+    rates = limit_probe.probe(
+        shape, "float32", 0, [1, 4], prefill_tokens=32, repeats=1, read_megabytes=16
+    )
     assert rates.prefill_gflops > 0 and set(rates.step_seconds) == {1, 4}
+    assert rates.read_gbps > 0 and "GB/s" in rates.describe()
     assert all(t > 0 for t in rates.step_seconds.values())
 
 

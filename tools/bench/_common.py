@@ -137,3 +137,22 @@ def id_tokenizer(directory: Path, vocab_size: int) -> Any:
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tokenizer.save_pretrained(str(directory))
     return tokenizer
+
+
+def read_bandwidth_gbs(device: str = "cpu", megabytes: int = 512, repeats: int = 5) -> float:
+    """Memory read bandwidth on `device` in GB/s, with torch's current thread count: the best
+    of a few sums over a buffer much larger than the caches."""
+    import time
+
+    buffer = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32, device=device)
+    buffer.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        if buffer.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        buffer.sum()
+        if buffer.is_cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best / 1e9

@@ -27,12 +27,15 @@ What is counted, and what is not:
 time`. torch's decode steps at a few rows run well below its prefill rate, and a system with
 its own decode kernels can beat them (radixlm's CPU decode path does). A harder bound is the
 floor, `Rates.floor_seconds`: every FLOP counted, the decoded tokens' (their lm_head rows
-included), at the prefill rate, as if decode steps cost no more per token than prefill: a
-system whose products run at that rate cannot take less. A goal whose time is under the
-floor is beyond this machine in this dtype. The figures are this machine's at the moment of the probe, the best of five
-repetitions; on a shared machine they still move with the load (53-76 GFLOP/s in one afternoon
-on a 2-core EPYC shared with other jobs), so probe in the same run as the measurement and read
-a share as +-20% there.
+included), at the prefill rate, and no decode step shorter than one read of the weights at
+the measured read bandwidth (a sum over 512 MB): a system whose products run at that rate
+and whose reads at that bandwidth cannot take less. A goal whose time is under the floor is
+beyond this machine in this dtype.
+
+The figures are this machine's at the moment of the probe, the best of five repetitions; on a
+shared machine they still move with the load (53-76 GFLOP/s in one afternoon on a 2-core
+EPYC shared with other jobs), so probe in the same run as the measurement and read a share
+as +-20% there.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from _common import read_bandwidth_gbs
 
 # --------------------------------------------------------------------------- the arithmetic
 
@@ -95,6 +100,11 @@ class ModelShape:
     def flops_per_prompt_token(self) -> float:
         return 2.0 * self.projection_params
 
+    def weight_bytes(self, dtype: str) -> int:
+        """The bytes of the projections and the lm_head in `dtype` (a torch dtype's name)."""
+        size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+        return (self.projection_params + self.vocab * self.hidden) * size
+
     @property
     def flops_per_decode_token(self) -> float:
         """A decoded token's projections and its row of the lm_head."""
@@ -133,6 +143,8 @@ class Rates:
     prefill_gflops: float
     #: seconds per decode step, by batch size
     step_seconds: dict[int, float] = field(default_factory=dict)
+    #: memory read bandwidth, GB/s (nan: not measured; the floor then counts FLOPs alone)
+    read_gbps: float = math.nan
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -151,24 +163,29 @@ class Rates:
         return prefill + sum(steps * self.step_time(b) for b, steps in demand.decode_steps)
 
     def floor_seconds(self, demand: Demand) -> float:
-        """The workload's time if every counted FLOP, the decode steps' included, ran at the
-        measured projection rate: decode steps are then as fast as prefill per token, which no
-        system of this dtype reaches (a step of a few rows streams every weight for little
-        arithmetic), so no system whose matmuls run at this rate can be faster."""
-        flops = (
-            demand.unique_prompt_tokens * self.shape.flops_per_prompt_token
-            + demand.decode_tokens * self.shape.flops_per_decode_token
-        )
-        return flops / (self.prefill_gflops * 1e9)
+        """A lower bound on the workload's time for any system whose products run at no more
+        than the measured rate and whose reads at no more than the measured bandwidth: its
+        unique prompt tokens' FLOPs at the rate, and each decode step at batch B the longer of
+        B decoded tokens' FLOPs (their lm_head rows included) at the rate and one read of
+        every weight (projections and lm_head, far more than the caches hold in the shapes
+        benchmarked) at the bandwidth."""
+        rate = self.prefill_gflops * 1e9
+        floor = demand.unique_prompt_tokens * self.shape.flops_per_prompt_token / rate
+        read = self.shape.weight_bytes(self.dtype) / (self.read_gbps * 1e9)
+        for batch, steps in demand.decode_steps:
+            compute = batch * self.shape.flops_per_decode_token / rate
+            floor += steps * (max(compute, read) if math.isfinite(read) else compute)
+        return floor
 
     def describe(self) -> str:
         steps = ", ".join(
             f"batch {b}: {t * 1000:.1f} ms" for b, t in sorted(self.step_seconds.items())
         )
+        read = f"; read {self.read_gbps:.1f} GB/s" if math.isfinite(self.read_gbps) else ""
         return (
             f"{self.dtype}, {self.threads} thread(s) on {self.device}: projections "
             f"{self.prefill_gflops:.1f} GFLOP/s = {self.prompt_tokens_per_s:.1f} prompt tok/s; "
-            f"decode step {steps}"
+            f"decode step {steps}{read}"
         )
 
 
@@ -224,6 +241,7 @@ def probe(
     device: str = "cpu",
     prefill_tokens: int = 512,
     repeats: int = 5,
+    read_megabytes: int = 512,
 ) -> Rates:
     """Measures the rates (see the module docstring). `threads` > 0 sets torch's thread count
     for the probe (and leaves it set); 0 keeps torch's current one."""
@@ -274,7 +292,9 @@ def probe(
                 sync()
                 step = min(step, time.perf_counter() - start)
             step_seconds[batch] = step
-    return Rates(shape, dtype, torch.get_num_threads(), device, gflops, step_seconds)
+        del weights, lm_head
+    read = read_bandwidth_gbs(device, read_megabytes, repeats)
+    return Rates(shape, dtype, torch.get_num_threads(), device, gflops, step_seconds, read)
 
 
 def compute_dtype(model_dir: Path, asked: str = "auto", device: str = "cpu") -> str:

@@ -59,7 +59,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-from _common import ID_TOKENS_FROM, id_tokenizer, write_config
+from _common import ID_TOKENS_FROM, id_tokenizer, read_bandwidth_gbs, write_config
 from lora_bench import cpu_line
 
 #: Mixtral-8x7B's architecture (without token ids: the id tokenizer's EOS 0 is set below).
@@ -135,22 +135,6 @@ def step_bytes(shape: dict[str, Any], batch: int, itemsize: int) -> float:
     layer += expected_experts_hit(experts, top_k, batch) * 3 * hidden * inter
     head: int = shape["vocab_size"] * hidden
     return itemsize * (int(shape["num_hidden_layers"]) * layer + head)
-
-
-def read_bandwidth_gbs(device: str, megabytes: int = 512, repeats: int = 5) -> float:
-    """Memory read bandwidth on `device`: the best of a few sums over a large buffer."""
-    buffer = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32, device=device)
-    buffer.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        buffer.sum()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return buffer.numel() * 4 / best / 1e9
 
 
 def parameter_counts(shape: dict[str, Any]) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from _common import QWEN25_05B_SHAPE, random_hf_model, write_config
+from _common import QWEN25_05B_SHAPE, random_hf_model, read_bandwidth_gbs, write_config
 
 QWEN25_05B: dict[str, Any] = {
     **QWEN25_05B_SHAPE,
@@ -35,18 +35,6 @@ QWEN25_05B: dict[str, Any] = {
     "bos_token_id": 151643,
     "eos_token_id": 151643,
 }
-
-
-def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
-    """Memory read bandwidth: the best of a few sums over a buffer much larger than the caches."""
-    buffer = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
-    buffer.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return buffer.numel() * 4 / best / 1e9
 
 
 def timed(fn: Callable[[], Any]) -> float:
