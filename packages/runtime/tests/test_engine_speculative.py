@@ -339,11 +339,13 @@ def test_draft_model_with_grammars_logprobs_and_retraction(draft_models: dict[st
     long = {**GREEDY, "max_new_tokens": 60}
     asks = {"return_logprob": True}
     small = {"max_total_tokens": 160, "chunked_prefill_size": 16}
+    # distinct prompts: copies of one would wait for its prefill and share it, and fit
+    crowd = [f"{i}: {prompt}" for i in (1, 2) for prompt in PROMPTS]
     with _standalone(path, None) as engine:
         expected = _ids(engine.generate(PROMPTS, constrained))
         scored = engine.generate(PROMPTS, GREEDY, **asks)
     with _standalone(path, None, **small) as engine:
-        crowded = _ids(engine.generate(PROMPTS * 2, long))
+        crowded = _ids(engine.generate(crowd, long))
     with _standalone(path, path) as engine:
         assert _ids(engine.generate(PROMPTS, constrained)) == expected
         got = engine.generate(PROMPTS, GREEDY, **asks)
@@ -355,7 +357,7 @@ def test_draft_model_with_grammars_logprobs_and_retraction(draft_models: dict[st
             assert all(abs(x[0] - y[0]) < 1e-3 for x, y in zip(a, b, strict=True))
         engine.check_invariants()
     with _standalone(path, path, **small) as engine:
-        assert _ids(engine.generate(PROMPTS * 2, long)) == crowded
+        assert _ids(engine.generate(crowd, long)) == crowded
         assert engine.get_server_info()["num_retractions"] > 0
         drafted, accepted = _spec(engine)
         assert accepted >= 0.9 * drafted, (drafted, accepted)

@@ -344,6 +344,37 @@ def test_siblings_wait_for_the_first_prefill_and_reuse_it() -> None:
     assert [s.cached_tokens for s in siblings] == [99, 99, 99]
 
 
+def test_copies_sent_apart_wait_for_the_one_computing_their_uncached_part() -> None:
+    """n as separate requests (what HTTP clients send): after a shared, cached 200-token
+    prefix each copy's own 20 tokens are fewer than in_batch_prefix_min, and yet only the
+    first copy computes them; the others wait one step and take them from the cache."""
+    sched, model = make(schedule_policy="lpm"), FakeModel()
+    rng = random.Random(17)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(200)]
+    calls = [prefix + [rng.randrange(3, VOCAB) for _ in range(20)] for _ in range(3)]
+    reqs = [Req(f"c{c}#{j}", list(p), 4) for c, p in enumerate(calls) for j in range(3)]
+    for r in reqs:
+        sched.add(r)
+    run(sched, model)
+    assert [r.cached_tokens for r in reqs] == [0, 219, 219, 200, 219, 219, 200, 219, 219]
+    # every prompt token computed once (+1 for each copy's last), then 3 decodes each
+    assert model.tokens_forwarded == 200 + 3 * 20 + 6 + 9 * 3
+    for r in reqs:
+        assert r.output_ids == solo(r.prompt_ids, 4)
+    assert_clean(sched, 4096)
+
+
+def test_a_request_that_reuses_no_prefix_does_not_wait_for_one() -> None:
+    sched, model = make(schedule_policy="lpm"), FakeModel()
+    prompt = prompts(1, 0, 100, seed=18)[0]
+    first, every_row = Req("a", prompt, 2), Req("b", list(prompt), 2, reuse_prefix=False)
+    sched.add(first)
+    sched.add(every_row)
+    batch = sched.schedule()
+    assert [e.req.rid for e in batch.entries] == ["a", "b"]  # nothing to gain by waiting
+    model.forward(batch)
+
+
 def test_input_logprob_positions_and_prefix_limited_to_them() -> None:
     sched, model = make(), FakeModel()
     prompt = prompts(1, 0, 40, seed=16)[0]

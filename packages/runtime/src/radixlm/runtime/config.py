@@ -410,7 +410,8 @@ class SchedulerConfig:
       remaining `max_new_tokens` kept free for its decode when admitting new requests; it
       decays step by step and resets when requests had to be retracted.
     - `in_batch_prefix_min`: a queued request that shares at least this many uncached tokens
-      with a request admitted in the same step waits one step, so it reuses them from the cache.
+      with a request admitted before it and still in prefill (or all its uncached tokens but
+      the last, however few) waits a step, so it reuses them from the cache. 0: never waits.
     - `enable_priority_scheduling` (SGLang's flag): requests carry a `priority`; the queue is
       ordered by it first (the policy orders requests of equal priority), a waiting request
       whose priority beats a running one's by at least

@@ -728,7 +728,11 @@ class Scheduler:
             limit = self._cacheable(req, prefix)  # a retracted one recomputes its output
             prefix = min(prefix, limit - limit % self.page)
             packed = req.key().tobytes() if prefix_aware else b""
-            if prefix_aware and self._shares_in_flight(packed, prefix, in_flight):
+            if (
+                prefix_aware
+                and req.reuse_prefix
+                and self._shares_in_flight(packed, prefix, self._reach(req), in_flight)
+            ):
                 continue  # reuse it from the cache once the other request has computed it
             extend = req.seq_len - prefix
             count = min(extend, budget) if chunking else extend
@@ -819,13 +823,29 @@ class Scheduler:
             self.storage_cached_tokens += loaded - host
         return self.cache.match_prompt(key, req.extra_key)
 
-    def _shares_in_flight(self, packed: bytes, prefix: int, in_flight: list[bytes]) -> bool:
+    def _reach(self, req: Req) -> int:
+        """The most of `req`'s sequence the cache could give it: all but the last token, up to
+        where its input logprobs start and what it may share while it runs, in whole pages."""
+        reach = req.seq_len - 1
+        if req.input_logprob_next is not None and not req.input_logprobs_done:
+            reach = min(reach, req.input_logprob_next)
+        reach = self._cacheable(req, reach)
+        return reach - reach % self.page
+
+    def _shares_in_flight(
+        self, packed: bytes, prefix: int, reach: int, in_flight: list[bytes]
+    ) -> bool:
+        """Whether a request admitted before it (in this step or in prefill from an earlier
+        one) is computing tokens this one could take from the cache instead: at least
+        `in_batch_prefix_min` of them, or all that the cache lacks of it (a copy of a prompt
+        sent as separate requests, as HTTP clients send `n`)."""
         threshold = self.config.in_batch_prefix_min
-        if not self.caching or threshold <= 0:
+        if not self.caching or threshold <= 0 or reach <= prefix:
             return False
         for other in in_flight:
-            common = common_prefix_tokens(packed, other)
-            if common - prefix >= threshold:
+            common = min(common_prefix_tokens(packed, other), reach)
+            gain = common - common % self.page - prefix
+            if gain >= threshold or (gain > 0 and prefix + gain >= reach):
                 return True
         return False
 
