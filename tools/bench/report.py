@@ -516,9 +516,8 @@ def render_http(rows: list[dict[str, Any]], meta: dict[str, Any], plots: list[st
         "transformers decodes 48 unconstrained tokens while radixlm follows the schema with "
         "jump-forward. radixlm's hit rate comes from the cached tokens its responses report. "
         "The in-process run forks self-consistency's n = 8 samples through the cache; here the "
-        "8 identical requests arrive together, and copies admitted in the same step as the "
-        "first share only its 30 question tokens past the cached prefix, under the in-batch "
-        "threshold (`in_batch_prefix_min`, 32 tokens), so they compute those tokens again.",
+        "8 identical requests arrive together, and the copies wait a step for the first, which "
+        "computes its 30 question tokens past the cached prefix, and take them from the cache.",
         "",
         f"{machine_line(m)} This part took {meta.get('minutes', '?')} min.",
         "",
