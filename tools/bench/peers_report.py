@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -141,15 +142,21 @@ def plot(runs: list[tuple[str, list[dict[str, Any]]]], img: Path) -> list[str]:
     for workload in workloads:
         present = [(label, speeds(rows).get(workload, {})) for label, rows in runs]
         present = [(label, by) for label, by in present if by]
-        fig, ax = plt.subplots(figsize=(6.4, 3.2))
-        width = 0.8 / len(servers)
+        # Runs down the side (their labels are long), requests/s on a log scale (a 4-layer
+        # shape and a 0.5B one differ by 50x); a server missing from a run has no bar.
+        fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.55 * len(present)))
+        height = 0.8 / len(servers)
         for k, server in enumerate(servers):
-            xs = [i + (k - (len(servers) - 1) / 2) * width for i in range(len(present))]
-            ax.bar(xs, [by.get(server, 0.0) for _, by in present], width, label=server)
-        ax.set_xticks(range(len(present)), [label for label, _ in present], fontsize=8)
-        ax.set_ylabel("requests/s")
-        ax.set_title(f"{workload}: radixlm vs its CPU peers (one thread each)")
-        ax.legend(fontsize=8)
+            ys = [i + (k - (len(servers) - 1) / 2) * height for i in range(len(present))]
+            values = [by.get(server, 0.0) for _, by in present]
+            ax.barh(ys, [v if v > 0 else float("nan") for v in values], height, label=server)
+        labels = [textwrap.fill(label, 34) for label, _ in present]
+        ax.set_yticks(range(len(present)), labels, fontsize=7)
+        ax.invert_yaxis()  # the first run on top, as in the table
+        ax.set_xscale("log")
+        ax.set_xlabel("requests/s (log scale)")
+        ax.set_title(f"{workload}: radixlm vs its CPU peers (one thread each)", fontsize=10)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
         name = f"peers_{workload}.png"
         fig.savefig(img / name, dpi=110)
