@@ -375,6 +375,17 @@ def test_a_request_that_reuses_no_prefix_does_not_wait_for_one() -> None:
     model.forward(batch)
 
 
+def test_a_copy_under_another_adapter_does_not_wait_for_the_first() -> None:
+    sched, model = make(schedule_policy="lpm"), FakeModel()
+    prompt = prompts(1, 0, 20, seed=19)[0]
+    sched.add(Req("a", prompt, 2, extra_key="adapter-a"))
+    sched.add(Req("b", list(prompt), 2, extra_key="adapter-b"))  # its K/V is cached apart
+    sched.add(Req("a2", list(prompt), 2, extra_key="adapter-a"))
+    batch = sched.schedule()
+    assert [e.req.rid for e in batch.entries] == ["a", "b"]
+    model.forward(batch)
+
+
 def test_input_logprob_positions_and_prefix_limited_to_them() -> None:
     sched, model = make(), FakeModel()
     prompt = prompts(1, 0, 40, seed=16)[0]

@@ -711,7 +711,7 @@ class Scheduler:
         prefix_aware = self.policy.name in ("lpm", "dfs-weight") and (
             len(candidates) <= self.config.policy_fallback_queue_len
         )
-        in_flight = [r.key().tobytes() for r in self.running if r.in_prefill]
+        in_flight = [(r.extra_key, r.key().tobytes()) for r in self.running if r.in_prefill]
         reserve = sum(self._reserve(r) for r in self.running)
         for req in order:
             if budget <= 0 or len(self.running) >= self.max_running:
@@ -731,7 +731,7 @@ class Scheduler:
             if (
                 prefix_aware
                 and req.reuse_prefix
-                and self._shares_in_flight(packed, prefix, self._reach(req), in_flight)
+                and self._shares_in_flight(req, packed, prefix, in_flight)
             ):
                 continue  # reuse it from the cache once the other request has computed it
             extend = req.seq_len - prefix
@@ -759,7 +759,7 @@ class Scheduler:
             budget -= count
             reserve += self._reserve(req)
             if prefix_aware:
-                in_flight.append(packed)
+                in_flight.append((req.extra_key, packed))
         self._matches.clear()
         return entries
 
@@ -833,16 +833,19 @@ class Scheduler:
         return reach - reach % self.page
 
     def _shares_in_flight(
-        self, packed: bytes, prefix: int, reach: int, in_flight: list[bytes]
+        self, req: Req, packed: bytes, prefix: int, in_flight: list[tuple[Hashable | None, bytes]]
     ) -> bool:
         """Whether a request admitted before it (in this step or in prefill from an earlier
         one) is computing tokens this one could take from the cache instead: at least
         `in_batch_prefix_min` of them, or all that the cache lacks of it (a copy of a prompt
         sent as separate requests, as HTTP clients send `n`)."""
         threshold = self.config.in_batch_prefix_min
+        reach = self._reach(req)
         if not self.caching or threshold <= 0 or reach <= prefix:
             return False
-        for other in in_flight:
+        for extra_key, other in in_flight:
+            if extra_key != req.extra_key:  # cached apart (another adapter's K/V)
+                continue
             common = min(common_prefix_tokens(packed, other), reach)
             gain = common - common % self.page - prefix
             if gain >= threshold or (gain > 0 and prefix + gain >= reach):
