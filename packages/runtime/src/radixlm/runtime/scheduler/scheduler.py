@@ -840,8 +840,10 @@ class Scheduler:
         `in_batch_prefix_min` of them, or all that the cache lacks of it (a copy of a prompt
         sent as separate requests, as HTTP clients send `n`)."""
         threshold = self.config.in_batch_prefix_min
+        if not self.caching or threshold <= 0:
+            return False
         reach = self._reach(req)
-        if not self.caching or threshold <= 0 or reach <= prefix:
+        if reach <= prefix:
             return False
         for extra_key, other in in_flight:
             if extra_key != req.extra_key:  # cached apart (another adapter's K/V)
