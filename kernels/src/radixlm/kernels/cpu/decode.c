@@ -314,45 +314,115 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-/* Keys scored together in attend_wide512 (independent chains of multiply-adds). */
-#define WIDE_KEYS 4
+/* Keys in a tile of attend_wide512's scores: WIDE_KEYS keys x up to three blocks of sixteen
+ * query vectors, 24 sums in registers. */
+#define WIDE_KEYS 8
 /* The fewest query vectors (rows x query heads per KV head) that take attend_wide512: below,
  * most of its lanes would be padding. */
 #define WIDE_MIN 8
 
+/* A tile's scores: the keys in `kt` ([WIDE_KEYS][head_dim], a copy) times `nb` blocks of
+ * transposed queries from `block` ([nb][head_dim][16]), into scores + i * width (keys i ..
+ * i + n - 1), -inf where a lane's ranges (la .. ld) leave the key out (unless `full`: every
+ * lane takes every key of the tile), each block's running max in `top`. */
+static inline __attribute__((always_inline)) void score_tile(
+    const float *kt, const float *block, int head_dim, const int nb, int n, int i, int full,
+    const int32_t *la, const int32_t *lb, const int32_t *lc, const int32_t *ld, float *scores,
+    int width, float *top) {
+    __m512 acc[WIDE_KEYS][3];
+    for (int u = 0; u < WIDE_KEYS; u++)
+        for (int k = 0; k < nb; k++) acc[u][k] = _mm512_setzero_ps();
+    for (int e = 0; e < head_dim; e++) {
+        __m512 w[3];
+        for (int k = 0; k < nb; k++) w[k] = _mm512_loadu_ps(block + ((size_t)k * head_dim + e) * 16);
+        for (int u = 0; u < WIDE_KEYS; u++) {
+            __m512 key = _mm512_set1_ps(kt[u * head_dim + e]);
+            for (int k = 0; k < nb; k++) acc[u][k] = _mm512_fmadd_ps(key, w[k], acc[u][k]);
+        }
+    }
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    for (int k = 0; k < nb; k++) {
+        __m512i a = _mm512_loadu_si512(la + 16 * k), b = _mm512_loadu_si512(lb + 16 * k);
+        __m512i c = _mm512_loadu_si512(lc + 16 * k), d = _mm512_loadu_si512(ld + 16 * k);
+        __m512 most = _mm512_loadu_ps(top + 16 * k);
+        for (int u = 0; u < n; u++) {
+            __m512 x = acc[u][k];
+            if (!full) {
+                __m512i at = _mm512_set1_epi32(i + u);
+                __mmask16 valid = (_mm512_cmp_epi32_mask(at, a, _MM_CMPINT_NLT) &
+                                   _mm512_cmp_epi32_mask(at, b, _MM_CMPINT_LT)) |
+                                  (_mm512_cmp_epi32_mask(at, c, _MM_CMPINT_NLT) &
+                                   _mm512_cmp_epi32_mask(at, d, _MM_CMPINT_LT));
+                x = _mm512_mask_blend_ps(valid, neg_inf, x);
+            }
+            most = _mm512_max_ps(most, x);
+            _mm512_storeu_ps(scores + (size_t)(i + u) * width + 16 * k, x);
+        }
+        _mm512_storeu_ps(top + 16 * k, most);
+    }
+}
+
+/* The values for `nv` consecutive query vectors from v0 (their weights scores + i * width +
+ * v0, zero outside each one's ranges) over keys [from, to): their sums added to acc. */
+static inline __attribute__((always_inline)) void value_tile(
+    const float *v_pool, const int32_t *keys, int stride, int g, const int chunks,
+    const float *scores, int width, int v0, const int nv, int from, int to, int first,
+    __m512 acc[6][8]) {
+    const int head_dim = chunks * 16, ahead = 16;
+    for (int i = from; i < to; i++) {
+        if (first && i + ahead < to) prefetch_row(v_pool + (size_t)keys[i + ahead] * stride + g * head_dim, head_dim);
+        const float *v = v_pool + (size_t)keys[i] * stride + g * head_dim;
+        const float *p = scores + (size_t)i * width + v0;
+        __m512 value[8];
+        for (int k = 0; k < chunks; k++) value[k] = _mm512_loadu_ps(v + 16 * k);
+        for (int t = 0; t < nv; t++) {
+            __m512 weight = _mm512_set1_ps(p[t]);
+            for (int k = 0; k < chunks; k++) acc[t][k] = _mm512_fmadd_ps(weight, value[k], acc[t][k]);
+        }
+    }
+}
+
 /* Rows r (consecutive in the step: queries q + j * q_stride, [heads, head_dim]) over a list
  * of `span` keys (`keys`: pool slots), row j attending to the keys at list positions
  * [a_j, b_j) and [c_j, d_j), as attend_group512 computes attention, for many query vectors
- * at once (rows x the query heads of a KV head): the vectors go across the lanes instead of
- * the head dimension, so a key's scores for sixteen of them are one vector and need no
- * horizontal sum. One request's rows (a prefill chunk: its keys, one range each), or the
- * rows of several requests that share a cached prefix (their common keys first, each
- * request's own after them: see `cluster`), which then reads the prefix once for all.
- * Per KV head: the queries, scaled, transposed into `work` ([blocks][head_dim][16]);
- * scores [keys][blocks x 16] after them, each key's row multiplied into every block
- * (WIDE_KEYS keys at a time), keys outside a row's ranges -inf; a softmax down each lane;
- * then the values as attend_group512 sums them (per row, up to 16 / chunks of its heads at
- * once). The sums run in another order than attend_group512's (a row's results depend on
- * nothing beside it here either, but differ from that path's in the last bits):
+ * at once (rows x the query heads of a KV head): two products of tiles, as a GEMM's are.
+ * One request's rows (a prefill chunk: its keys, one range each), or the rows of several
+ * requests that share a cached prefix (their common keys first, each request's own after
+ * them: see `cluster`), which then reads the prefix once for all.
+ * Per KV head: the queries, scaled, transposed into `work` ([blocks][head_dim][16]: the
+ * vectors go across the lanes, so a key's scores for sixteen of them are one vector and
+ * need no horizontal sum); the scores [keys][blocks x 16] after them, tile by tile
+ * (score_tile), -inf outside a lane's ranges; a softmax down each lane; then the values,
+ * six query vectors at a time for head dim 64 (three for 128) over the union of their rows'
+ * ranges (each value row loaded once for them; a key outside a vector's ranges weighs
+ * exactly 0). The sums run in another order than attend_group512's (a row's results depend
+ * on nothing beside it here either, but differ from that path's in the last bits):
  * batch-invariant inference keeps to that one. `work` holds
- * 16 x blocks x (head_dim + span + 5) floats. */
+ * 16 x blocks x (head_dim + span + 6) + WIDE_KEYS x head_dim floats. */
 static inline __attribute__((always_inline)) void attend_wide512(
     const float *q, int q_stride, int r, const int *a, const int *b, const int *c, const int *d,
     int heads, int per_kv, const float *k_pool, const float *v_pool, const int32_t *keys,
     int span, int stride, const int chunks, float scaling, float *work, float *out,
-    int out_stride) {
-    const int ahead = 6, head_dim = chunks * 16, kv_heads = heads / per_kv;
+    int out_stride, int g_from, int g_to) {
+    const int ahead = 2 * WIDE_KEYS, head_dim = chunks * 16;
     const int count = r * per_kv, blocks = (count + 15) / 16, width = blocks * 16;
     float *qt = work, *scores = qt + (size_t)width * head_dim, *inv = scores + (size_t)span * width;
     int32_t *lane_a = (int32_t *)(inv + width), *lane_b = lane_a + width;
     int32_t *lane_c = lane_b + width, *lane_d = lane_c + width;
+    float *kt = (float *)(lane_d + width), *tops = kt + WIDE_KEYS * head_dim;
+    /* keys every row takes (no mask needed there: a padding lane's query is zero) */
+    int full_lo = 0, full_hi = span;
     for (int v = 0; v < width; v++) { /* padding lanes: no key */
         int j = v / per_kv;
         lane_a[v] = v < count ? a[j] : 0, lane_b[v] = v < count ? b[j] : 0;
         lane_c[v] = v < count ? c[j] : 0, lane_d[v] = v < count ? d[j] : 0;
     }
+    for (int j = 0; j < r; j++) {
+        full_lo = a[j] > full_lo ? a[j] : full_lo;
+        full_hi = b[j] < full_hi ? b[j] : full_hi;
+    }
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-    for (int g = 0; g < kv_heads; g++) {
+    for (int g = g_from; g < g_to; g++) {
         for (int v = 0; v < width; v++) {
             float *column = qt + (size_t)(v / 16) * head_dim * 16 + v % 16;
             if (v < count) {
@@ -362,81 +432,93 @@ static inline __attribute__((always_inline)) void attend_wide512(
                 for (int e = 0; e < head_dim; e++) column[e * 16] = 0.0f;
             }
         }
+        for (int v = 0; v < width; v++) tops[v] = -INFINITY;
         for (int i = 0; i < span; i += WIDE_KEYS) {
             const int n = span - i < WIDE_KEYS ? span - i : WIDE_KEYS;
-            const float *key[WIDE_KEYS];
-            for (int u = 0; u < WIDE_KEYS; u++)
-                key[u] = k_pool + (size_t)keys[i + (u < n ? u : n - 1)] * stride + g * head_dim;
-            if (g == 0)
-                for (int u = 0; u < WIDE_KEYS && i + ahead + u < span; u++)
-                    prefetch_row(k_pool + (size_t)keys[i + ahead + u] * stride, stride);
-            for (int blk = 0; blk < blocks; blk++) {
+            for (int u = 0; u < WIDE_KEYS; u++) {
+                const float *key = k_pool + (size_t)keys[i + (u < n ? u : n - 1)] * stride + g * head_dim;
+                for (int k = 0; k < chunks; k++)
+                    _mm512_storeu_ps(kt + u * head_dim + 16 * k, _mm512_loadu_ps(key + 16 * k));
+            }
+            for (int u = 0; u < WIDE_KEYS && i + ahead + u < span; u++)
+                prefetch_row(k_pool + (size_t)keys[i + ahead + u] * stride + g * head_dim, head_dim);
+            /* blocks whose lanes take none of the tile's keys (a request's own keys, in a
+             * cluster: the other rows' lanes) are not multiplied: -inf */
+            const int full = i >= full_lo && i + n <= full_hi;
+            int first = blocks, last = -1;
+            if (full)
+                first = 0, last = blocks - 1;
+            else
+                for (int j = 0; j < r; j++)
+                    if ((a[j] < i + n && b[j] > i) || (c[j] < i + n && d[j] > i)) {
+                        first = first < j * per_kv / 16 ? first : j * per_kv / 16;
+                        last = ((j + 1) * per_kv - 1) / 16;
+                    }
+            for (int blk = 0; blk < blocks;) {
+                float *at = scores + 16 * blk, *top = tops + 16 * blk;
+                if (blk < first || blk > last) {
+                    for (int u = 0; u < n; u++) _mm512_storeu_ps(at + (size_t)(i + u) * width, neg_inf);
+                    blk++;
+                    continue;
+                }
+                const int left = last + 1 - blk, nb = left == 4 ? 2 : left > 3 ? 3 : left;
                 const float *block = qt + (size_t)blk * head_dim * 16;
-                __m512 acc[WIDE_KEYS];
-                for (int u = 0; u < WIDE_KEYS; u++) acc[u] = _mm512_setzero_ps();
-                for (int e = 0; e < head_dim; e++) {
-                    __m512 w = _mm512_loadu_ps(block + e * 16);
-                    for (int u = 0; u < WIDE_KEYS; u++)
-                        acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(key[u][e]), w, acc[u]);
-                }
-                __m512i la = _mm512_loadu_si512(lane_a + 16 * blk), lb = _mm512_loadu_si512(lane_b + 16 * blk);
-                __m512i lc = _mm512_loadu_si512(lane_c + 16 * blk), ld = _mm512_loadu_si512(lane_d + 16 * blk);
-                for (int u = 0; u < n; u++) {
-                    __m512i at = _mm512_set1_epi32(i + u);
-                    __mmask16 valid = (_mm512_cmp_epi32_mask(at, la, _MM_CMPINT_NLT) &
-                                       _mm512_cmp_epi32_mask(at, lb, _MM_CMPINT_LT)) |
-                                      (_mm512_cmp_epi32_mask(at, lc, _MM_CMPINT_NLT) &
-                                       _mm512_cmp_epi32_mask(at, ld, _MM_CMPINT_LT));
-                    _mm512_storeu_ps(scores + (size_t)(i + u) * width + 16 * blk,
-                                     _mm512_mask_blend_ps(valid, neg_inf, acc[u]));
-                }
+                const int32_t *la = lane_a + 16 * blk, *lb = lane_b + 16 * blk;
+                const int32_t *lc = lane_c + 16 * blk, *ld = lane_d + 16 * blk;
+                if (nb == 3)
+                    score_tile(kt, block, head_dim, 3, n, i, full, la, lb, lc, ld, at, width, top);
+                else if (nb == 2)
+                    score_tile(kt, block, head_dim, 2, n, i, full, la, lb, lc, ld, at, width, top);
+                else
+                    score_tile(kt, block, head_dim, 1, n, i, full, la, lb, lc, ld, at, width, top);
+                blk += nb;
             }
         }
         for (int blk = 0; blk < blocks; blk++) {
-            __m512 top = neg_inf, total = _mm512_setzero_ps();
-            for (int i = 0; i < span; i++)
-                top = _mm512_max_ps(top, _mm512_loadu_ps(scores + (size_t)i * width + 16 * blk));
+            __m512 most = _mm512_loadu_ps(tops + 16 * blk), total = _mm512_setzero_ps();
             for (int i = 0; i < span; i++) {
                 float *at = scores + (size_t)i * width + 16 * blk;
                 __m512 x = _mm512_loadu_ps(at);
                 __mmask16 valid = _mm512_cmp_ps_mask(x, neg_inf, _CMP_GT_OQ);
-                __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(x, top)));
+                __m512 e = valid ? _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(x, most)))
+                                 : _mm512_setzero_ps();
                 _mm512_storeu_ps(at, e);
                 total = _mm512_add_ps(total, e);
             }
             _mm512_storeu_ps(inv + 16 * blk, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
         }
-        const int per_pass = 16 / chunks;
-        for (int j = 0; j < r; j++)
-            for (int t0 = 0; t0 < per_kv; t0 += per_pass) {
-                const int these = per_kv - t0 < per_pass ? per_kv - t0 : per_pass;
-                const int v0 = j * per_kv + t0;
-                __m512 acc[4][8];
-                for (int t = 0; t < per_pass; t++)
-                    for (int k = 0; k < chunks; k++) acc[t][k] = _mm512_setzero_ps();
-                for (int range = 0; range < 2; range++) {
-                    const int from = range ? c[j] : a[j], to = range ? d[j] : b[j];
-                    for (int i = from; i < to; i++) {
-                        const float *v = v_pool + (size_t)keys[i] * stride + g * head_dim;
-                        const float *p = scores + (size_t)i * width + v0;
-                        __m512 value[8];
-                        for (int k = 0; k < chunks; k++) value[k] = _mm512_loadu_ps(v + 16 * k);
-                        for (int t = 0; t < per_pass; t++) {
-                            if (t < these) {
-                                __m512 weight = _mm512_set1_ps(p[t]);
-                                for (int k = 0; k < chunks; k++)
-                                    acc[t][k] = _mm512_fmadd_ps(weight, value[k], acc[t][k]);
-                            }
-                        }
-                    }
-                }
-                for (int t = 0; t < these; t++) {
-                    int h = g * per_kv + t0 + t;
-                    __m512 scale = _mm512_set1_ps(inv[v0 + t]);
-                    float *o = out + (size_t)j * out_stride + h * head_dim;
-                    for (int k = 0; k < chunks; k++) _mm512_storeu_ps(o + 16 * k, _mm512_mul_ps(acc[t][k], scale));
-                }
+        const int tile = chunks == 4 ? 6 : 3;
+        for (int v0 = 0; v0 < count; v0 += tile) {
+            const int nv = count - v0 < tile ? count - v0 : tile;
+            /* the union of the tile's rows' ranges, as one range where the two overlap */
+            int from1 = span, to1 = 0, from2 = span, to2 = 0;
+            for (int j = v0 / per_kv; j <= (v0 + nv - 1) / per_kv; j++) {
+                if (a[j] < b[j]) from1 = a[j] < from1 ? a[j] : from1, to1 = b[j] > to1 ? b[j] : to1;
+                if (c[j] < d[j]) from2 = c[j] < from2 ? c[j] : from2, to2 = d[j] > to2 ? d[j] : to2;
             }
+            if (from2 < to2 && from1 < to1 && from2 < to1 && from1 < to2) {
+                from1 = from1 < from2 ? from1 : from2, to1 = to1 > to2 ? to1 : to2;
+                from2 = to2 = 0;
+            }
+            __m512 acc[6][8];
+            for (int t = 0; t < tile; t++)
+                for (int k = 0; k < chunks; k++) acc[t][k] = _mm512_setzero_ps();
+            for (int range = 0; range < 2; range++) {
+                const int from = range ? from2 : from1, to = range ? to2 : to1;
+                if (from >= to) continue;
+                if (nv == tile)
+                    value_tile(v_pool, keys, stride, g, chunks, scores, width, v0, tile, from, to, v0 == 0, acc);
+                else
+                    for (int t = 0; t < nv; t++)
+                        value_tile(v_pool, keys, stride, g, chunks, scores, width, v0 + t, 1, from, to, v0 == 0 && t == 0, acc + t);
+            }
+            for (int t = 0; t < nv; t++) {
+                const int v = v0 + t, h = g * per_kv + v % per_kv;
+                __m512 scale = _mm512_set1_ps(inv[v]);
+                float *o = out + (size_t)(v / per_kv) * out_stride + h * head_dim;
+                for (int k = 0; k < chunks; k++) _mm512_storeu_ps(o + 16 * k, _mm512_mul_ps(acc[t][k], scale));
+            }
+        }
     }
 }
 
@@ -444,13 +526,14 @@ static inline __attribute__((always_inline)) void attend_wide512(
 static void attend_wide(const float *q, int q_stride, int r, const int *a, const int *b,
                         const int *c, const int *d, int heads, int per_kv, const float *k_pool,
                         const float *v_pool, const int32_t *keys, int span, int stride,
-                        int head_dim, float scaling, float *work, float *out, int out_stride) {
+                        int head_dim, float scaling, float *work, float *out, int out_stride,
+                        int g_from, int g_to) {
     if (head_dim == 64)
         attend_wide512(q, q_stride, r, a, b, c, d, heads, per_kv, k_pool, v_pool, keys, span,
-                       stride, 4, scaling, work, out, out_stride);
+                       stride, 4, scaling, work, out, out_stride, g_from, g_to);
     else
         attend_wide512(q, q_stride, r, a, b, c, d, heads, per_kv, k_pool, v_pool, keys, span,
-                       stride, 8, scaling, work, out, out_stride);
+                       stride, 8, scaling, work, out, out_stride, g_from, g_to);
 }
 
 /* Requests that share a cached prefix attend together (attend_wide512 reading the shared
@@ -525,7 +608,7 @@ static void attend(const float *q, int q_stride, int r, const int *firsts, const
         }
         for (int j = 0; j < r; j++) a[j] = firsts[j] - lo, b[j] = lengths[j] - lo;
         attend_wide(q, q_stride, r, a, b, none, none, heads, per_kv, k_pool, v_pool, slots + lo,
-                    hi - lo, stride, head_dim, scaling, scores, out, out_stride);
+                    hi - lo, stride, head_dim, scaling, scores, out, out_stride, 0, heads / per_kv);
         return;
     }
     if (head_dim == 64 || head_dim == 128) {
@@ -563,13 +646,14 @@ static void silu_times(const float *gate, const float *up, float *out, int n) {
     for (; j < n; j++) out[j] = silu(gate[j]) * up[j];
 }
 
-/* One layer's attention: units[u] .. units[u + 1] the rows of unit u, taken in turn by the
- * threads, each with its own scratch (`work` floats of scores, heads x MAX_GROUP totals). */
+/* One layer's attention: rows starts[u] .. ends[u] - 1 the rows of unit u (a cluster's: its
+ * KV heads kv[u] only, or all where kv[u] < 0), the units taken in turn by the threads, each
+ * with its own scratch (`work` floats of scores, heads x MAX_GROUP totals). */
 typedef struct {
     const RlmShape *shape;
     const RlmLayer *l;
     int units;
-    const int *starts;
+    const int *starts, *ends, *kv;
     const float *wide;
     float *attended;
     const int32_t *table;
@@ -592,13 +676,15 @@ static void attention_task(void *arg, int ith, int nth) {
     float *scores = a->scores + a->work * ith;
     float *totals = a->totals + (size_t)heads * MAX_GROUP * ith;
     for (int u; (u = atomic_fetch_add(&a->next, 1)) < a->units;) {
-        int m = a->starts[u], end = a->starts[u + 1];
+        int m = a->starts[u], end = a->ends[u];
 #ifdef __AVX512F__
         if (a->clusters[m] && !l->window) {
+            int g_from = a->kv[u] < 0 ? 0 : a->kv[u];
+            int g_to = a->kv[u] < 0 ? shape->kv_heads : a->kv[u] + 1;
             attend_wide(a->wide + (size_t)m * qkv_size, qkv_size, end - m, a->ra + m, a->rb + m,
                         a->rc + m, a->rd + m, heads, per_kv, l->k_pool, l->v_pool,
                         a->keys + a->key_at[m], a->spans[m], kv_size, hd, shape->scaling, scores,
-                        a->attended + (size_t)m * q_size, q_size);
+                        a->attended + (size_t)m * q_size, q_size, g_from, g_to);
             continue;
         }
 #endif
@@ -634,7 +720,7 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
     float *projected = malloc(sizeof(float) * (size_t)m_rows * h);
     /* attend_group512's scores, or attend_wide512's transposed queries, scores and bounds */
     size_t lanes = (size_t)(MAX_GROUP * per_kv + 15) / 16 * 16;
-    size_t wide_work = lanes * (size_t)(hd + longest + 5);
+    size_t wide_work = lanes * (size_t)(hd + longest + 6) + (size_t)WIDE_KEYS * hd;
     size_t group_work = (size_t)longest * heads * MAX_GROUP;
     size_t work = wide_work > group_work ? wide_work : group_work;
     /* clusters[m]: the row past the cluster that begins at row m, or 0; spans[m] its key
@@ -659,7 +745,7 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
                                     ra + m, rb + m, rc + m, rd + m);
             total_keys += spans[m];
             size_t lanes_here = (size_t)((end - m) * per_kv + 15) / 16 * 16;
-            size_t need = lanes_here * (size_t)(hd + spans[m] + 5);
+            size_t need = lanes_here * (size_t)(hd + spans[m] + 6) + (size_t)WIDE_KEYS * hd;
             work = need > work ? need : work;
         }
         keys = malloc(sizeof(int32_t) * (size_t)(total_keys > 0 ? total_keys : 1));
@@ -673,7 +759,9 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
     const int threads = radixlm_threads();
     float *scores = malloc(sizeof(float) * work * threads);
     float *totals = malloc(sizeof(float) * (size_t)heads * MAX_GROUP * threads);
-    int *starts = malloc(sizeof(int) * ((size_t)m_rows + 1));
+    /* units: a cluster's KV heads apart where there are threads to take them */
+    int *starts = malloc(sizeof(int) * 3 * (size_t)m_rows * kv_heads);
+    int *ends = starts + (size_t)m_rows * kv_heads, *kv = ends + (size_t)m_rows * kv_heads;
     int code = 0;
     if (!normed || !wide || !attended || !projected || !scores || !totals || !index || !starts)
         code = -2;
@@ -701,19 +789,20 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
          * all in the pool now: a row's keys end at its own token), a unit each, the units
          * over the threads */
         int units = 0;
-        for (int m = 0, end; m < m_rows; m = end, units++) {
-            starts[units] = m;
+        for (int m = 0, end; m < m_rows; m = end) {
 #ifdef __AVX512F__
             if (clusters[m] && !l->window) {
                 end = clusters[m];
+                for (int g = 0; g < (threads > 1 ? kv_heads : 1); g++, units++)
+                    starts[units] = m, ends[units] = end, kv[units] = threads > 1 ? g : -1;
                 continue;
             }
 #endif
             end = m;
             while (end < m_rows && end - m < MAX_GROUP && rows[end] == rows[m]) end++;
+            starts[units] = m, ends[units] = end, kv[units] = -1, units++;
         }
-        starts[units] = m_rows;
-        Attention job = {shape, l, units, starts, wide, attended, table, table_stride,
+        Attention job = {shape, l, units, starts, ends, kv, wide, attended, table, table_stride,
                          rows, lengths, clusters, spans, key_at, ra, rb, rc, rd, keys, scores,
                          totals, work};
         atomic_init(&job.next, 0);
