@@ -287,15 +287,16 @@ def _both_forms_match_the_reference(shape: DecoderShape, layers: list[DecoderLay
 def test_a_prefill_chunk_attends_as_the_reference(
     head_dim: int, window: int | None, heads: int
 ) -> None:
-    """A prefill chunk of 37 tokens after 50 cached ones (groups of 16, 16 and 5 rows; the
-    wide attention on AVX-512, its key tiles ending mid-tile) beside a decode, against the
-    torch layers, by default and batch-invariant. Three or seven query heads per KV head:
-    one to seven blocks of sixteen query vectors (the score tiles of one, two and three
-    blocks), value tiles across rows and part-filled."""
+    """A prefill chunk of 60 tokens after 50 cached ones beside a decode, against the torch
+    layers, by default (on AVX-512 the wide attention, the chunk's rows in one group, its key
+    tiles ending mid-tile) and batch-invariant (groups of 16 rows). Three or seven query
+    heads per KV head: 12 or 27 blocks of sixteen query vectors (score tiles of one to three
+    blocks: the chunk's last keys only for the blocks of the rows that take them), value
+    tiles across rows and part-filled."""
     shape, layers = _model("float32", 32, qk_norm=True, bias=False, window=window, heads=heads,
                            kv_heads=2, head_dim=head_dim, layers=2)  # fmt: skip
-    step = _verify_step(51, 37, 30, head_dim, width=96)
-    hidden = torch.randn(38, shape.hidden, generator=torch.Generator().manual_seed(6))
+    step = _verify_step(51, 60, 30, head_dim, width=128)
+    hidden = torch.randn(61, shape.hidden, generator=torch.Generator().manual_seed(6))
     _both_forms_match_the_reference(shape, layers, hidden, step)
 
 

@@ -213,8 +213,11 @@ static void attend_any(const float *q, int heads, int per_kv, const float *k_poo
     }
 }
 
-/* The most rows of one request attended together. */
+/* The most rows of one request attended together (attend_group512; attend_wide512 takes up
+ * to WIDE_ROWS, as many as keep their scores within WIDE_SCORES floats: see wide_rows). */
 #define MAX_GROUP 16
+#define WIDE_ROWS 64
+#define WIDE_SCORES (1 << 18)
 
 #ifdef __AVX512F__
 /* The rows r of one request in this step (a decode alone, or a verify step's token and its
@@ -536,24 +539,31 @@ static void attend_wide(const float *q, int q_stride, int r, const int *a, const
                        stride, 8, scaling, work, out, out_stride, g_from, g_to);
 }
 
+/* The rows attend_wide512 takes together over keys of up to `longest` positions: the more,
+ * the more products each key's row is loaded for, while their scores (rows x per_kv lanes
+ * x keys) stay within WIDE_SCORES floats (1 MiB, about a core's L2), MAX_GROUP at least. */
+static int wide_rows(int64_t longest, int per_kv) {
+    int64_t rows = WIDE_SCORES / (per_kv * (longest > 1 ? longest : 1));
+    return rows < MAX_GROUP ? MAX_GROUP : rows > WIDE_ROWS ? WIDE_ROWS : (int)rows;
+}
+
 /* Requests that share a cached prefix attend together (attend_wide512 reading the shared
  * keys once for all of them): consecutive requests whose table rows begin with the same
- * slots, at least CLUSTER_MIN of them, CLUSTER_ROWS rows at most. */
+ * slots, at least CLUSTER_MIN of them, `most_rows` rows at most. */
 #define CLUSTER_MIN 32
-#define CLUSTER_ROWS 32
 
 /* The cluster that begins at row m (the first row of a request): the row past its last, or
  * m when fewer than two requests share CLUSTER_MIN keys; `*shared` the keys they share (no
  * more than any of its rows attends to). */
 static int cluster(const int32_t *table, int64_t table_stride, const int64_t *rows,
-                   const int64_t *lengths, int m, int m_rows, int *shared) {
+                   const int64_t *lengths, int m, int m_rows, int most_rows, int *shared) {
     const int32_t *first = table + rows[m] * table_stride;
     int end = m, prefix = 0, requests = 0;
     while (end < m_rows) {
         int next = end, least = (int)lengths[end];
         for (; next < m_rows && rows[next] == rows[end]; next++)
             least = lengths[next] < least ? (int)lengths[next] : least;
-        if (next - m > CLUSTER_ROWS) break;
+        if (next - m > most_rows) break;
         int common = requests ? (least < prefix ? least : prefix) : least;
         if (requests) {
             const int32_t *own = table + rows[end] * table_stride;
@@ -601,7 +611,7 @@ static void attend(const float *q, int q_stride, int r, const int *firsts, const
     (void)invariant; /* (no other path without AVX-512) */
 #ifdef __AVX512F__
     if ((head_dim == 64 || head_dim == 128) && !invariant && r * per_kv >= WIDE_MIN) {
-        int lo = firsts[0], hi = lengths[0], a[MAX_GROUP], b[MAX_GROUP], none[MAX_GROUP] = {0};
+        int lo = firsts[0], hi = lengths[0], a[WIDE_ROWS], b[WIDE_ROWS], none[WIDE_ROWS] = {0};
         for (int j = 1; j < r; j++) {
             lo = firsts[j] < lo ? firsts[j] : lo;
             hi = lengths[j] > hi ? lengths[j] : hi;
@@ -688,7 +698,7 @@ static void attention_task(void *arg, int ith, int nth) {
             continue;
         }
 #endif
-        int firsts[MAX_GROUP], ends[MAX_GROUP];
+        int firsts[WIDE_ROWS], ends[WIDE_ROWS];
         for (int j = m; j < end; j++) {
             int length = (int)a->lengths[j];
             ends[j - m] = length;
@@ -718,8 +728,13 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
     float *wide = malloc(sizeof(float) * (size_t)m_rows * width);
     float *attended = malloc(sizeof(float) * (size_t)m_rows * q_size);
     float *projected = malloc(sizeof(float) * (size_t)m_rows * h);
+    /* rows of one request attended together (see attend) */
+    int group_rows = MAX_GROUP;
+#ifdef __AVX512F__
+    if (!shape->invariant && (hd == 64 || hd == 128)) group_rows = wide_rows(longest, per_kv);
+#endif
     /* attend_group512's scores, or attend_wide512's transposed queries, scores and bounds */
-    size_t lanes = (size_t)(MAX_GROUP * per_kv + 15) / 16 * 16;
+    size_t lanes = (size_t)(group_rows * per_kv + 15) / 16 * 16;
     size_t wide_work = lanes * (size_t)(hd + longest + 6) + (size_t)WIDE_KEYS * hd;
     size_t group_work = (size_t)longest * heads * MAX_GROUP;
     size_t work = wide_work > group_work ? wide_work : group_work;
@@ -735,7 +750,7 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
     if (index && !shape->invariant && (hd == 64 || hd == 128)) {
         for (int m = 0, end; m < m_rows; m = end) {
             int shared;
-            end = cluster(table, table_stride, rows, lengths, m, m_rows, &shared);
+            end = cluster(table, table_stride, rows, lengths, m, m_rows, group_rows, &shared);
             if (end == m) { /* the next request */
                 while (end < m_rows && rows[end] == rows[m]) end++;
                 continue;
@@ -799,7 +814,7 @@ int radixlm_decode_layers(const RlmShape *shape, const RlmLayer *layers, int m_r
             }
 #endif
             end = m;
-            while (end < m_rows && end - m < MAX_GROUP && rows[end] == rows[m]) end++;
+            while (end < m_rows && end - m < group_rows && rows[end] == rows[m]) end++;
             starts[units] = m, ends[units] = end, kv[units] = -1, units++;
         }
         Attention job = {shape, l, units, starts, ends, kv, wide, attended, table, table_stride,

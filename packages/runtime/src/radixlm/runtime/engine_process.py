@@ -16,6 +16,7 @@ down takes the whole group down (and up again, while restarts are left).
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -328,6 +329,9 @@ def _engine_main(
         ctx.term()
         raise SystemExit(1) from None
     outputs.send(pickle.dumps(Ready(info, core.live_stats()), protocol=5))
+    # What startup made lives as long as the process: the collector stops walking it in each
+    # full collection (see radixlm.server.launcher).
+    gc.freeze()
 
     def read_commands() -> None:
         while True:
