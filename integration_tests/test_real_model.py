@@ -158,3 +158,22 @@ def test_cpu_decode_bench_times_both_paths(tmp_path: Path) -> None:
         ("fp32", 2, 40),
     ]
     assert all(row["c_path"] > 0 and row["per_layer"] > 0 for row in rows)
+
+
+def test_cpu_decode_bench_times_requests_that_share_a_prefix(tmp_path: Path) -> None:
+    """`--shared-prefix`: the requests share their first L tokens' slots (the C path's
+    clustered attention), each with tokens of its own after them."""
+    import importlib
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools" / "bench"))
+    bench = importlib.import_module("cpu_decode_bench")
+    out = tmp_path / "shared.json"
+    args = ["--batches", "3", "--contexts", "40", "--formats", "fp32", "--steps", "2",
+            "--repeats", "1", "--shared-prefix", "--json", str(out)]  # fmt: skip
+    assert bench.main(args) == 0
+    figures = json.loads(out.read_text())
+    assert figures["shared_prefix"] is True
+    assert [(r["format"], r["batch"], r["context"]) for r in figures["rows"]] == [("fp32", 3, 40)]
+    assert figures["rows"][0]["c_path"] > 0 and figures["rows"][0]["per_layer"] > 0

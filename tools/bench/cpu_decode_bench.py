@@ -14,6 +14,13 @@ plain ones), run on one thread: the per-layer forward as it runs without the pat
 
     .venv/bin/python tools/bench/cpu_decode_bench.py                  # ~2 min on one core
     .venv/bin/python tools/bench/cpu_decode_bench.py --batches 1,8 --contexts 128,2048
+
+`--shared-prefix`: the batch's requests share their first L tokens' slots (as the radix
+cache shares a cached prefix; the C path's attention then reads its keys once for all of
+them), each with OWN_TOKENS of its own after them (a few-shot prompt's question):
+
+    .venv/bin/python tools/bench/cpu_decode_bench.py --formats fp32 --batches 8,32 \
+        --contexts 1520 --shared-prefix
 """
 
 from __future__ import annotations
@@ -63,18 +70,24 @@ def build_runner(
         torch.set_num_threads(1)
 
 
+#: Tokens of its own each request has after a shared prefix (`--shared-prefix`).
+OWN_TOKENS = 20
+
+
 def measure(runner: Any, batch: int, context: int, steps: int, repeats: int,
-            baseline: Any = None) -> dict[str, float]:  # fmt: skip
+            baseline: Any = None, shared: bool = False) -> dict[str, float]:  # fmt: skip
     """ms per decode step through each path, for `batch` requests at `context` tokens (the
-    per-layer one on `baseline` when given, a runner of the same model without the path)."""
+    per-layer one on `baseline` when given, a runner of the same model without the path);
+    `shared`: the requests share those tokens' slots, and have OWN_TOKENS each after them."""
     if baseline is not None:
-        fast = _measure(runner, batch, context, steps, repeats)
-        plain = _measure(baseline, batch, context, steps, repeats)
+        fast = _measure(runner, batch, context, steps, repeats, shared)
+        plain = _measure(baseline, batch, context, steps, repeats, shared)
         return {"c_path": fast["c_path"], "per_layer": plain["per_layer"]}
-    return _measure(runner, batch, context, steps, repeats)
+    return _measure(runner, batch, context, steps, repeats, shared)
 
 
-def _measure(runner: Any, batch: int, context: int, steps: int, repeats: int) -> dict[str, float]:
+def _measure(runner: Any, batch: int, context: int, steps: int, repeats: int,
+             shared: bool = False) -> dict[str, float]:  # fmt: skip
     import torch
 
     from radixlm.runtime import BatchEntry, ForwardBatch
@@ -83,19 +96,26 @@ def _measure(runner: Any, batch: int, context: int, steps: int, repeats: int) ->
     vocab = runner.vocab_size
     table = runner.req_to_token_pool.req_to_token
     pool = runner.kv_pool
-    rows, slots = [], []
-    for _ in range(batch):
+    rows, slots, owned = [], [], []
+    prefix = pool.alloc(context) if shared else []
+    assert prefix is not None
+    own = OWN_TOKENS if shared else context
+    for index in range(batch):
         row = runner.req_to_token_pool.alloc()
-        given = pool.alloc(context + steps)
-        assert row is not None and given is not None
+        mine = pool.alloc(own + steps)
+        assert row is not None and mine is not None
+        given = list(prefix) + list(mine)
         rows.append(row)
         slots.append(given)
-        # A context's cost does not depend on its values: random K/V stand for a prefill.
-        cached = torch.tensor(given[:context])
-        table[row, :context] = cached.to(table.dtype)
+        owned.append(mine)
+        # A context's cost does not depend on its values: random K/V stand for a prefill
+        # (the shared prefix's written once).
+        table[row, : len(prefix) + own] = torch.tensor(given[: len(prefix) + own]).to(table.dtype)
+        fresh = torch.tensor(given[: len(prefix) + own] if index == 0 else mine[:own])
         for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True):
-            k[cached] = torch.randn(context, *k.shape[1:], dtype=k.dtype)
-            v[cached] = torch.randn(context, *v.shape[1:], dtype=v.dtype)
+            k[fresh] = torch.randn(len(fresh), *k.shape[1:], dtype=k.dtype)
+            v[fresh] = torch.randn(len(fresh), *v.shape[1:], dtype=v.dtype)
+    context = len(prefix) + own
     path = runner.cpu_decode
     batches = [
         ForwardBatch.build(
@@ -118,9 +138,11 @@ def _measure(runner: Any, batch: int, context: int, steps: int, repeats: int) ->
             best = min(best, (time.perf_counter() - start) / steps)
         out[name] = best * 1e3
     runner.cpu_decode = path
-    for row, s in zip(rows, slots, strict=True):
-        runner.kv_pool.free(s)
+    for row, mine in zip(rows, owned, strict=True):
+        runner.kv_pool.free(mine)
         runner.req_to_token_pool.free(row)
+    if prefix:
+        runner.kv_pool.free(prefix)
     torch.set_num_threads(1)
     return out
 
@@ -136,6 +158,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed per repeat")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--shared-prefix",
+        action="store_true",
+        help=f"the requests share their first L tokens, {OWN_TOKENS} of their own after them",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
@@ -152,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for fmt in args.formats:
         need = max(args.batches) * (max(args.contexts) + args.steps) + 64
+        if args.shared_prefix:
+            need = max(args.contexts) + max(args.batches) * (OWN_TOKENS + args.steps) + 64
         quantization = {"int4": None, "fp32": "none"}.get(fmt, fmt)
         runner = build_runner(quantization, need, max(args.batches))
         baseline = (
@@ -164,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for context in args.contexts:
             for batch in args.batches:
-                if batch * (context + args.steps) > runner.kv_pool.available:
+                fits = batch * (context + args.steps)
+                if args.shared_prefix:
+                    fits = context + batch * (OWN_TOKENS + args.steps)
+                if fits > runner.kv_pool.available:
                     print(f"  {fmt} B={batch} L={context}: more tokens than the KV pool holds "
                           f"({runner.kv_pool.available}); skipped")  # fmt: skip
                     continue
-                times = measure(runner, batch, context, args.steps, args.repeats, baseline)
+                times = measure(runner, batch, context, args.steps, args.repeats, baseline,
+                                args.shared_prefix)  # fmt: skip
                 row = {"format": fmt, "batch": batch, "context": context, **times,
                        "speedup": times["per_layer"] / times["c_path"]}  # fmt: skip
                 rows.append(row)
@@ -176,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"per layer {times['per_layer']:7.2f} ms  {row['speedup']:.2f}x",
                       flush=True)  # fmt: skip
     print()
-    print(f"SmolLM2-135M-Instruct decode step, one thread; CPU: {cpu_flags()}")
+    shared = f"; L tokens shared, {OWN_TOKENS} each of their own" if args.shared_prefix else ""
+    print(f"SmolLM2-135M-Instruct decode step, one thread{shared}; CPU: {cpu_flags()}")
     head = f"{'format':7s} {'B':>3s} {'L':>5s} {'C path ms':>10s} {'per-layer ms':>13s} {'x':>6s}"
     print(head)
     print("-" * len(head))
@@ -184,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['format']:7s} {row['batch']:3d} {row['context']:5d} {row['c_path']:10.2f} "
               f"{row['per_layer']:13.2f} {row['speedup']:5.2f}x")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu_flags(), "rows": rows}, indent=2))
+        figures = {"cpu": cpu_flags(), "shared_prefix": args.shared_prefix, "rows": rows}
+        args.json.write_text(json.dumps(figures, indent=2))
     return 0
 
 
