@@ -238,6 +238,29 @@ def test_earlier_outputs_are_reusable_prompt_tokens(limit_probe: Any) -> None:
     assert limit_probe.unique_prompt_tokens([first, turn]) == 3 + 3
 
 
+def test_attention_pairs_count_each_computed_token_with_its_keys(limit_probe: Any) -> None:
+    prefix = list(range(100))
+    prompts = [([*prefix, 1000 + i, 2000 + i], []) for i in range(3)]
+    # the first prompt's 102 tokens attend 1 .. 102 keys; each later one's last two 101, 102
+    assert limit_probe.attention_keys(prompts) == sum(range(1, 103)) + 2 * (101 + 102)
+    # an output of 4 tokens: its first from the prefill, then steps over 4, 5 and 6 keys
+    assert limit_probe.attention_keys([([1, 2, 3], [[7, 8, 9, 10]])]) == 6 + 4 + 5 + 6
+    # n samples: the prompt once, each other sample its last token again (3 keys)
+    assert limit_probe.attention_keys([([1, 2, 3], [[7], [8]])]) == 6 + 3
+
+
+def test_attention_time_is_its_flops_at_the_rate(limit_probe: Any) -> None:
+    shape = limit_probe.ModelShape.from_config(QWEN)
+    rates = limit_probe.Rates(shape, "float32", 1, "cpu", 100.0, {8: 0.25})
+    demand = limit_probe.Demand(1000, ((8, 40),), attention_keys=10**6)
+    flops = 4 * 10**6 * 14 * 64 * 24
+    assert rates.attention_seconds(demand) == pytest.approx(flops / 100e9)
+    assert rates.attention_seconds(limit_probe.Demand(1000, ((8, 40),))) == 0
+    # serve_demand counts them: 16 prompts of 10 tokens, 32 tokens out of each
+    served = limit_probe.serve_demand([[i] * 10 for i in range(16)], 32, 8)
+    assert served.attention_keys == 16 * (sum(range(1, 11)) + sum(range(11, 42)))
+
+
 def test_serve_demand_decodes_in_waves_of_the_concurrency(limit_probe: Any) -> None:
     prompts = [[i] * 10 for i in range(16)]
     demand = limit_probe.serve_demand(prompts, output_len=32, concurrency=8)

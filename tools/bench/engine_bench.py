@@ -1222,7 +1222,7 @@ def workload_demand(workload: str, args: Any) -> Any:
     most 128 (radixlm's running-request cap here), or of at most --concurrency when the
     client keeps no more in flight (a batch no server can be sent). None when an output's
     length is not fixed (a workload without ignore_eos, as json)."""
-    from limit_probe import Demand, unique_prompt_tokens
+    from limit_probe import Demand, attention_keys, unique_prompt_tokens
 
     vocab = SHAPES[args.shape]["vocab_size"]
     stand_in = random.Random(args.seed + 7)
@@ -1247,7 +1247,8 @@ def workload_demand(workload: str, args: Any) -> Any:
     if not fixed:
         return None
     unique = unique_prompt_tokens((c.prompt, c.outputs) for c in calls)
-    return Demand(unique, tuple(sorted(steps.items())))
+    pairs = attention_keys((c.prompt, c.outputs) for c in calls)
+    return Demand(unique, tuple(sorted(steps.items())), pairs)
 
 
 def report_limits(rows: list[dict[str, Any]], args: Any) -> None:
@@ -1268,16 +1269,18 @@ def report_limits(rows: list[dict[str, Any]], args: Any) -> None:
             print(f"  {workload:17s} no limit: its outputs' lengths are not fixed")
             continue
         limit, floor = rates.limit_seconds(demand), rates.floor_seconds(demand)
+        attention = rates.attention_seconds(demand)
         cells = []
         for row in rows:
             if row["workload"] == workload:
-                row["limit_s"], row["floor_s"] = limit, floor
+                row["limit_s"], row["floor_s"], row["attention_s"] = limit, floor, attention
                 row["share_of_limit"] = limit_probe.share(limit, row["seconds"])
                 share = row["share_of_limit"]
                 cells.append(f"{row['system']} {row['seconds']:.1f} s = {share:.0%}")
         print(
             f"  {workload:17s} limit {limit:.1f} s, floor {floor:.1f} s "
-            f"({demand.describe()}): " + ", ".join(cells)
+            f"({demand.describe()}; attention, in neither, {attention:.1f} s at the rate): "
+            + ", ".join(cells)
         )
 
 

@@ -22,6 +22,10 @@ What is counted, and what is not:
   them out makes the limit a lower bound on the time: a system's share of it, limit / measured
   time, stays under 100% unless its kernels beat torch's matmul in this dtype (llama.cpp's
   quantized dot products can: its share is then over 100%).
+  What attention would cost at the measured rate is reported beside the limit
+  (`Rates.attention_seconds`: the query-key pairs of every computed token, `Demand.
+  attention_keys`, times 4 x heads x head_dim x layers FLOPs): over a long shared prefix it is
+  a fifth of a workload's FLOPs or more, time no system's share of the limit can include.
 
 `limit = unique prompt tokens / prompt tokens per s + sum over decode batches of steps x step
 time`. torch's decode steps at a few rows run well below its prefill rate, and a system with
@@ -118,6 +122,9 @@ class Demand:
 
     unique_prompt_tokens: int
     decode_steps: tuple[tuple[int, int], ...]
+    #: query-key pairs attention multiplies: each computed prompt token with the keys up to
+    #: its own, each decoded token with its context (see `attention_keys`); 0: not counted
+    attention_keys: int = 0
 
     @property
     def total_steps(self) -> int:
@@ -177,6 +184,13 @@ class Rates:
             floor += steps * (max(compute, read) if math.isfinite(read) else compute)
         return floor
 
+    def attention_seconds(self, demand: Demand) -> float:
+        """The workload's attention FLOPs (scores and values: 4 x heads x head_dim per
+        query-key pair and layer) at the measured rate: time the limit leaves out."""
+        shape = self.shape
+        flops = 4.0 * demand.attention_keys * shape.heads * shape.head_dim * shape.layers
+        return flops / (self.prefill_gflops * 1e9)
+
     def describe(self) -> str:
         steps = ", ".join(
             f"batch {b}: {t * 1000:.1f} ms" for b, t in sorted(self.step_seconds.items())
@@ -210,6 +224,29 @@ def unique_prompt_tokens(calls: Iterable[tuple[Sequence[int], Sequence[Sequence[
     return unique
 
 
+def attention_keys(calls: Iterable[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> int:
+    """The query-key pairs attention multiplies for `calls` (as `unique_prompt_tokens` takes
+    them): each prompt token a sequence computes, at position p, with p + 1 keys; each decoded
+    token with the keys of its context (an output's first token comes from the prefill, each
+    later one from a step over the prompt and the tokens before it)."""
+    trie: dict[int, Any] = {}
+    pairs = 0
+    for prompt, outputs in calls:
+        for output in outputs or [()]:
+            node, shared = trie, 0
+            for token in prompt:
+                if token not in node:
+                    break
+                node, shared = node[token], shared + 1
+            first = min(shared, max(len(prompt) - 1, 0))
+            pairs += sum(range(first + 1, len(prompt) + 1))
+            pairs += sum(len(prompt) + k for k in range(1, len(output)))
+            node = trie
+            for token in [*prompt, *list(output)[:-1]]:
+                node = node.setdefault(token, {})
+    return pairs
+
+
 def serve_demand(prompts: Sequence[Sequence[int]], output_len: int, concurrency: int) -> Demand:
     """A serving run's demand: `prompts` (token ids, in order) sent at most `concurrency` at a
     time, each answered with `output_len` tokens. The first token of each answer comes from its
@@ -222,7 +259,9 @@ def serve_demand(prompts: Sequence[Sequence[int]], output_len: int, concurrency:
         batch = min(width, n - start)
         steps[batch] = steps.get(batch, 0) + max(output_len - 1, 0)
     decode = tuple((b, s) for b, s in steps.items() if s)
-    return Demand(unique_prompt_tokens([(p, []) for p in prompts]), decode)
+    answered = [(p, [[-1] * output_len]) for p in prompts]  # -1: no prompt's token
+    return Demand(unique_prompt_tokens([(p, []) for p in prompts]), decode,
+                  attention_keys(answered))  # fmt: skip
 
 
 def share(limit: float, measured: float) -> float:
