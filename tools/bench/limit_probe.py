@@ -48,7 +48,7 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,13 +203,15 @@ class Rates:
         )
 
 
-def unique_prompt_tokens(calls: Iterable[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> int:
-    """Prompt tokens that no earlier sequence computed: `calls` are (prompt, outputs) in the
-    order sent; each output makes one sequence (no outputs: the prompt once), and what a
-    sequence computed (its prompt and all but its last output token) can be reused by later
-    ones. A sequence's last prompt token is always computed."""
+Calls = Iterable[tuple[Sequence[int], Sequence[Sequence[int]]]]
+
+
+def _sequences(calls: Calls) -> Iterator[tuple[Sequence[int], Sequence[int], int]]:
+    """(prompt, output, first prompt position it computes) for each sequence of `calls`:
+    (prompt, outputs) in the order sent, each output one sequence (no outputs: the prompt
+    once); what a sequence computed (its prompt and all but its last output token) can be
+    reused by later ones, and its last prompt token is always computed."""
     trie: dict[int, Any] = {}
-    unique = 0
     for prompt, outputs in calls:
         for output in outputs or [()]:
             node, shared = trie, 0
@@ -217,33 +219,26 @@ def unique_prompt_tokens(calls: Iterable[tuple[Sequence[int], Sequence[Sequence[
                 if token not in node:
                     break
                 node, shared = node[token], shared + 1
-            unique += len(prompt) - min(shared, max(len(prompt) - 1, 0))
+            yield prompt, output, min(shared, max(len(prompt) - 1, 0))
             node = trie
             for token in [*prompt, *list(output)[:-1]]:
                 node = node.setdefault(token, {})
-    return unique
 
 
-def attention_keys(calls: Iterable[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> int:
+def unique_prompt_tokens(calls: Calls) -> int:
+    """Prompt tokens that no earlier sequence computed (see `_sequences`)."""
+    return sum(len(prompt) - first for prompt, _output, first in _sequences(calls))
+
+
+def attention_keys(calls: Calls) -> int:
     """The query-key pairs attention multiplies for `calls` (as `unique_prompt_tokens` takes
     them): each prompt token a sequence computes, at position p, with p + 1 keys; each decoded
     token with the keys of its context (an output's first token comes from the prefill, each
     later one from a step over the prompt and the tokens before it)."""
-    trie: dict[int, Any] = {}
     pairs = 0
-    for prompt, outputs in calls:
-        for output in outputs or [()]:
-            node, shared = trie, 0
-            for token in prompt:
-                if token not in node:
-                    break
-                node, shared = node[token], shared + 1
-            first = min(shared, max(len(prompt) - 1, 0))
-            pairs += sum(range(first + 1, len(prompt) + 1))
-            pairs += sum(len(prompt) + k for k in range(1, len(output)))
-            node = trie
-            for token in [*prompt, *list(output)[:-1]]:
-                node = node.setdefault(token, {})
+    for prompt, output, first in _sequences(calls):
+        pairs += sum(range(first + 1, len(prompt) + 1))
+        pairs += sum(len(prompt) + k for k in range(1, len(output)))
     return pairs
 
 
