@@ -74,6 +74,14 @@ def build_runner(
 OWN_TOKENS = 20
 
 
+def tokens_needed(batch: int, context: int, steps: int, shared: bool) -> int:
+    """KV slots a case takes: each request's context and steps, or with `shared` the prefix
+    once and each request's OWN_TOKENS and steps."""
+    if shared:
+        return context + batch * (OWN_TOKENS + steps)
+    return batch * (context + steps)
+
+
 def measure(runner: Any, batch: int, context: int, steps: int, repeats: int,
             baseline: Any = None, shared: bool = False) -> dict[str, float]:  # fmt: skip
     """ms per decode step through each path, for `batch` requests at `context` tokens (the
@@ -178,9 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     rows = []
     for fmt in args.formats:
-        need = max(args.batches) * (max(args.contexts) + args.steps) + 64
-        if args.shared_prefix:
-            need = max(args.contexts) + max(args.batches) * (OWN_TOKENS + args.steps) + 64
+        most = (max(args.batches), max(args.contexts), args.steps, args.shared_prefix)
+        need = tokens_needed(*most) + 64
         quantization = {"int4": None, "fp32": "none"}.get(fmt, fmt)
         runner = build_runner(quantization, need, max(args.batches))
         baseline = (
@@ -193,9 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for context in args.contexts:
             for batch in args.batches:
-                fits = batch * (context + args.steps)
-                if args.shared_prefix:
-                    fits = context + batch * (OWN_TOKENS + args.steps)
+                fits = tokens_needed(batch, context, args.steps, args.shared_prefix)
                 if fits > runner.kv_pool.available:
                     print(f"  {fmt} B={batch} L={context}: more tokens than the KV pool holds "
                           f"({runner.kv_pool.available}); skipped")  # fmt: skip

@@ -402,8 +402,8 @@ def launch(
         GracefulDrain(server, app.state.radixlm, config.graceful_shutdown_timeout).install()
         watchdog = EngineWatchdog(engine, server).start()
         # What startup made (modules, the model, the tokenizer: millions of objects) lives as
-        # long as the server: the collector stops walking it in each full collection, which
-        # took about a tenth of a CPU engine's time on its own thread here.
+        # long as the server: the collector stops walking it in each full collection (about a
+        # tenth of this process's CPU samples while serving SmolLM2 on one thread).
         gc.freeze()
         server.run()
     finally:
