@@ -99,8 +99,8 @@ def _reference(shape: DecoderShape, layers: list[DecoderLayerWeights], hidden: t
 
 
 def _model(kind: str, group: int, *, qk_norm: bool, bias: bool, window: int | None,
-           heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
-           layers: int = 2) -> tuple[DecoderShape, list[DecoderLayerWeights]]:  # fmt: skip
+           heads: int = 4, kv_heads: int = 2, head_dim: int = 32, layers: int = 2,
+           slots: int = SLOTS) -> tuple[DecoderShape, list[DecoderLayerWeights]]:  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     hidden, inter = 64, 96
     shape = DecoderShape(hidden, heads, kv_heads, head_dim, inter, 1e-5, head_dim**-0.5)
@@ -116,8 +116,8 @@ def _model(kind: str, group: int, *, qk_norm: bool, bias: bool, window: int | No
                 o=_linear(kind, hidden, q, min(group, q), False, gen),
                 gate_up=_linear(kind, 2 * inter, hidden, min(group, hidden), False, gen),
                 down=_linear(kind, hidden, inter, 32 if inter % group else group, False, gen),
-                k_pool=torch.randn(SLOTS, kv_heads, head_dim, generator=gen),
-                v_pool=torch.randn(SLOTS, kv_heads, head_dim, generator=gen),
+                k_pool=torch.randn(slots, kv_heads, head_dim, generator=gen),
+                v_pool=torch.randn(slots, kv_heads, head_dim, generator=gen),
                 q_norm=norm(head_dim) if qk_norm else None,
                 k_norm=norm(head_dim) if qk_norm else None,
                 window=window,
@@ -218,12 +218,13 @@ def test_shapes_that_do_not_fit_are_named() -> None:
 
 
 def _verify_step(
-    length: int, rows_of_first: int, other: int, head_dim: int, width: int = 40
+    length: int, rows_of_first: int, other: int, head_dim: int, width: int = 40,
+    slots: int = SLOTS,
 ) -> tuple[torch.Tensor, ...]:
     """A step whose first request computes `rows_of_first` tokens (a token and its drafts:
     one table row, lengths `length`, `length` + 1, ...) beside a second request's decode."""
     gen = torch.Generator().manual_seed(4)
-    order = torch.randperm(SLOTS, generator=gen).to(torch.int32)
+    order = torch.randperm(slots, generator=gen).to(torch.int32)
     table = torch.zeros(4, width, dtype=torch.int32)
     last = length + rows_of_first - 1
     table[1, :last] = order[:last]
@@ -297,6 +298,19 @@ def test_a_prefill_chunk_attends_as_the_reference(
                            kv_heads=2, head_dim=head_dim, layers=2)  # fmt: skip
     step = _verify_step(51, 60, 30, head_dim, width=128)
     hidden = torch.randn(61, shape.hidden, generator=torch.Generator().manual_seed(6))
+    _both_forms_match_the_reference(shape, layers, hidden, step)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 290])
+def test_long_contexts_attend_as_the_reference(head_dim: int, window: int | None) -> None:
+    """Longer contexts: a request adding 20 tokens to 300 cached ones beside a decode over
+    600 keys, by default and batch-invariant (the chunk's rows in groups of 16 there). With
+    a window of 290 the chunk's rows begin at different keys."""
+    shape, layers = _model("float32", 32, qk_norm=False, bias=False, window=window, heads=6,
+                           kv_heads=2, head_dim=head_dim, layers=1, slots=1024)  # fmt: skip
+    step = _verify_step(301, 20, 600, head_dim, width=640, slots=1024)
+    hidden = torch.randn(21, shape.hidden, generator=torch.Generator().manual_seed(10))
     _both_forms_match_the_reference(shape, layers, hidden, step)
 
 
