@@ -218,7 +218,11 @@ def test_shapes_that_do_not_fit_are_named() -> None:
 
 
 def _verify_step(
-    length: int, rows_of_first: int, other: int, head_dim: int, width: int = 40,
+    length: int,
+    rows_of_first: int,
+    other: int,
+    head_dim: int,
+    width: int = 40,
     slots: int = SLOTS,
 ) -> tuple[torch.Tensor, ...]:
     """A step whose first request computes `rows_of_first` tokens (a token and its drafts:
