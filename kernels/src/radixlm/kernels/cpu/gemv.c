@@ -206,6 +206,8 @@ static inline void tile_dot(const uint8_t *q, const float *s, const float *z, co
 #define VNNI_TILE 8
 /* Weight rows ahead that an int8 product's first tile fetches while it multiplies one */
 #define PF_ROWS 4
+/* Bytes ahead of a weight stream that a one-row product asks for into L2 */
+#define STREAM_AHEAD 16384
 
 /* Lanes 0-7 p[0], lanes 8-15 p[1] (the scales of a block pair; with `one`, p[0] and zeros:
  * an odd last block, nothing read past it). */
@@ -321,9 +323,12 @@ static inline __attribute__((always_inline)) void tile_dot8_vnni(
 
 /* tile_dot8_vnni's operations for every weight row of a call of one activation row (a
  * decode of one request), so the same bits, in a loop of their own without the tile's
- * bookkeeping; `per_row`: one scale per weight row. (No prefetches: they made this loop
- * slower on weights on huge pages, where the hardware's prefetchers keep up; a tile, with
- * more work per row, gains from them.) */
+ * bookkeeping; `per_row`: one scale per weight row. Each step asks for the line
+ * STREAM_AHEAD bytes on into L2: the hardware's prefetchers alone kept SmolLM2's weights
+ * (on huge pages) coming at about 23 GB/s, its LM head with a scale per block at 18, where a
+ * plain read of them reaches 27; with it they come at 26-29 (a line 2 KB ahead, or one into
+ * L1, was slower than none). Past a matrix's end it asks for the next one's first lines,
+ * which a decode step reads next where they are on huge pages in that order. */
 static inline __attribute__((always_inline)) void row_dot8_vnni(
     const int8_t *weight, const float *scales, int groups, int per_row, const Activations *a,
     const int32_t *neg, int blocks, int k, int n, float *out) {
@@ -336,6 +341,7 @@ static inline __attribute__((always_inline)) void row_dot8_vnni(
         for (int b = 0; b < blocks; b += 2) {
             int one = b + 1 == blocks;
             const int8_t *wb = w + (size_t)b * BLOCK;
+            _mm_prefetch((const char *)(wb + STREAM_AHEAD), _MM_HINT_T1);
             __m512i wv = one ? widen(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)wb),
                                                       _mm512_castsi512_si256(flip)))
                              : _mm512_xor_si512(_mm512_loadu_si512((const void *)wb), flip);
