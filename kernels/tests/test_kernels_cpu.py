@@ -192,6 +192,26 @@ def test_an_int8_row_alone_is_its_row_among_others(group: int, n: int, k: int) -
         assert torch.equal(many[row], cpu.int8_linear(x[row : row + 1], weight, scales)[0])
 
 
+@needs_kernels
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize(("n", "k"), [(7, 64), (38, 544), (65, 576), (9, 1536)])
+def test_an_int4_row_alone_is_its_row_among_others(group: int, n: int, k: int) -> None:
+    """A call of one activation row takes two weight rows at a time (an odd last row alone;
+    an odd last block in half a vector); groups of one block and of two; each row's output
+    the same bits as in a call of several rows, and its own arithmetic."""
+    if k % group:
+        pytest.skip("K not a multiple of the group")
+    torch.manual_seed(7)
+    qweight, scales, zeros = _weights(n, k, group)
+    x = torch.randn(11, k)
+    many = cpu.int4_linear(x, qweight, scales, zeros, group)
+    for row in range(11):
+        one = cpu.int4_linear(x[row : row + 1], qweight, scales, zeros, group)
+        assert torch.equal(many[row], one[0])
+    exact = _kernel_arithmetic(x, qweight, scales, zeros, group)
+    torch.testing.assert_close(many, exact, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("shape", "dtype"),
     [((5, 3), torch.float32), ((3000, 3, 64), torch.float32), ((700, 8, 128), torch.bfloat16)],

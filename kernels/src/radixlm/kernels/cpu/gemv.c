@@ -36,8 +36,10 @@
 
 #define BLOCK 32
 
-/* Per row m and block b: the int8 values (with `interleave`, even columns first, then odd
- * ones: the order int4 nibbles unpack in), their scale and the sum of the rounded values
+/* Per row m and block b: the int8 values (with `interleave` 1, even columns first, then odd
+ * ones: the order int4 nibbles unpack in; with 2, per pair of blocks b and b + 1, b's even
+ * columns, b + 1's, b's odd ones, b + 1's: the order pair_codes unpacks a pair in), their
+ * scale and the sum of the rounded values
  * (scale x the codes' sum, llama.cpp's Q8_1 sum: the zero points' part then rounds as the
  * codes' part does, so an activation's rounding error is weighted by its weight, not by
  * its code). */
@@ -48,19 +50,52 @@ static void quantize_rows(const float *x, int m_rows, int k, int interleave, int
         for (int b = 0; b < blocks; b++) {
             const float *v = x + (size_t)m * k + (size_t)b * BLOCK;
             float amax = 0.0f;
+#ifdef RADIXLM_VNNI
+            amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v)),
+                                                      _mm512_abs_ps(_mm512_loadu_ps(v + 16))));
+#else
             for (int i = 0; i < BLOCK; i++) {
                 float a = fabsf(v[i]);
                 amax = a > amax ? a : amax;
             }
+#endif
             float scale = amax / 127.0f;
             float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
             int8_t *out = xq + ((size_t)m * blocks + b) * BLOCK;
             int sum = 0;
+            /* interleave 2 (block pairs): a pair's even columns (block b's, then b + 1's),
+             * then its odd ones, as a pair's nibbles unpack; a lone last block as 1 */
+            int paired = interleave == 2 && (b | 1) < blocks;
+            int8_t *base = paired ? xq + ((size_t)m * blocks + (b & ~1)) * BLOCK : out;
+            int evens = paired ? (b & 1) * BLOCK / 2 : 0, odds = paired ? BLOCK + evens : BLOCK / 2;
+#ifdef RADIXLM_VNNI
+            /* the same arithmetic sixteen at a time (the conversion rounds to nearest even,
+             * as lrintf does in the default rounding mode): the same bytes */
+            const __m512 by = _mm512_set1_ps(inv);
+            __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), by));
+            __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16), by));
+            sum = _mm512_reduce_add_epi32(_mm512_add_epi32(low, high));
+            if (interleave) {
+                const __m512i even_columns = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16,
+                                                              14, 12, 10, 8, 6, 4, 2, 0);
+                const __m512i odd_columns = _mm512_add_epi32(even_columns, _mm512_set1_epi32(1));
+                _mm_storeu_si128((__m128i *)(base + evens),
+                                 _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(low, even_columns, high)));
+                _mm_storeu_si128((__m128i *)(base + odds),
+                                 _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(low, odd_columns, high)));
+            } else {
+                _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(low));
+                _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtepi32_epi8(high));
+            }
+            xs[(size_t)m * blocks + b] = scale;
+            xsum[(size_t)m * blocks + b] = scale * (float)sum;
+            continue;
+#endif
             for (int i = 0; i < BLOCK / 2; i++) {
-                int even = interleave ? i : 2 * i, odd = interleave ? BLOCK / 2 + i : 2 * i + 1;
-                out[even] = (int8_t)lrintf(v[2 * i] * inv);
-                out[odd] = (int8_t)lrintf(v[2 * i + 1] * inv);
-                sum += out[even] + out[odd];
+                int even = interleave ? evens + i : 2 * i, odd = interleave ? odds + i : 2 * i + 1;
+                base[even] = (int8_t)lrintf(v[2 * i] * inv);
+                base[odd] = (int8_t)lrintf(v[2 * i + 1] * inv);
+                sum += base[even] + base[odd];
             }
             xs[(size_t)m * blocks + b] = scale;
             xsum[(size_t)m * blocks + b] = scale * (float)sum;
@@ -100,8 +135,24 @@ static int prepare(const float *x, int m_rows, int k, int interleave, Activation
     }
     quantize_rows(x, m_rows, k, interleave, a->q, a->scale, a->sum);
 #ifdef RADIXLM_VNNI
-    for (size_t b = 0; b < blocks; b++)
-        _mm256_storeu_ps(a->wide + b * 8, _mm256_set1_ps(a->scale[b]));
+    if (interleave == 2) { /* a pair's lanes: b's four, b + 1's four, b's four, b + 1's four */
+        int per_row = k / BLOCK;
+        for (int m = 0; m < m_rows; m++)
+            for (int b = 0; b < per_row; b += 2) {
+                const float *xs = a->scale + (size_t)m * per_row + b;
+                float *lanes = a->wide + ((size_t)m * per_row + b) * 8;
+                if (b + 1 == per_row) { /* a lone last block: its eight */
+                    _mm256_storeu_ps(lanes, _mm256_set1_ps(xs[0]));
+                    continue;
+                }
+                __m128 first = _mm_set1_ps(xs[0]), second = _mm_set1_ps(xs[1]);
+                _mm_storeu_ps(lanes, first), _mm_storeu_ps(lanes + 4, second);
+                _mm_storeu_ps(lanes + 8, first), _mm_storeu_ps(lanes + 12, second);
+            }
+    } else {
+        for (size_t b = 0; b < blocks; b++)
+            _mm256_storeu_ps(a->wide + b * 8, _mm256_set1_ps(a->scale[b]));
+    }
 #endif
     return 0;
 }
@@ -216,18 +267,26 @@ static inline __m512 pair_scale(const float *p, int one) {
     return _mm512_permutexvar_ps(halves, _mm512_maskz_loadu_ps(one ? 0x1 : 0x3, p));
 }
 
+/* The scales of a block pair in the lanes of its codes (pair_codes): lanes 0-3 and 8-11
+ * p[0], 4-7 and 12-15 p[1] (two broadcasts from memory and a blend: no shuffle); with
+ * `one`, p[0] everywhere (an odd last block's eight lanes; nothing read past it). */
+static inline __m512 pair_lanes(const float *p, int one) {
+    if (one) return _mm512_set1_ps(p[0]);
+    return _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(p[0]), _mm512_set1_ps(p[1]));
+}
+
 /* 256 bits in the low half of 512, zeros above. */
 static inline __m512i widen(__m256i v) { return _mm512_inserti64x4(_mm512_setzero_si512(), v, 0); }
 
-/* The int4 codes of blocks b and b + 1 (32 bytes from q) as 64 unsigned bytes, each block
- * in the order its activations are stored (even columns, then odd ones). */
+/* The int4 codes of blocks b and b + 1 (32 bytes from q) as 64 unsigned bytes in the order
+ * a pair's activations are stored (quantize_rows' pair layout): the low nibbles (even
+ * columns, b's sixteen then b + 1's), then the high ones (odd columns). One load of the 32
+ * bytes into both halves, the upper half shifted down four bits: no shuffle across lanes. */
 static inline __m512i pair_codes(const uint8_t *q) {
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    __m256i packed = _mm256_loadu_si256((const __m256i *)q);
-    __m256i low = _mm256_and_si256(packed, mask);
-    __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
-    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); /* l0 l1 h0 h1 */
-    return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));        /* l0 h0 l1 h1 */
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)q));
+    return _mm512_and_si512(_mm512_srlv_epi64(both, shifts), mask); /* l0 l1 h0 h1 */
 }
 
 /* Each block's group scale (and zero point, when z is not NULL) of one weight row, for
@@ -258,7 +317,7 @@ static inline __attribute__((always_inline)) void tile_dot_vnni(
     for (int b = 0; b < blocks; b += 2) {
         int one = b + 1 == blocks; /* an odd last block, in the low half */
         __m512i codes = one ? widen(block_codes(q + (size_t)b * 16)) : pair_codes(q + (size_t)b * 16);
-        __m512 ws = pair_scale(bs + b, one);
+        __m512 ws = pair_lanes(bs + b, one);
         for (int m = 0; m < VNNI_TILE; m++) {
             if (m < tile) {
                 size_t at = (size_t)(m0 + m) * blocks + b;
@@ -282,6 +341,68 @@ static inline __attribute__((always_inline)) void tile_dot_vnni(
         }
     }
     for (int m = 0; m < tile; m++) got[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+/* tile_dot_vnni's operations (so the same bits) for every weight row of a call of one
+ * activation row (a decode of one request), two weight rows at a time: each pair of blocks'
+ * activations loaded once for both, and two rows' chains of multiply-adds in flight where
+ * one row's alone left the core waiting on it (SmolLM2's 4-bit projections, one at a time:
+ * 14-16 GB/s of weights whether they came from memory or from L3). Each row's weights,
+ * scales and zero points are asked for STREAM_AHEAD bytes (of codes) ahead into L2. */
+static inline __attribute__((always_inline)) void row_dot4_vnni(
+    const uint8_t *qweight, const float *scales, const float *zeros, const Activations *a,
+    int blocks, int k, int n, float *out) {
+    enum { R = 2 };
+    int row = 0;
+    for (; row + R <= n; row += R) {
+        const uint8_t *q[R];
+        const float *s[R], *z[R];
+        __m512 acc[R];
+        for (int r = 0; r < R; r++) {
+            q[r] = qweight + (size_t)(row + r) * (k / 2);
+            s[r] = scales + (size_t)(row + r) * blocks;
+            z[r] = zeros + (size_t)(row + r) * blocks;
+            acc[r] = _mm512_setzero_ps();
+        }
+        for (int b = 0; b < blocks; b += 2) {
+            int one = b + 1 == blocks;
+            for (int r = 0; r < R; r++) {
+                if (!(b & 3)) /* a line of codes every two pairs, of scales every eight */
+                    _mm_prefetch((const char *)(q[r] + (size_t)b * 16 + STREAM_AHEAD), _MM_HINT_T1);
+                if (!(b & 15)) {
+                    _mm_prefetch((const char *)(s[r] + b) + STREAM_AHEAD / 4, _MM_HINT_T1);
+                    _mm_prefetch((const char *)(z[r] + b) + STREAM_AHEAD / 4, _MM_HINT_T1);
+                }
+            }
+            const int8_t *xq = a->q + (size_t)b * BLOCK;
+            __m512i xv = one ? widen(_mm256_loadu_si256((const __m256i *)xq))
+                             : _mm512_loadu_si512((const void *)xq);
+            __m512 wide = _mm512_maskz_loadu_ps(one ? 0xFF : 0xFFFF, a->wide + (size_t)b * 8);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *codes = q[r] + (size_t)b * 16;
+                __m512i c = one ? widen(block_codes(codes)) : pair_codes(codes);
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, xv);
+                __m512 sc = _mm512_mul_ps(pair_lanes(s[r] + b, one), wide);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[r]);
+            }
+        }
+        for (int c = 0; c < blocks; c += 16) {
+            __mmask16 lanes = LANES_UP_TO(blocks - c);
+            __m512 sums = _mm512_maskz_loadu_ps(lanes, a->sum + c);
+            for (int r = 0; r < R; r++) {
+                __m512 shift = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, s[r] + c),
+                                             _mm512_maskz_loadu_ps(lanes, z[r] + c));
+                acc[r] = _mm512_fnmadd_ps(shift, sums, acc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) out[row + r] = _mm512_reduce_add_ps(acc[r]);
+    }
+    for (; row < n; row++) {
+        float got[1];
+        tile_dot_vnni(qweight + (size_t)row * (k / 2), scales + (size_t)row * blocks,
+                      zeros + (size_t)row * blocks, a, blocks, 0, 1, got);
+        out[row] = got[0];
+    }
 }
 
 /* As tile_dot_vnni for one int8 weight row (signed x signed): the weights are offset by 128
@@ -373,13 +494,21 @@ static int int4_cols(const float *x, int m_rows, int k, const uint8_t *qweight,
     if (m_rows < 1 || m_rows > MAX_ROWS || group % BLOCK || k % group) return -1;
     int blocks = k / BLOCK, per_group = group / BLOCK, groups = k / group;
     Activations a;
+#ifdef RADIXLM_VNNI
+    if (prepare(x, m_rows, k, 2, &a)) return -1;
+#else
     if (prepare(x, m_rows, k, 1, &a)) return -1;
+#endif
 #ifdef RADIXLM_VNNI
     /* groups of several blocks: each block's scale and zero point, per weight row */
     float *expanded = per_group > 1 ? malloc(sizeof(float) * 2 * (size_t)blocks) : NULL;
     if (per_group > 1 && !expanded) {
         release(&a);
         return -1;
+    }
+    if (m_rows == 1 && !expanded) {
+        row_dot4_vnni(qweight, scales, zeros, &a, blocks, k, n, out);
+        n = 0; /* done */
     }
     for (int row = 0; row < n; row++) {
         const uint8_t *q = qweight + (size_t)row * (k / 2);
