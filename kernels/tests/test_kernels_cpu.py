@@ -378,3 +378,35 @@ def test_every_product_gives_the_same_bits_on_one_thread_and_on_several(
         rtol=1e-4,
         atol=1e-4,
     )
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100, 49152])
+def test_greedy_tokens_are_torchs_argmax(n: int) -> None:
+    """Ties (the first of them), a NaN (the first NaN), -inf and inf, rows of a wider
+    tensor (a stride past the row's width), N past a multiple of 16: torch's ids."""
+    torch.manual_seed(n)
+    wide = torch.randn(9, n + 5)
+    x = wide[:, :n]
+    x[1] = 0.5  # all tied
+    x[2, n // 2 :] = 7.0  # tied largest from the middle on
+    x[3] = float("-inf")
+    x[4, -1] = float("inf")
+    x[5, n // 3] = float("nan")
+    x[6, -1] = float("nan")
+    x[6, 0] = float("inf")
+    x[7] = torch.round(x[7] * 2) / 2  # many ties below the top
+    got = rk.greedy_tokens(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert torch.equal(cpu.argmax_rows(x.contiguous()), x.argmax(dim=-1))
+
+
+def test_greedy_tokens_take_any_float_tensor() -> None:
+    x = torch.randn(3, 40, dtype=torch.bfloat16)
+    assert torch.equal(rk.greedy_tokens(x), x.argmax(dim=-1))
+    t = torch.randn(40, 3).t()  # no unit stride along a row: torch's argmax
+    assert torch.equal(rk.greedy_tokens(t), t.argmax(dim=-1))
+    assert rk.greedy_tokens(torch.randn(0, 5)).shape == (0,)
+    with pytest.raises(ValueError, match="greedy_tokens"):
+        rk.greedy_tokens(torch.randn(5))

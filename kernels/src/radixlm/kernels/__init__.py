@@ -22,7 +22,7 @@ from radixlm.kernels.elementwise import (
     rotary_embedding,
     silu_and_mul,
 )
-from radixlm.kernels.logits import apply_token_bitmask_inplace, sample_from_probs
+from radixlm.kernels.logits import apply_token_bitmask_inplace, greedy_tokens, sample_from_probs
 from radixlm.kernels.lora import LoraPlan, lora_expand, lora_plan, lora_shrink
 from radixlm.kernels.moe import MoePlan, fused_moe, grouped_matmul, moe_align
 from radixlm.kernels.quant import (
@@ -60,6 +60,7 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
     "get_backend",
+    "greedy_tokens",
     "grouped_matmul",
     "int4_linear",
     "int8_grouped_linear",

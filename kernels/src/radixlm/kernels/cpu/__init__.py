@@ -140,6 +140,9 @@ def _build() -> ctypes.CDLL | None:
     panels = library.radixlm_f32_panels
     panels.restype = ctypes.c_int
     panels.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, ctypes.c_int, pointer]
+    argmax = library.radixlm_argmax_rows
+    argmax.restype = None
+    argmax.argtypes = [pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int64, pointer]
     library.radixlm_set_threads.restype = None
     library.radixlm_set_threads.argtypes = [ctypes.c_int]
     library.radixlm_threads.restype = ctypes.c_int
@@ -250,6 +253,26 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     code = library.radixlm_f32_gemv(x.data_ptr(), rows, k, weight.data_ptr(), n, out.data_ptr())
     if code != 0:
         raise RuntimeError("f32_linear: the kernel refused these shapes")
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a float32 CPU tensor ``[M, N]`` (N >= 1, unit stride along a
+    row): the first of equal largest values, a row's first NaN where it has one, as torch
+    gives; int64 ``[M]``. Sixteen floats at a time (torch's CPU argmax compares one at a time).
+    Raises RuntimeError when the kernels are not available or the tensor does not fit."""
+    library = _loaded()
+    if x.dim() != 2 or x.shape[1] < 1 or x.stride(1) != 1:
+        raise RuntimeError(
+            f"argmax_rows takes [M, N] rows with N >= 1 and a unit stride along each; got "
+            f"shape {tuple(x.shape)}, strides {x.stride()}"
+        )
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise RuntimeError(f"argmax_rows takes float32 CPU tensors; got {x.dtype} on {x.device}")
+    rows = x.shape[0]
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        library.radixlm_argmax_rows(x.data_ptr(), rows, x.shape[1], x.stride(0), out.data_ptr())
     return out
 
 

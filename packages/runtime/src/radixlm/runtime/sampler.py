@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.kernels import apply_token_bitmask_inplace, sample_from_probs
+from radixlm.kernels import apply_token_bitmask_inplace, greedy_tokens, sample_from_probs
 from radixlm.runtime.config import SamplerConfig
 from radixlm.runtime.logprobs import TokenLogprob, collect_logprobs
 from radixlm.runtime.sampling_batch import SamplingBatch
@@ -111,12 +111,13 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} rows of logits for {batch.size} requests")
         raw = logits.float()
         processed = self.process_logits(raw, batch)
-        greedy_ids = processed.argmax(dim=-1)
         if batch.all_greedy:
-            next_ids = greedy_ids
+            next_ids = greedy_tokens(processed)
             scaled = processed
         else:
             scaled = processed / batch.temperatures[:, None]
+            # (a batch of sampled rows only takes no argmax: a full pass over its logits)
+            greedy_ids = greedy_tokens(processed) if bool(batch.greedy.any()) else None
             next_ids = self.draw(scaled, batch, greedy_ids)
         logprobs = None
         if batch.return_logprob:
@@ -134,9 +135,12 @@ class Sampler:
         return SampleOutput(next_ids, next_ids.tolist(), logprobs)
 
     @staticmethod
-    def draw(scaled: torch.Tensor, batch: SamplingBatch, greedy_ids: torch.Tensor) -> torch.Tensor:
-        """Each row's token from its temperature-scaled logits: its argmax (`greedy_ids`) on a
-        greedy row, else a draw with the row's uniform after top-k / top-p / min-p."""
+    def draw(
+        scaled: torch.Tensor, batch: SamplingBatch, greedy_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Each row's token from its temperature-scaled logits: its argmax (`greedy_ids`, None
+        when no row is greedy) on a greedy row, else a draw with the row's uniform after
+        top-k / top-p / min-p."""
         probs = torch.softmax(scaled, dim=-1).nan_to_num_(0.0)
         if batch.needs_filter:
             drawn = sample_from_probs(
@@ -144,6 +148,8 @@ class Sampler:
             )
         else:
             drawn = inverse_cdf(probs, batch.uniforms)
+        if greedy_ids is None:
+            return drawn
         return torch.where(batch.greedy, greedy_ids, drawn)
 
     def _apply_custom(self, logits: torch.Tensor, batch: SamplingBatch) -> None:

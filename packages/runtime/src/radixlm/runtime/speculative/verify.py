@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.kernels import reference
+from radixlm.kernels import greedy_tokens, reference
 from radixlm.runtime.logprobs import TokenLogprob, collect_logprobs
 from radixlm.runtime.sampler import Sampler, inverse_cdf
 from radixlm.runtime.sampling_batch import SamplingBatch, seeded_uniform
@@ -73,7 +73,7 @@ def verify(
 
     raw = logits.float()
     processed = sampler.process_logits(raw, batch)
-    greedy_ids = processed.argmax(dim=-1)
+    greedy_ids = greedy_tokens(processed)
     row_tokens = greedy_ids  # each row's token when its draft is refused or it is the last
     if batch.all_greedy:
         scaled = processed
