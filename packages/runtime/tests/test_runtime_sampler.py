@@ -107,6 +107,20 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows() -> None:
     assert out[2] == int(logits[2].argmax())
 
 
+def test_a_batch_without_greedy_rows_draws_what_it_draws_beside_one() -> None:
+    """A batch of sampled rows only takes no argmax; its seeded rows draw the same tokens
+    as they do beside a greedy row (which takes its argmax)."""
+    torch.manual_seed(5)
+    logits = torch.randn(5, 300)
+    sampled = [request(seed=s, temperature=0.8) for s in range(4)]
+    alone = SamplingBatch.build(sampled, 300)
+    beside = SamplingBatch.build([*sampled, request(temperature=0.0)], 300)
+    assert not alone.any_greedy and beside.any_greedy
+    got = Sampler()(logits[:4], alone).token_ids
+    mixed = Sampler()(logits, beside).token_ids
+    assert got == mixed[:4] and mixed[4] == int(logits[4].argmax())
+
+
 # References -------------------------------------------------------------------------------
 
 

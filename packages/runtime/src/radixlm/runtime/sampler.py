@@ -117,7 +117,7 @@ class Sampler:
         else:
             scaled = processed / batch.temperatures[:, None]
             # (a batch of sampled rows only takes no argmax: a full pass over its logits)
-            greedy_ids = greedy_tokens(processed) if bool(batch.greedy.any()) else None
+            greedy_ids = greedy_tokens(processed) if batch.any_greedy else None
             next_ids = self.draw(scaled, batch, greedy_ids)
         logprobs = None
         if batch.return_logprob:

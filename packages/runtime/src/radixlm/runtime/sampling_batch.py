@@ -97,6 +97,8 @@ class SamplingBatch:
     forced_rows: torch.Tensor | None = None  # [F] int64: rows that must produce one token
     forced_ids: torch.Tensor | None = None  # [F] int64: that token
     return_logprob: bool = False
+    #: Some row is greedy (its argmax is wanted; True where a caller does not say).
+    any_greedy: bool = True
     logprob_rows: list[bool] = field(default_factory=list)
     top_logprobs_nums: list[int] = field(default_factory=list)
     token_ids_logprob: list[Sequence[int] | None] = field(default_factory=list)
@@ -144,6 +146,7 @@ class SamplingBatch:
             device=device,
             greedy=static.greedy,
             all_greedy=static.all_greedy,
+            any_greedy=static.any_greedy,
             temperatures=static.temperatures,
             top_ks=static.top_ks,
             top_ps=static.top_ps,
@@ -250,6 +253,7 @@ class _Static:
     device: torch.device
     greedy: torch.Tensor
     all_greedy: bool
+    any_greedy: bool
     temperatures: torch.Tensor
     top_ks: torch.Tensor
     top_ps: torch.Tensor
@@ -345,6 +349,7 @@ class _Static:
             device=device,
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
             temperatures=floats(temperatures),
             top_ks=index(top_ks),
             top_ps=floats(top_ps),
