@@ -481,6 +481,13 @@ static inline __attribute__((always_inline)) void row_dot8_vnni(
 #endif
 
 #define MAX_ROWS 16
+/* How an int4 product stores its activations (quantize_rows' `interleave`): in block pairs
+ * as pair_codes unpacks them on VNNI, else each block's even columns, then its odd ones. */
+#ifdef RADIXLM_VNNI
+#define INT4_LAYOUT 2
+#else
+#define INT4_LAYOUT 1
+#endif
 /* The float32 product's tiles take any row count: up to this many rows meet each block of
  * weight rows while it is in cache (a prefill chunk reads the weights once per call). */
 #define F32_MAX_ROWS 64
@@ -494,11 +501,7 @@ static int int4_cols(const float *x, int m_rows, int k, const uint8_t *qweight,
     if (m_rows < 1 || m_rows > MAX_ROWS || group % BLOCK || k % group) return -1;
     int blocks = k / BLOCK, per_group = group / BLOCK, groups = k / group;
     Activations a;
-#ifdef RADIXLM_VNNI
-    if (prepare(x, m_rows, k, 2, &a)) return -1;
-#else
-    if (prepare(x, m_rows, k, 1, &a)) return -1;
-#endif
+    if (prepare(x, m_rows, k, INT4_LAYOUT, &a)) return -1;
 #ifdef RADIXLM_VNNI
     /* groups of several blocks: each block's scale and zero point, per weight row */
     float *expanded = per_group > 1 ? malloc(sizeof(float) * 2 * (size_t)blocks) : NULL;
