@@ -304,6 +304,70 @@ def test_the_floor_counts_every_flop_at_the_prefill_rate(limit_probe: Any) -> No
     assert fast.floor_seconds(demand) == pytest.approx(expected)
 
 
+def test_decode_attention_reads_a_shared_prefix_once(limit_probe: Any) -> None:
+    prefix = list(range(10))
+    batch = [([*prefix, 100], [7, 8, 9]), ([*prefix, 200], [5, 6, 4])]
+    # step 1 decodes each output's second token over its 11 prompt tokens and its first:
+    # 12 keys each; it reads the 12 distinct cached tokens (the prefix once, the two last
+    # prompt tokens), not the tokens it writes; step 2 reads those and the two first outputs
+    assert limit_probe.decode_attention(batch) == [(2, 12, 24), (2, 14, 26)]
+    # the same prompt twice: its tokens once, each output's own after them
+    same = [([1, 2, 3], [7, 8, 9]), ([1, 2, 3], [5, 6, 4])]
+    assert limit_probe.decode_attention(same) == [(2, 3, 8), (2, 5, 10)]
+    # an output done leaves the batch
+    ragged = [([1, 2], [7, 8, 9]), ([3, 4], [5])]
+    assert limit_probe.decode_attention(ragged) == [(1, 4, 3), (1, 5, 4)]
+    # the pairs agree with attention_keys: prompt tokens' plus each step's
+    calls = [(prompt, [output]) for prompt, output in batch]
+    steps = limit_probe.decode_attention(batch)
+    assert limit_probe.attention_keys(calls) == limit_probe.prompt_attention_keys(calls) + sum(
+        pairs for _, _, pairs in steps
+    )
+
+
+def test_the_floor_with_attention_adds_its_flops_and_reads(limit_probe: Any) -> None:
+    shape = limit_probe.ModelShape.from_config(QWEN)
+    assert shape.kv_bytes_per_token("float32") == 2 * 24 * 2 * 64 * 4
+    assert shape.flops_per_key == 4 * 14 * 64 * 24
+    per_token = shape.flops_per_prompt_token
+    gflops = per_token * 100 / 1e9  # 100 prompt tokens per second
+    weights, kv = shape.weight_bytes("float32"), shape.kv_bytes_per_token("float32")
+    steps = ((8, 1000, 8000), (8, 100_000, 8100))
+    demand = limit_probe.Demand(1000, ((8, 2),), 0, 5000, steps)
+    rate = gflops * 1e9
+    prefill = 10 + 5000 * shape.flops_per_key / rate
+    # FLOPs alone (no bandwidth): each step its tokens' and its pairs'
+    flops_only = limit_probe.Rates(shape, "float32", 1, "cpu", gflops, {})
+    compute = [
+        (8 * shape.flops_per_decode_token + p * shape.flops_per_key) / rate for _, _, p in steps
+    ]
+    assert flops_only.floor_seconds(demand) == pytest.approx(prefill + sum(compute))
+    # at 1 GB/s each step reads its weights and its cached tokens' K/V, less the caches
+    slow = limit_probe.Rates(shape, "float32", 1, "cpu", gflops, {}, 1.0, cache_bytes=10**6)
+    reads = [(weights + k * kv - 10**6) / 1e9 for _, k, _ in steps]
+    assert all(r > c for r, c in zip(reads, compute, strict=True))
+    assert slow.floor_seconds(demand) == pytest.approx(prefill + sum(reads))
+    # the floor counts FLOPs at the faster of torch's rate and the panels'
+    faster = limit_probe.Rates(shape, "float32", 1, "cpu", gflops, {}, panel_gflops=2 * gflops)
+    assert faster.floor_gflops == 2 * gflops
+    assert faster.floor_seconds(demand) == pytest.approx((prefill + sum(compute)) / 2)
+    assert flops_only.floor_gflops == gflops  # (nan panels: torch's)
+    # serve_demand gives each wave's steps, in order
+    served = limit_probe.serve_demand([[i] * 10 for i in range(16)], 4, 8)
+    assert [b for b, _, _ in served.step_attention] == [8] * 6
+    assert served.step_attention[0] == (8, 80, 8 * 11)
+    assert served.prompt_attention_keys == 16 * sum(range(1, 11))
+
+
+def test_the_caches_are_counted_once_each(limit_probe: Any) -> None:
+    import torch
+
+    held = limit_probe.cache_bytes(torch.device("cpu"))
+    assert held >= 0
+    if Path("/sys/devices/system/cpu/cpu0/cache/index0/size").exists():
+        assert held > 0
+
+
 def test_the_probe_measures_positive_rates_at_the_asked_batches(limit_probe: Any) -> None:
     tiny = {**QWEN, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
     tiny.update(num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
@@ -498,10 +562,17 @@ def test_engine_bench_demand_replays_the_workloads_stages(engine_bench: Any) -> 
     assert few_shot.decode_steps == ((64, 7),)  # 8 output tokens, the first from prefill
     consistency = engine_bench.workload_demand("self_consistency", args)
     assert consistency.decode_steps == ((64, 7),)  # 8 prompts x n = 8 decode together
+    # each step reads the shared prefix once: 600 tokens, the 8 prompts' own 30 each, then
+    # every sample's tokens so far (the n samples of a prompt differ)
+    first, second = consistency.step_attention[:2]
+    assert first == (64, 600 + 8 * 30, 64 * 631) and second == (64, 840 + 64, 64 * 632)
     assert engine_bench.workload_demand("json", args) is None  # outputs end at the schema
     # At most 8 in flight (--concurrency 8): the 64 sequences decode 8 at a time.
     args.concurrency = 8
-    assert engine_bench.workload_demand("few_shot", args).decode_steps == ((8, 56),)
+    few_shot = engine_bench.workload_demand("few_shot", args)
+    assert few_shot.decode_steps == ((8, 56),)
+    assert len(few_shot.step_attention) == 56  # each batch of 8 over its own prompts
+    assert few_shot.step_attention[0] == few_shot.step_attention[7] == (8, 1500 + 8 * 20, 8 * 1521)
 
 
 # ------------------------------------------------------------- with llama.cpp built

@@ -1222,33 +1222,48 @@ def workload_demand(workload: str, args: Any) -> Any:
     most 128 (radixlm's running-request cap here), or of at most --concurrency when the
     client keeps no more in flight (a batch no server can be sent). None when an output's
     length is not fixed (a workload without ignore_eos, as json)."""
-    from limit_probe import Demand, attention_keys, unique_prompt_tokens
+    from limit_probe import (
+        Demand,
+        attention_keys,
+        decode_attention,
+        prompt_attention_keys,
+        unique_prompt_tokens,
+    )
 
     vocab = SHAPES[args.shape]["vocab_size"]
     stand_in = random.Random(args.seed + 7)
     steps: dict[int, int] = {}
+    step_attention: list[tuple[int, int, int]] = []
     fixed = True
     cap = min(128, args.concurrency) if getattr(args, "concurrency", 0) else 128
 
     def run(calls: list[Call]) -> None:
         nonlocal fixed
-        sequences = 0
+        sequences: list[tuple[list[int], list[int]]] = []
         for call in calls:
             n, length = call.params.get("n", 1), call.params["max_new_tokens"]
-            call.outputs = [[stand_in.randrange(1000, vocab) for _ in range(length)]] * n
-            sequences += n
+            call.outputs = [
+                [stand_in.randrange(1000, vocab) for _ in range(length)] for _ in range(n)
+            ]
+            sequences += [(call.prompt, output) for output in call.outputs]
             fixed = fixed and bool(call.params.get("ignore_eos"))
         length = max(c.params["max_new_tokens"] for c in calls)
-        for start in range(0, sequences, cap):
-            batch = min(cap, sequences - start)
-            steps[batch] = steps.get(batch, 0) + length - 1
+        for start in range(0, len(sequences), cap):
+            batch = sequences[start : start + cap]
+            steps[len(batch)] = steps.get(len(batch), 0) + length - 1
+            step_attention.extend(decode_attention(batch))
 
     calls = getattr(Workloads(vocab, args.quick, args.seed, args.scale), workload)(run)
     if not fixed:
         return None
-    unique = unique_prompt_tokens((c.prompt, c.outputs) for c in calls)
-    pairs = attention_keys((c.prompt, c.outputs) for c in calls)
-    return Demand(unique, tuple(sorted(steps.items())), pairs)
+    answered = [(c.prompt, c.outputs) for c in calls]
+    return Demand(
+        unique_prompt_tokens(answered),
+        tuple(sorted(steps.items())),
+        attention_keys(answered),
+        prompt_attention_keys(answered),
+        tuple(step_attention),
+    )
 
 
 def report_limits(rows: list[dict[str, Any]], args: Any) -> None:
@@ -1270,17 +1285,24 @@ def report_limits(rows: list[dict[str, Any]], args: Any) -> None:
             continue
         limit, floor = rates.limit_seconds(demand), rates.floor_seconds(demand)
         attention = rates.attention_seconds(demand)
+        probed = {
+            "prefill_gflops": rates.prefill_gflops,
+            "read_gbps": rates.read_gbps,
+            "cache_bytes": rates.cache_bytes,
+            "panel_gflops": rates.panel_gflops,
+        }
         cells = []
         for row in rows:
             if row["workload"] == workload:
                 row["limit_s"], row["floor_s"], row["attention_s"] = limit, floor, attention
                 row["share_of_limit"] = limit_probe.share(limit, row["seconds"])
+                row["probe"] = probed
                 share = row["share_of_limit"]
                 cells.append(f"{row['system']} {row['seconds']:.1f} s = {share:.0%}")
         print(
             f"  {workload:17s} limit {limit:.1f} s, floor {floor:.1f} s "
-            f"({demand.describe()}; attention, in neither, {attention:.1f} s at the rate): "
-            + ", ".join(cells)
+            f"({demand.describe()}; attention, in the floor and not the limit, "
+            f"{attention:.1f} s at the rate): " + ", ".join(cells)
         )
 
 

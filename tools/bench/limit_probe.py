@@ -25,16 +25,24 @@ What is counted, and what is not:
   What attention would cost at the measured rate is reported beside the limit
   (`Rates.attention_seconds`: the query-key pairs of every computed token, `Demand.
   attention_keys`, times 4 x heads x head_dim x layers FLOPs): over a long shared prefix it is
-  a fifth of a workload's FLOPs or more, time no system's share of the limit can include.
+  a fifth of a workload's FLOPs or more, time no system's share of the limit can include
+  (the floor below counts it).
 
 `limit = unique prompt tokens / prompt tokens per s + sum over decode batches of steps x step
 time`. torch's decode steps at a few rows run well below its prefill rate, and a system with
 its own decode kernels can beat them (radixlm's CPU decode path does). A harder bound is the
-floor, `Rates.floor_seconds`: every FLOP counted, the decoded tokens' (their lm_head rows
-included), at the prefill rate, and no decode step shorter than one read of the weights at
-the measured read bandwidth (a sum over 512 MB): a system whose products run at that rate
-and whose reads at that bandwidth cannot take less. A goal whose time is under the floor is
-beyond this machine in this dtype.
+floor, `Rates.floor_seconds`: every FLOP counted (the decoded tokens' lm_head rows and, with
+the workload's sequences, attention's query-key pairs included) at the faster of that rate
+and radixlm's own float32 panel products' on the same shapes (`Rates.panel_gflops`: faster
+than torch's on an AVX-512 EPYC), and no decode step shorter than one read of the weights
+and of the cached keys and values it attends over (each distinct cached token once; less
+what the caches hold) at the measured read bandwidth (a sum over 512 MB). A system whose
+products run no faster than the fastest measured here and whose reads no faster than that
+bandwidth cannot take less; a goal under the floor asks for faster products than any
+measured here. It is not the silicon's bound: the cores' fused multiply-adds peak higher
+(about 116 GFLOP/s of float32 on one core of that EPYC, against 91-105 for the products).
+The floor leaves out norms, rotary embeddings, softmax, sampling and any scheduling,
+tokenizing or HTTP cost.
 
 The figures are this machine's at the moment of the probe, the best of five repetitions; on a
 shared machine they still move with the load (53-76 GFLOP/s in one afternoon on a 2-core
@@ -56,6 +64,9 @@ from typing import Any
 from _common import read_bandwidth_gbs
 
 # --------------------------------------------------------------------------- the arithmetic
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -106,8 +117,17 @@ class ModelShape:
 
     def weight_bytes(self, dtype: str) -> int:
         """The bytes of the projections and the lm_head in `dtype` (a torch dtype's name)."""
-        size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-        return (self.projection_params + self.vocab * self.hidden) * size
+        return (self.projection_params + self.vocab * self.hidden) * DTYPE_BYTES[dtype]
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """One cached token's keys and values over every layer, in `dtype`."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+
+    @property
+    def flops_per_key(self) -> float:
+        """Attention's FLOPs per query-key pair over every layer: the score and the value's
+        multiply-adds of every query head."""
+        return 4.0 * self.heads * self.head_dim * self.layers
 
     @property
     def flops_per_decode_token(self) -> float:
@@ -125,6 +145,11 @@ class Demand:
     #: query-key pairs attention multiplies: each computed prompt token with the keys up to
     #: its own, each decoded token with its context (see `attention_keys`); 0: not counted
     attention_keys: int = 0
+    #: the prompt tokens' share of `attention_keys` (see `prompt_attention_keys`)
+    prompt_attention_keys: int = 0
+    #: each decode step's attention as (batch, cached tokens read, query-key pairs), in the
+    #: order of `decode_steps` (see `decode_attention`); empty: the floor leaves attention out
+    step_attention: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def total_steps(self) -> int:
@@ -152,6 +177,19 @@ class Rates:
     step_seconds: dict[int, float] = field(default_factory=dict)
     #: memory read bandwidth, GB/s (nan: not measured; the floor then counts FLOPs alone)
     read_gbps: float = math.nan
+    #: bytes the device's caches hold (what a step could find there from the step before:
+    #: the floor's reads leave it out)
+    cache_bytes: int = 0
+    #: radixlm's own float32 products (`kernels.cpu.f32_panel_linear`) on the same shapes,
+    #: GFLOP/s (nan: not measured); the floor takes the faster of them and torch's
+    panel_gflops: float = math.nan
+
+    @property
+    def floor_gflops(self) -> float:
+        """The rate the floor counts FLOPs at: the fastest products measured here."""
+        return max(
+            self.prefill_gflops, self.panel_gflops if math.isfinite(self.panel_gflops) else 0
+        )
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -171,31 +209,50 @@ class Rates:
 
     def floor_seconds(self, demand: Demand) -> float:
         """A lower bound on the workload's time for any system whose products run at no more
-        than the measured rate and whose reads at no more than the measured bandwidth: its
-        unique prompt tokens' FLOPs at the rate, and each decode step at batch B the longer of
-        B decoded tokens' FLOPs (their lm_head rows included) at the rate and one read of
-        every weight (projections and lm_head, far more than the caches hold in the shapes
-        benchmarked) at the bandwidth."""
-        rate = self.prefill_gflops * 1e9
-        floor = demand.unique_prompt_tokens * self.shape.flops_per_prompt_token / rate
-        read = self.shape.weight_bytes(self.dtype) / (self.read_gbps * 1e9)
+        than the fastest measured rate (`floor_gflops`) and whose reads at no more than the
+        measured bandwidth: its unique prompt tokens' FLOPs at the rate, and each decode step
+        at batch B the longer of B decoded tokens' FLOPs (their lm_head rows included) at the
+        rate and one read of every weight (projections and lm_head, far more than the caches
+        hold in the shapes benchmarked; less what they hold) at the bandwidth.
+
+        With the demand's attention (`Demand.step_attention`), attention is in it too: the
+        prompt tokens' query-key pairs at the rate, and in each step its pairs' FLOPs beside
+        the products' and its reads of the cached keys and values (each distinct cached
+        token once: a prefix the step's sequences share is read once) beside the weights',
+        less what the caches could keep between steps (`cache_bytes`)."""
+        shape, rate = self.shape, self.floor_gflops * 1e9
+        floor = demand.unique_prompt_tokens * shape.flops_per_prompt_token / rate
+        weights = shape.weight_bytes(self.dtype)
+        bandwidth = self.read_gbps * 1e9 if math.isfinite(self.read_gbps) else math.inf
+        if demand.step_attention:
+            floor += demand.prompt_attention_keys * shape.flops_per_key / rate
+            kv = shape.kv_bytes_per_token(self.dtype)
+            for batch, keys, pairs in demand.step_attention:
+                compute = (
+                    batch * shape.flops_per_decode_token + pairs * shape.flops_per_key
+                ) / rate
+                read = max(weights + keys * kv - self.cache_bytes, 0) / bandwidth
+                floor += max(compute, read)
+            return floor
+        read = max(weights - self.cache_bytes, 0) / bandwidth
         for batch, steps in demand.decode_steps:
-            compute = batch * self.shape.flops_per_decode_token / rate
-            floor += steps * (max(compute, read) if math.isfinite(read) else compute)
+            floor += steps * max(batch * shape.flops_per_decode_token / rate, read)
         return floor
 
     def attention_seconds(self, demand: Demand) -> float:
         """The workload's attention FLOPs (scores and values: 4 x heads x head_dim per
         query-key pair and layer) at the measured rate: time the limit leaves out."""
-        shape = self.shape
-        flops = 4.0 * demand.attention_keys * shape.heads * shape.head_dim * shape.layers
-        return flops / (self.prefill_gflops * 1e9)
+        return demand.attention_keys * self.shape.flops_per_key / (self.prefill_gflops * 1e9)
 
     def describe(self) -> str:
         steps = ", ".join(
             f"batch {b}: {t * 1000:.1f} ms" for b, t in sorted(self.step_seconds.items())
         )
         read = f"; read {self.read_gbps:.1f} GB/s" if math.isfinite(self.read_gbps) else ""
+        if math.isfinite(self.panel_gflops):
+            read += f"; radixlm's float32 panels {self.panel_gflops:.1f} GFLOP/s"
+        if self.cache_bytes:
+            read += f"; caches {self.cache_bytes / 2**20:.0f} MB"
         return (
             f"{self.dtype}, {self.threads} thread(s) on {self.device}: projections "
             f"{self.prefill_gflops:.1f} GFLOP/s = {self.prompt_tokens_per_s:.1f} prompt tok/s; "
@@ -242,6 +299,47 @@ def attention_keys(calls: Calls) -> int:
     return pairs
 
 
+def prompt_attention_keys(calls: Calls) -> int:
+    """The prompt tokens' share of `attention_keys`: each computed prompt token at position p
+    with p + 1 keys."""
+    return sum(sum(range(first + 1, len(prompt) + 1)) for prompt, _, first in _sequences(calls))
+
+
+def decode_attention(
+    batch: Sequence[tuple[Sequence[int], Sequence[int]]],
+) -> list[tuple[int, int, int]]:
+    """The decode steps of (prompt, output) sequences decoding together, as (batch, cached
+    tokens read, query-key pairs) per step: output token k (k >= 1; the first comes from the
+    prefill) is decoded over the prompt and the k tokens before it, and reads the keys and
+    values of all but the last, the one it writes; sequences that begin alike read their
+    common tokens once (a cached prefix shared in a radix cache). A sequence whose output
+    is done leaves the batch."""
+    trie: dict[int, Any] = {}
+    cached = 0  # distinct tokens in the trie
+
+    def extend(node: dict[int, Any], token: int) -> dict[int, Any]:
+        nonlocal cached
+        if token not in node:
+            node[token] = {}
+            cached += 1
+        return node[token]
+
+    ends: list[dict[int, Any]] = []
+    for prompt, _ in batch:
+        node = trie
+        for token in prompt:
+            node = extend(node, token)
+        ends.append(node)
+    steps = []
+    for k in range(1, max((len(output) for _, output in batch), default=0)):
+        live = [i for i, (_, output) in enumerate(batch) if k < len(output)]
+        pairs = sum(len(batch[i][0]) + k for i in live)
+        steps.append((len(live), cached, pairs))
+        for i in live:  # the token decoded at this step is cached for the next
+            ends[i] = extend(ends[i], batch[i][1][k - 1])
+    return steps
+
+
 def serve_demand(prompts: Sequence[Sequence[int]], output_len: int, concurrency: int) -> Demand:
     """A serving run's demand: `prompts` (token ids, in order) sent at most `concurrency` at a
     time, each answered with `output_len` tokens. The first token of each answer comes from its
@@ -254,9 +352,14 @@ def serve_demand(prompts: Sequence[Sequence[int]], output_len: int, concurrency:
         batch = min(width, n - start)
         steps[batch] = steps.get(batch, 0) + max(output_len - 1, 0)
     decode = tuple((b, s) for b, s in steps.items() if s)
-    answered = [(p, [[-1] * output_len]) for p in prompts]  # -1: no prompt's token
+    # the outputs' tokens: -1 - i for the i-th (no prompt's token; the same in every output,
+    # so that outputs of one prompt count as one: a lower bound on the keys read)
+    output = [-1 - i for i in range(output_len)]
+    answered = [(p, [output]) for p in prompts]
+    waves = [[(p, output) for p in prompts[start : start + width]] for start in range(0, n, width)]
     return Demand(unique_prompt_tokens([(p, []) for p in prompts]), decode,
-                  attention_keys(answered))  # fmt: skip
+                  attention_keys(answered), prompt_attention_keys(answered),
+                  tuple(step for wave in waves for step in decode_attention(wave)))  # fmt: skip
 
 
 def share(limit: float, measured: float) -> float:
@@ -309,6 +412,11 @@ def probe(
             best = min(best, time.perf_counter() - start)
         flops = 2.0 * prefill_tokens * sum(o * i for o, i in shapes)
         gflops = flops / best / 1e9
+        panels = (
+            panel_gflops(layer, inputs, repeats)
+            if dtype == "float32" and device == "cpu"
+            else math.nan
+        )
         del layer, inputs
         weights = [[randn(o, i) for o, i in shapes] for _ in range(shape.layers)]
         lm_head = randn(shape.vocab, shape.hidden)
@@ -328,7 +436,58 @@ def probe(
             step_seconds[batch] = step
         del weights, lm_head
     read = read_bandwidth_gbs(device, read_megabytes, repeats)
-    return Rates(shape, dtype, torch.get_num_threads(), device, gflops, step_seconds, read)
+    threads = torch.get_num_threads()
+    return Rates(
+        shape, dtype, threads, device, gflops, step_seconds, read, cache_bytes(dev), panels
+    )
+
+
+def panel_gflops(layer: Sequence[Any], inputs: dict[int, Any], repeats: int) -> float:
+    """GFLOP/s of radixlm's float32 panel products (what its CPU path multiplies a float32
+    model's prefill with) on one layer's weights, as the probe times torch's; nan where the
+    kernels are not built here."""
+    try:
+        from radixlm.kernels import cpu
+    except ImportError:
+        return math.nan
+    if not cpu.available():
+        return math.nan
+    packed = [
+        (cpu.pack_f32_panels(weight), weight.shape[0], inputs[weight.shape[1]]) for weight in layer
+    ]
+    best = math.inf
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for panels, n, x in packed:
+            cpu.f32_panel_linear(x, panels, n)
+        best = min(best, time.perf_counter() - start)
+    rows = next(iter(inputs.values())).shape[0]
+    return 2.0 * rows * sum(w.shape[0] * w.shape[1] for w in layer) / best / 1e9
+
+
+def cache_bytes(device: Any) -> int:
+    """What the caches of `device` (a torch.device) hold: on a CPU every data or unified cache
+    of every core, a shared one once (Linux's sysfs; 0 where it says nothing); on a GPU its
+    L2."""
+    if device.type == "cuda":
+        import torch
+
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+    caches: dict[tuple[str, str], int] = {}
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for index in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+            key = (
+                (index / "level").read_text().strip(),
+                (index / "shared_cpu_list").read_text().strip(),
+            )
+        except OSError:
+            continue
+        if kind != "Instruction" and size:
+            caches[key] = int(size.rstrip("KMG")) * units.get(size[-1], 1)
+    return sum(caches.values())
 
 
 def compute_dtype(model_dir: Path, asked: str = "auto", device: str = "cpu") -> str:

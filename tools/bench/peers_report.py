@@ -7,7 +7,8 @@ named on the command line as LABEL=FILE (e.g. `quick c8=build/bench-35/quick-c8.
 table gives, per workload and run, each server's requests/s, radixlm's ratio to the better
 peer and whether the goal holds: at least 1.5x on a prefix-sharing workload, 1.0x on
 no_sharing; "under the floor" where the goal's time is less than the workload's floor (a run
-with --limit: every FLOP at the machine's matmul rate), and radixlm's share of the limit
+with --limit: every FLOP, attention's too, at the fastest products measured, and every
+decode step's reads of weights and keys at the measured bandwidth), and radixlm's share of the limit
 (goal: 80 %) where the run probed it. Each plot (docs/img/bench/peers_<workload>.png) shows requests/s by run and server.
 With --page, the part of that page between `<!-- peers:start -->` and `<!-- peers:end -->` is
 rewritten.
@@ -79,8 +80,9 @@ def row_of(rows: list[dict[str, Any]], workload: str, system: str) -> dict[str, 
 
 def beyond_floor(rows: list[dict[str, Any]], workload: str, best: str) -> bool:
     """Whether the goal's time (the better peer's over the goal) is under the workload's
-    floor (engine_bench --limit: every FLOP at the machine's matmul rate), so that no system
-    whose products run at that rate could meet it."""
+    floor (engine_bench --limit: every FLOP, attention's included, at the fastest products
+    measured there, and each decode step's reads at the measured bandwidth), so that no
+    system whose products and reads are no faster could meet it."""
     ours, peer = row_of(rows, workload, RADIXLM), row_of(rows, workload, best)
     floor, seconds = ours.get("floor_s"), peer.get("seconds")
     return floor is not None and seconds is not None and seconds / goal(workload) < floor
