@@ -347,16 +347,15 @@ def serve_demand(prompts: Sequence[Sequence[int]], output_len: int, concurrency:
     `concurrency` requests."""
     n = len(prompts)
     width = max(1, min(concurrency or n, n)) if n else 1
-    steps: dict[int, int] = {}
-    for start in range(0, n, width):
-        batch = min(width, n - start)
-        steps[batch] = steps.get(batch, 0) + max(output_len - 1, 0)
-    decode = tuple((b, s) for b, s in steps.items() if s)
     # the outputs' tokens: -1 - i for the i-th (no prompt's token; the same in every output,
     # so that outputs of one prompt count as one: a lower bound on the keys read)
     output = [-1 - i for i in range(output_len)]
     answered = [(p, [output]) for p in prompts]
     waves = [[(p, output) for p in prompts[start : start + width]] for start in range(0, n, width)]
+    steps: dict[int, int] = {}
+    for wave in waves:
+        steps[len(wave)] = steps.get(len(wave), 0) + max(output_len - 1, 0)
+    decode = tuple((b, s) for b, s in steps.items() if s)
     return Demand(unique_prompt_tokens([(p, []) for p in prompts]), decode,
                   attention_keys(answered), prompt_attention_keys(answered),
                   tuple(step for wave in waves for step in decode_attention(wave)))  # fmt: skip
@@ -413,7 +412,7 @@ def probe(
         flops = 2.0 * prefill_tokens * sum(o * i for o, i in shapes)
         gflops = flops / best / 1e9
         panels = (
-            panel_gflops(layer, inputs, repeats)
+            panel_gflops(layer, inputs, prefill_tokens, repeats)
             if dtype == "float32" and device == "cpu"
             else math.nan
         )
@@ -442,7 +441,7 @@ def probe(
     )
 
 
-def panel_gflops(layer: Sequence[Any], inputs: dict[int, Any], repeats: int) -> float:
+def panel_gflops(layer: Sequence[Any], inputs: dict[int, Any], rows: int, repeats: int) -> float:
     """GFLOP/s of radixlm's float32 panel products (what its CPU path multiplies a float32
     model's prefill with) on one layer's weights, as the probe times torch's; nan where the
     kernels are not built here."""
@@ -461,7 +460,6 @@ def panel_gflops(layer: Sequence[Any], inputs: dict[int, Any], repeats: int) -> 
         for panels, n, x in packed:
             cpu.f32_panel_linear(x, panels, n)
         best = min(best, time.perf_counter() - start)
-    rows = next(iter(inputs.values())).shape[0]
     return 2.0 * rows * sum(w.shape[0] * w.shape[1] for w in layer) / best / 1e9
 
 
