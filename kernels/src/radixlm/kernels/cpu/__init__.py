@@ -17,7 +17,9 @@ results are the same bits on one thread or many.
 
 The library is built once per source, compiler and CPU (`-O3 -march=native`) into
 radixlm's cache (`$RADIXLM_CACHE_DIR`, default `~/.cache/radixlm`, under `kernels/`), which
-takes about a second. Without a compiler (`$CC`, else `cc`), or when the build fails,
+takes about a second. `RADIXLM_CPU_MARCH` names another target for `-march` (`x86-64-v3`:
+AVX2 and FMA without AVX-512; `x86-64`: the plain C paths), for a library that runs on the
+older CPUs of a cluster, or to test those paths on a newer one. Without a compiler (`$CC`, else `cc`), or when the build fails,
 `available()` is False and callers keep their torch path; `RADIXLM_CPU_KERNELS=0` turns the
 kernels off.
 """
@@ -49,7 +51,14 @@ _SOURCES = tuple(
 )
 #: pool.c's interface, which the other sources include (part of the library's key).
 _POOL_HEADER = Path(__file__).with_name("pool.h")
-_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+
+
+def _flags() -> tuple[str, ...]:
+    """The compiler's flags: `-march` from `$RADIXLM_CPU_MARCH` (default `native`)."""
+    march = os.environ.get("RADIXLM_CPU_MARCH") or "native"
+    return ("-O3", f"-march={march}", "-shared", "-fPIC")
+
+
 #: The most activation rows one call takes (decode batches); more run elsewhere.
 MAX_ROWS = 16
 #: The most rows one float32 product (`f32_linear`, float32 `DecodeLayers`) takes: its tiles
@@ -87,8 +96,9 @@ def _build() -> ctypes.CDLL | None:
         logger.info("no C compiler (%s): radixlm's CPU kernels are not built", compiler)
         return None
     source = b"".join(path.read_bytes() for path in (*_SOURCES, _POOL_HEADER))
+    flags = _flags()
     key = hashlib.sha256(
-        source + compiler.encode() + " ".join(_FLAGS).encode() + _cpu_model().encode()
+        source + compiler.encode() + " ".join(flags).encode() + _cpu_model().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"gemv-{key}.so"
     if not target.exists():
@@ -96,7 +106,7 @@ def _build() -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=target.parent) as work:
             built = Path(work) / target.name
             command = [
-                compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built), "-lm", "-pthread"
+                compiler, *flags, *map(str, _SOURCES), "-o", str(built), "-lm", "-pthread"
             ]  # fmt: skip
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
