@@ -433,3 +433,94 @@ def test_greedy_tokens_take_any_float_tensor() -> None:
     assert rk.greedy_tokens(torch.randn(0, 5)).shape == (0,)
     with pytest.raises(ValueError, match="greedy_tokens"):
         rk.greedy_tokens(torch.randn(5))
+
+
+def _torch_draws(x: torch.Tensor, t: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The torch path's draws (softmax, cumsum, searchsorted) and each row's cumulative mass
+    and target."""
+    probs = torch.softmax(x / t[:, None], dim=-1).nan_to_num_(0.0)
+    cumulative = probs.cumsum(dim=-1)
+    target = u * cumulative[:, -1]
+    chosen = torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
+    return chosen.clamp_(max=x.shape[1] - 1), cumulative, target
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100, 49152])
+def test_sampled_tokens_are_the_torch_paths_draws(n: int) -> None:
+    """Rows of a wider tensor (a stride past the row's width), N past a multiple of 16, a
+    temperature per row, 64 uniforms each: the torch path's token, unless the uniform's
+    target lies within float32 rounding of the boundary between the two tokens."""
+    torch.manual_seed(n)
+    wide = torch.randn(6, n + 5) * 4
+    x = wide[:, :n]
+    x[2, n // 2 :] = float("-inf")  # a masked half
+    temperatures = torch.tensor([0.3, 0.7, 1.0, 1.5, 2.0, 0.05])
+    for _ in range(64):
+        uniforms = torch.rand(6)
+        got = rk.sample_tokens(x, temperatures, uniforms)
+        assert got.dtype == torch.int64 and torch.equal(
+            got, cpu.sample_rows(x, temperatures, uniforms)
+        )
+        want, cumulative, target = _torch_draws(x, temperatures, uniforms)
+        for row in torch.nonzero(got != want).flatten().tolist():
+            edge = min(int(got[row]), int(want[row]))
+            assert abs(float(cumulative[row, edge] - target[row])) < 1e-5, (row, got, want)
+        drawn = x.gather(1, got[:, None])[:, 0]
+        has_mass = (x > float("-inf")).any(dim=1)
+        assert bool((drawn[has_mass] > float("-inf")).all())  # never a masked token
+
+
+@needs_kernels
+def test_sampled_tokens_follow_the_distribution() -> None:
+    """The draw is the inverse CDF of softmax(x / t): uniforms on an even grid give each
+    token a count within 2 of its probability x the grid's size."""
+    x = torch.tensor([[1.0, -2.0, 0.5, float("-inf"), 3.0, 0.0] * 3])
+    grid = 20_000
+    for t in (0.5, 1.0, 3.0):
+        probs = torch.softmax(x[0] / t, dim=-1)
+        uniforms = (torch.arange(grid, dtype=torch.float32) + 0.5) / grid
+        rows = x.expand(grid, -1).contiguous()
+        got = rk.sample_tokens(rows, torch.full((grid,), t), uniforms)
+        counts = torch.bincount(got, minlength=x.shape[1]).float()
+        assert (counts - probs * grid).abs().max() <= 2, (t, counts, probs * grid)
+
+
+@needs_kernels
+def test_sampled_tokens_of_rows_without_mass_and_on_threads() -> None:
+    """All -inf, all NaN, a +inf: no mass, the last token (as the torch path); NaNs beside
+    finite values weigh 0; the same draws on one thread and on two."""
+    x = torch.randn(5, 40)
+    x[0] = float("-inf")
+    x[1] = float("nan")
+    x[2, 7] = float("inf")
+    x[3, ::2] = float("nan")
+    t, u = torch.ones(5), torch.rand(5)
+    got = rk.sample_tokens(x, t, u)
+    assert got[:3].tolist() == [39, 39, 39]
+    assert int(got[3]) % 2 == 1
+    many = torch.randn(37, 3000)
+    temperatures, uniforms = torch.rand(37) + 0.2, torch.rand(37)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.sample_rows(many, temperatures, uniforms)
+        torch.set_num_threads(2)
+        two = cpu.sample_rows(many, temperatures, uniforms)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_sample_tokens_take_any_float_tensor_and_refuse_what_does_not_fit() -> None:
+    x = torch.randn(3, 40, dtype=torch.bfloat16)  # torch's path
+    want, _, _ = _torch_draws(x.float(), torch.ones(3), torch.full((3,), 0.5))
+    assert torch.equal(rk.sample_tokens(x, torch.ones(3), torch.full((3,), 0.5)), want)
+    assert rk.sample_tokens(torch.randn(0, 5), torch.ones(0), torch.ones(0)).shape == (0,)
+    with pytest.raises(ValueError, match="sample_tokens"):
+        rk.sample_tokens(torch.randn(2, 5), torch.ones(3), torch.rand(2))
+    if cpu.available():
+        with pytest.raises(RuntimeError, match="temperatures > 0"):
+            cpu.sample_rows(torch.randn(2, 5), torch.tensor([1.0, 0.0]), torch.rand(2))
+        with pytest.raises(RuntimeError, match="float32"):
+            cpu.sample_rows(torch.randn(2, 5), torch.ones(2, dtype=torch.float64), torch.rand(2))

@@ -22,7 +22,12 @@ from radixlm.kernels.elementwise import (
     rotary_embedding,
     silu_and_mul,
 )
-from radixlm.kernels.logits import apply_token_bitmask_inplace, greedy_tokens, sample_from_probs
+from radixlm.kernels.logits import (
+    apply_token_bitmask_inplace,
+    greedy_tokens,
+    sample_from_probs,
+    sample_tokens,
+)
 from radixlm.kernels.lora import LoraPlan, lora_expand, lora_plan, lora_shrink
 from radixlm.kernels.moe import MoePlan, fused_moe, grouped_matmul, moe_align
 from radixlm.kernels.quant import (
@@ -78,6 +83,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "sample_from_probs",
+    "sample_tokens",
     "silu_and_mul",
     "store_kv",
     "unpack_int4",

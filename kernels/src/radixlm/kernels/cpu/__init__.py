@@ -153,6 +153,17 @@ def _build() -> ctypes.CDLL | None:
     argmax = library.radixlm_argmax_rows
     argmax.restype = None
     argmax.argtypes = [pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int64, pointer]
+    draws = library.radixlm_sample_rows
+    draws.restype = ctypes.c_int
+    draws.argtypes = [
+        pointer,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int64,
+        pointer,
+        pointer,
+        pointer,
+    ]
     library.radixlm_set_threads.restype = None
     library.radixlm_set_threads.argtypes = [ctypes.c_int]
     library.radixlm_threads.restype = ctypes.c_int
@@ -283,6 +294,48 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64)
     if rows:
         library.radixlm_argmax_rows(x.data_ptr(), rows, x.shape[1], x.stride(0), out.data_ptr())
+    return out
+
+
+def sample_rows(
+    x: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """A token per row of a float32 CPU tensor ``[M, N]`` (N >= 1, unit stride along a row)
+    drawn from ``softmax(x[r] / temperatures[r])`` with ``uniforms[r]`` in [0, 1): the first
+    token, in id order, whose running mass exceeds ``uniforms[r]`` x the row's total (the
+    inverse CDF that softmax, cumsum and searchsorted compute in torch, in two passes over a
+    row); a token whose weight is 0 (a -inf logit) is never drawn, and a row without mass
+    (all -inf or NaN, or a +inf) gives N - 1, as that torch path does. ``temperatures`` and
+    ``uniforms`` float32 ``[M]``, every temperature > 0. int64 ``[M]``. Raises RuntimeError
+    when the kernels are not available or the tensors do not fit."""
+    library = _loaded()
+    if x.dim() != 2 or x.shape[1] < 1 or x.stride(1) != 1:
+        raise RuntimeError(
+            f"sample_rows takes [M, N] rows with N >= 1 and a unit stride along each; got "
+            f"shape {tuple(x.shape)}, strides {x.stride()}"
+        )
+    rows = x.shape[0]
+    for name, t in (("x", x), ("temperatures", temperatures), ("uniforms", uniforms)):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise RuntimeError(
+                f"sample_rows takes float32 CPU tensors; {name} is {t.dtype} on {t.device}"
+            )
+    if temperatures.shape != (rows,) or uniforms.shape != (rows,):
+        raise RuntimeError(
+            f"sample_rows takes a temperature and a uniform per row ({rows}); got shapes "
+            f"{tuple(temperatures.shape)} and {tuple(uniforms.shape)}"
+        )
+    temperatures, uniforms = temperatures.contiguous(), uniforms.contiguous()
+    if rows and not bool((temperatures > 0).all()):
+        raise RuntimeError("sample_rows takes temperatures > 0 (a greedy row is an argmax)")
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        code = library.radixlm_sample_rows(
+            x.data_ptr(), rows, x.shape[1], x.stride(0), temperatures.data_ptr(),
+            uniforms.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if code:
+            raise MemoryError(f"sample_rows: no memory for {x.shape[1]} floats of scratch")
     return out
 
 

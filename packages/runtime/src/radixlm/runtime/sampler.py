@@ -14,7 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.kernels import apply_token_bitmask_inplace, greedy_tokens, sample_from_probs
+from radixlm.kernels import (
+    apply_token_bitmask_inplace,
+    greedy_tokens,
+    sample_from_probs,
+    sample_tokens,
+)
 from radixlm.runtime.config import SamplerConfig
 from radixlm.runtime.logprobs import TokenLogprob, collect_logprobs
 from radixlm.runtime.sampling_batch import SamplingBatch
@@ -111,17 +116,26 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} rows of logits for {batch.size} requests")
         raw = logits.float()
         processed = self.process_logits(raw, batch)
+        scaled: torch.Tensor | None = None
         if batch.all_greedy:
             next_ids = greedy_tokens(processed)
             scaled = processed
         else:
-            scaled = processed / batch.temperatures[:, None]
             # (a batch of sampled rows only takes no argmax: a full pass over its logits)
             greedy_ids = greedy_tokens(processed) if batch.any_greedy else None
-            next_ids = self.draw(scaled, batch, greedy_ids)
+            if batch.needs_filter:
+                scaled = processed / batch.temperatures[:, None]
+                next_ids = self.draw(scaled, batch, greedy_ids)
+            else:  # the temperature inside the draw (radixlm's C kernel on the CPU)
+                next_ids = sample_tokens(processed, batch.temperatures, batch.uniforms)
+                if greedy_ids is not None:
+                    next_ids = torch.where(batch.greedy, greedy_ids, next_ids)
         logprobs = None
         if batch.return_logprob:
-            source = raw if self.config.logprobs_mode == "raw" else scaled
+            if self.config.logprobs_mode == "raw":
+                source = raw
+            else:
+                source = scaled if scaled is not None else processed / batch.temperatures[:, None]
             all_rows = collect_logprobs(
                 torch.log_softmax(source, dim=-1),
                 next_ids,
