@@ -47,6 +47,21 @@ def apply_token_bitmask_inplace(
         reference.apply_token_bitmask_inplace(logits, bitmask, indices)
 
 
+def _cpu_rows(logits: torch.Tensor) -> bool:
+    """Whether radixlm's C kernels take these rows: float32 on the CPU, at least one value,
+    a unit stride along a row, and the kernels built here."""
+    if not (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.shape[1] > 0
+        and logits.stride(1) == 1
+    ):
+        return False
+    from radixlm.kernels import cpu
+
+    return cpu.available()
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax: ``logits.argmax(dim=-1)``, the same ids (the first of equal largest
     values; a row's first NaN where it has one).
@@ -65,16 +80,10 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     op = "greedy_tokens"
     _checks.rank(op, "logits", logits, 2, "[batch, vocab]")
     _checks.floating(op, "logits", logits)
-    if (
-        logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and logits.shape[1] > 0
-        and logits.stride(1) == 1
-    ):
+    if _cpu_rows(logits):
         from radixlm.kernels import cpu
 
-        if cpu.available():
-            return cpu.argmax_rows(logits)
+        return cpu.argmax_rows(logits)
     return logits.argmax(dim=-1)
 
 
@@ -111,16 +120,10 @@ def sample_tokens(
             f"{op}: {logits.shape[0]} rows of logits, {temperatures.shape[0]} temperatures, "
             f"{uniforms.shape[0]} uniforms"
         )
-    if (
-        logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and logits.shape[1] > 0
-        and logits.stride(1) == 1
-    ):
+    if _cpu_rows(logits):
         from radixlm.kernels import cpu
 
-        if cpu.available():
-            return cpu.sample_rows(logits, temperatures.float(), uniforms.float())
+        return cpu.sample_rows(logits, temperatures.float(), uniforms.float())
     probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1).nan_to_num_(0.0)
     cumulative = probs.cumsum(dim=-1)
     target = uniforms * cumulative[:, -1]
