@@ -18,8 +18,8 @@ results are the same bits on one thread or many.
 The library is built once per source, compiler and CPU (`-O3 -march=native`) into
 radixlm's cache (`$RADIXLM_CACHE_DIR`, default `~/.cache/radixlm`, under `kernels/`), which
 takes about a second. `RADIXLM_CPU_MARCH` names another target for `-march` (`x86-64-v3`:
-AVX2 and FMA without AVX-512; `x86-64`: the plain C paths), for a library that runs on the
-older CPUs of a cluster, or to test those paths on a newer one. Without a compiler (`$CC`, else `cc`), or when the build fails,
+AVX2 and FMA without AVX-512; `x86-64`: the plain C paths), for a library that must run on
+CPUs older than the one that builds it, or to test those paths on a newer one. Without a compiler (`$CC`, else `cc`), or when the build fails,
 `available()` is False and callers keep their torch path; `RADIXLM_CPU_KERNELS=0` turns the
 kernels off.
 """
