@@ -1023,7 +1023,7 @@ static void draws_task(void *arg, int ith, int nth) {
  * [0, 1): the first token, in id order, whose running mass exceeds uniforms[r] x the total
  * (the torch path's inverse CDF: softmax, cumsum, searchsorted), in two passes over the row
  * and one over its block sums, where torch makes a pass for each of its five operations
- * (about 13 ms for 32 rows of a 151,936-token vocabulary on one thread). A row without mass
+ * (10 ms for 32 rows of a 151,936-token vocabulary on one thread). A row without mass
  * (every value -inf or NaN, or a +inf) gives n - 1, as torch's path does. Rows x[r * stride
  * .. r * stride + n - 1], split over the threads of pool.c (each row computed alone: the
  * same token on any thread count). Returns 0, or -2 when memory runs out. */

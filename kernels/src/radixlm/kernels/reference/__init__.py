@@ -13,7 +13,9 @@ from radixlm.kernels.reference.elementwise import (
 )
 from radixlm.kernels.reference.logits import (
     apply_token_bitmask_inplace,
+    inverse_cdf,
     sample_from_probs,
+    sample_tokens,
     sampling_thresholds,
     unpack_bitmask,
 )
@@ -59,6 +61,7 @@ __all__ = [
     "int4_linear",
     "int8_grouped_linear",
     "int8_linear",
+    "inverse_cdf",
     "lora_expand",
     "lora_plan",
     "lora_shrink",
@@ -72,6 +75,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "sample_from_probs",
+    "sample_tokens",
     "sampling_thresholds",
     "silu_and_mul",
     "store_kv",

@@ -64,6 +64,23 @@ def sampling_thresholds(
     return torch.maximum(torch.maximum(t_k, t_p), t_m)
 
 
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's first token (in id order) whose running mass exceeds ``uniforms`` x the row's
+    total mass (``probs`` ``[batch, vocab]``, not necessarily normalised); int64 ``[batch]``."""
+    cumulative = probs.cumsum(dim=-1)
+    target = uniforms * cumulative[:, -1]
+    chosen = torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
+    return chosen.clamp_(max=probs.shape[1] - 1)
+
+
+def sample_tokens(
+    logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Reference of :func:`radixlm.kernels.sample_tokens`."""
+    probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1).nan_to_num_(0.0)
+    return inverse_cdf(probs, uniforms)
+
+
 def sample_from_probs(
     probs: torch.Tensor,
     top_k: torch.Tensor,

@@ -20,6 +20,7 @@ from radixlm.kernels import (
     sample_from_probs,
     sample_tokens,
 )
+from radixlm.kernels.reference import inverse_cdf
 from radixlm.runtime.config import SamplerConfig
 from radixlm.runtime.logprobs import TokenLogprob, collect_logprobs
 from radixlm.runtime.sampling_batch import SamplingBatch
@@ -82,14 +83,6 @@ def _processes(batch: SamplingBatch) -> bool:
         or batch.grammar_bitmask is not None
         or batch.forced_rows is not None
     )
-
-
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """The first token (in id order) whose running mass exceeds u * total mass."""
-    cumulative = probs.cumsum(dim=-1)
-    target = uniforms * cumulative[:, -1]
-    chosen = torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
-    return chosen.clamp_(max=probs.shape[1] - 1)
 
 
 class Sampler:

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.kernels import greedy_tokens, reference
+from radixlm.kernels.reference import inverse_cdf
 from radixlm.runtime.logprobs import TokenLogprob, collect_logprobs
-from radixlm.runtime.sampler import Sampler, inverse_cdf
+from radixlm.runtime.sampler import Sampler
 from radixlm.runtime.sampling_batch import SamplingBatch, seeded_uniform
 
 #: Seeded rows draw their acceptance uniforms from (seed + this, step): apart from the draws.
